@@ -1,0 +1,74 @@
+// The storage and metadata behind a Tensor handle. Internal: the public API is kiln::Tensor.
+//
+// Thread safety: a Storage's version counter is atomic; everything else follows the usual rule
+// for C++ values (concurrent reads are fine, a write needs exclusive access).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kiln/device.h"
+#include "kiln/dtype.h"
+
+namespace kiln {
+
+namespace autograd { struct AutogradMeta; }
+namespace compiler { struct LazyValue; }
+
+namespace detail {
+
+// A block of device memory, shared by every view of it.
+struct Storage {
+  using FreeFn = void (*)(void* data, void* context);
+
+  void* data = nullptr;
+  int64_t nbytes = 0;
+  Device device;
+  FreeFn free_fn = nullptr;  // null: memory not owned (from_blob without a deleter)
+  void* free_context = nullptr;
+  // Bumped by every in-place write through any view; autograd uses it to detect that a value
+  // saved for backward was overwritten. Shared by all views, as in PyTorch.
+  std::atomic<uint64_t> version{0};
+
+  Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+  ~Storage() {
+    if (free_fn) free_fn(data, free_context);
+  }
+};
+
+// Allocates `nbytes` on `device` (64-byte aligned on the CPU). Throws on failure.
+std::shared_ptr<Storage> allocate_storage(int64_t nbytes, Device device);
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  int64_t storage_offset = 0;  // in elements
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;  // in elements
+  int64_t numel = 1;
+  DType dtype = DType::float32;
+  Device device;
+  bool is_contiguous = true;
+  // A 0-dim tensor made from a host scalar: it takes part in type promotion like a Python
+  // number does (it cannot raise the category's width; see type promotion).
+  bool is_wrapped_number = false;
+  bool requires_grad = false;
+
+  std::shared_ptr<autograd::AutogradMeta> autograd;  // grad, grad_fn, hooks (autograd issue)
+  std::shared_ptr<compiler::LazyValue> lazy;         // set while the value is being captured
+
+  // Recomputes numel and is_contiguous after sizes/strides change.
+  void refresh_metadata();
+  void* data() const {
+    return static_cast<char*>(storage->data) + storage_offset * itemsize(dtype);
+  }
+};
+
+// Contiguous (row-major) strides for `sizes`.
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes);
+
+}  // namespace detail
+}  // namespace kiln

@@ -1,0 +1,11 @@
+// The whole public API of Kiln.
+#pragma once
+
+#include "kiln/device.h"
+#include "kiln/dtype.h"
+#include "kiln/error.h"
+#include "kiln/ops.h"
+#include "kiln/scalar.h"
+#include "kiln/tensor.h"
+#include "kiln/op_table.h"
+#include "kiln/threading.h"

@@ -1,0 +1,118 @@
+// The op table: one declaration per op, read by eager dispatch, autograd, capture and codegen.
+//
+// An OpDef holds the op's schema, its meta function (output sizes/strides/dtype/device plus every
+// input check, with its error message), a kernel per device type, and the slots that later
+// stages fill (derivative, lowering). Ops register themselves from src/ops/*.cpp; kernels register
+// from src/backends/<device>/. Registration order does not matter: both sides go through
+// OpTable::entry(name), which creates the entry on first use.
+#pragma once
+
+#include <array>
+#include <functional>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "kiln/tensor.h"
+
+namespace kiln {
+
+struct OpDef;
+
+// A non-tensor argument. monostate is None.
+using Attr = std::variant<std::monostate, bool, int64_t, double, Scalar, std::vector<int64_t>,
+                          std::string, DType, Device>;
+
+// The arguments of one op invocation.
+struct OpCall {
+  const OpDef* op = nullptr;
+  std::span<const Tensor> inputs;  // undefined tensors stand for None
+  std::span<const Attr> attrs;
+
+  const Tensor& input(size_t i) const { return inputs[i]; }
+  bool has_attr(size_t i) const {
+    return i < attrs.size() && !std::holds_alternative<std::monostate>(attrs[i]);
+  }
+  bool bool_attr(size_t i) const { return std::get<bool>(attrs[i]); }
+  int64_t int_attr(size_t i) const { return std::get<int64_t>(attrs[i]); }
+  double double_attr(size_t i) const { return std::get<double>(attrs[i]); }
+  const Scalar& scalar_attr(size_t i) const { return std::get<Scalar>(attrs[i]); }
+  IntArrayRef ints_attr(size_t i) const { return std::get<std::vector<int64_t>>(attrs[i]); }
+  const std::string& string_attr(size_t i) const { return std::get<std::string>(attrs[i]); }
+  DType dtype_attr(size_t i) const { return std::get<DType>(attrs[i]); }
+  Device device_attr(size_t i) const { return std::get<Device>(attrs[i]); }
+  const std::string& name() const;
+};
+
+// What meta returns for each output.
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;  // empty: contiguous
+  DType dtype = DType::float32;
+  Device device;
+  int64_t storage_offset = 0;    // view ops only
+};
+
+enum class OpKind : uint8_t {
+  compute,  // allocates outputs and runs a kernel
+  view,     // output 0 aliases input 0 with the sizes/strides/offset meta returns; no kernel
+  factory,  // no tensor inputs; the device comes from the attrs
+};
+
+using MetaFn = std::function<std::vector<TensorMeta>(const OpCall&)>;
+// Writes the op's results into `outputs`, which are allocated (or given, for in-place and out=
+// calls) with the sizes and dtypes meta returned.
+using Kernel = std::function<void(const OpCall&, std::span<Tensor> outputs)>;
+
+struct OpDef {
+  std::string name;
+  std::string schema;  // "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor"
+  OpKind kind = OpKind::compute;
+  MetaFn meta;
+  std::array<Kernel, kNumDeviceTypes> kernels{};
+  // Elementwise: output i depends only on element i of each (broadcast) input, so a kernel may
+  // write into an input that it reads at the same position.
+  bool pointwise = false;
+  // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
+  std::vector<int> mutated_inputs;
+  // Filled by later stages; `kiln ops` shows which ops have them.
+  std::string derivative;  // a description of the derivative formula, when one exists
+  std::string lowering;    // "pointwise", "reduction", "extern", "decomposition", ...
+
+  bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
+};
+
+class OpTable {
+ public:
+  static OpTable& instance();
+  // The entry for `name`, created empty on first use. The reference stays valid forever.
+  OpDef& entry(std::string_view name);
+  // The entry for `name`, or nullptr.
+  const OpDef* find(std::string_view name) const;
+  // All entries with a schema, sorted by name.
+  std::vector<const OpDef*> all() const;
+
+ private:
+  OpTable() = default;
+  struct Impl;
+  Impl& impl() const;
+};
+
+// Registers an op (schema, kind, meta, flags). Returns the entry, for the op's front-end.
+OpDef& register_op(OpDef def);
+// Registers the kernel for `device` on op `name`.
+void register_kernel(std::string_view name, DeviceType device, Kernel kernel);
+
+// Runs an op: meta (validation), output allocation, kernel. Returns its outputs.
+std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs = {});
+// call_op for single-output ops.
+Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs = {});
+// Runs an op writing into existing tensors (in-place and out= forms). The result must have the
+// outputs' sizes; its dtype must be castable to theirs. Bumps their version counters.
+void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
+                 std::span<Tensor> outputs);
+
+}  // namespace kiln

@@ -1,0 +1,171 @@
+// The op table and the eager dispatcher: meta → allocate → kernel.
+#include "kiln/op_table.h"
+
+#include <algorithm>
+#include <map>
+#include <memory>
+
+#include "core/shape.h"
+#include "core/tensor_factory.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+
+const std::string& OpCall::name() const { return op->name; }
+
+struct OpTable::Impl {
+  mutable std::mutex mutex;
+  std::map<std::string, std::unique_ptr<OpDef>, std::less<>> ops;
+};
+
+OpTable& OpTable::instance() {
+  static OpTable table;
+  return table;
+}
+
+OpTable::Impl& OpTable::impl() const {
+  static Impl impl;  // function-local: safe to use from other translation units' static init
+  return impl;
+}
+
+OpDef& OpTable::entry(std::string_view name) {
+  Impl& im = impl();
+  std::lock_guard lock(im.mutex);
+  auto it = im.ops.find(name);
+  if (it == im.ops.end()) {
+    auto def = std::make_unique<OpDef>();
+    def->name = std::string(name);
+    it = im.ops.emplace(std::string(name), std::move(def)).first;
+  }
+  return *it->second;
+}
+
+const OpDef* OpTable::find(std::string_view name) const {
+  Impl& im = impl();
+  std::lock_guard lock(im.mutex);
+  auto it = im.ops.find(name);
+  return it == im.ops.end() || !it->second->meta ? nullptr : it->second.get();
+}
+
+std::vector<const OpDef*> OpTable::all() const {
+  Impl& im = impl();
+  std::lock_guard lock(im.mutex);
+  std::vector<const OpDef*> out;
+  for (auto& [name, def] : im.ops)
+    if (def->meta) out.push_back(def.get());
+  return out;
+}
+
+OpDef& register_op(OpDef def) {
+  OpDef& e = OpTable::instance().entry(def.name);
+  KILN_CHECK(!e.meta, Error, "[kiln::register_op] op '" + def.name + "' is registered twice.");
+  auto kernels = e.kernels;  // kernels may have registered first
+  e = std::move(def);
+  for (int d = 0; d < kNumDeviceTypes; ++d)
+    if (!e.kernels[d]) e.kernels[d] = kernels[d];
+  return e;
+}
+
+void register_kernel(std::string_view name, DeviceType device, Kernel kernel) {
+  OpTable::instance().entry(name).kernels[static_cast<int>(device)] = std::move(kernel);
+}
+
+namespace {
+
+const Kernel& kernel_for(const OpDef& op, Device device) {
+  const Kernel& k = op.kernels[static_cast<int>(device.type)];
+  if (!k) {
+    throw DeviceError("[kiln::" + op.name + "] has no kernel for " + device.str() +
+                      ". Move the inputs to a device that has one (kiln ops lists them).");
+  }
+  return k;
+}
+
+Tensor allocate(const TensorMeta& m) {
+  if (m.strides.empty()) return detail::make_empty(m.sizes, m.dtype, m.device);
+  return detail::make_empty_strided(m.sizes, m.strides, m.dtype, m.device);
+}
+
+// Whether writing `out` while reading `in` elementwise is safe: different memory, or the same
+// elements at the same positions.
+bool same_elementwise_layout(const Tensor& in, const Tensor& out) {
+  if (!detail::may_overlap(in, out)) return true;
+  if (in.dtype() != out.dtype() || in.storage_offset() != out.storage_offset()) return false;
+  auto s = detail::broadcast_strides(in.sizes(), in.strides(), out.sizes());
+  for (size_t i = 0; i < s.size(); ++i)
+    if (out.sizes()[i] != 1 && s[i] != out.strides()[i]) return false;
+  return true;
+}
+
+void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
+
+}  // namespace
+
+std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
+  OpCall call{&op, inputs, attrs};
+  std::vector<TensorMeta> metas = op.meta(call);
+  std::vector<Tensor> outputs;
+  outputs.reserve(metas.size());
+  if (op.kind == OpKind::view) {
+    for (auto& m : metas)
+      outputs.push_back(detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset));
+    return outputs;
+  }
+  Device device = metas.empty() ? kCPU : metas[0].device;
+  const Kernel& kernel = kernel_for(op, device);
+  for (const auto& m : metas) outputs.push_back(allocate(m));
+  kernel(call, outputs);
+  for (int i : op.mutated_inputs)
+    if (inputs[i].defined()) bump_version(inputs[i]);
+  return outputs;
+}
+
+Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
+  return std::move(call_op(op, std::move(inputs), std::move(attrs))[0]);
+}
+
+void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
+                 std::span<Tensor> outputs) {
+  OpCall call{&op, inputs, attrs};
+  std::vector<TensorMeta> metas = op.meta(call);
+  KILN_CHECK(metas.size() == outputs.size(), Error,
+             "[kiln::" + op.name + "] expected " + std::to_string(metas.size()) + " outputs, got " +
+                 std::to_string(outputs.size()) + ".");
+  bool need_temp = false;
+  for (size_t i = 0; i < metas.size(); ++i) {
+    const Tensor& out = outputs[i];
+    const TensorMeta& m = metas[i];
+    if (!(out.sizes() == IntArrayRef(m.sizes))) {
+      throw ShapeError("[kiln::" + op.name + "_] output with shape " + shape_str(out.sizes()) +
+                       " doesn't match the broadcast shape " + shape_str(m.sizes) +
+                       ". In-place ops cannot change the shape of their target; use the out-of-place form.");
+    }
+    if (!can_cast(m.dtype, out.dtype())) {
+      throw DTypeError("[kiln::" + op.name + "_] result type " + std::string(dtype_name(m.dtype)) +
+                       " can't be cast to the desired output type " +
+                       std::string(dtype_name(out.dtype())) + ". Use the out-of-place form, or convert first.");
+    }
+    if (out.device() != m.device) {
+      throw DeviceError("[kiln::" + op.name + "_] the output is on " + out.device().str() +
+                        " but the inputs are on " + m.device.str() + ". Move them to one device.");
+    }
+    if (m.dtype != out.dtype()) need_temp = true;
+    for (const Tensor& in : inputs) {
+      if (!op.pointwise ? detail::may_overlap(in, out) : !same_elementwise_layout(in, out)) need_temp = true;
+    }
+  }
+  const Kernel& kernel = kernel_for(op, metas.empty() ? kCPU : metas[0].device);
+  if (!need_temp) {
+    kernel(call, outputs);
+  } else {
+    std::vector<Tensor> temps;
+    for (const auto& m : metas) temps.push_back(allocate(m));
+    kernel(call, temps);
+    for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(temps[i]);
+  }
+  for (Tensor& out : outputs) bump_version(out);
+  for (int i : op.mutated_inputs)
+    if (inputs[i].defined()) bump_version(inputs[i]);
+}
+
+}  // namespace kiln

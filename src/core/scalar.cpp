@@ -1,0 +1,29 @@
+#include "kiln/scalar.h"
+
+#include <cstdio>
+
+namespace kiln {
+
+DType Scalar::dtype() const {
+  switch (kind_) {
+    case Kind::boolean: return DType::bool_;
+    case Kind::integral: return DType::int64;
+    case Kind::floating: return default_dtype();
+  }
+  return DType::int64;
+}
+
+std::string Scalar::str() const {
+  switch (kind_) {
+    case Kind::boolean: return i_ ? "True" : "False";
+    case Kind::integral: return std::to_string(i_);
+    case Kind::floating: {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.17g", d_);
+      return buf;
+    }
+  }
+  return "";
+}
+
+}  // namespace kiln

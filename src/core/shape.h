@@ -1,0 +1,36 @@
+// Shape helpers shared by meta functions: dim wrapping, broadcasting, size checks.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kiln/array_ref.h"
+#include "kiln/error.h"
+
+namespace kiln::detail {
+
+// Wraps a possibly negative dim into [0, ndim). A 0-dim tensor accepts dims -1 and 0.
+int64_t wrap_dim(int64_t dim, int64_t ndim, const std::string& op);
+// Wraps and checks a list of dims, rejecting repeats. Empty means all dims.
+std::vector<bool> dim_mask(IntArrayRef dims, int64_t ndim, const std::string& op);
+
+// The broadcast shape of a and b.
+std::vector<int64_t> broadcast_sizes(IntArrayRef a, IntArrayRef b, const std::string& op);
+// Strides of a tensor of (sizes, strides) viewed as broadcast to `target` (0 for broadcast dims).
+std::vector<int64_t> broadcast_strides(IntArrayRef sizes, IntArrayRef strides, IntArrayRef target);
+
+// Product of sizes; throws when it overflows int64.
+int64_t checked_numel(IntArrayRef sizes, const std::string& op);
+// Rejects negative sizes.
+void check_sizes_nonnegative(IntArrayRef sizes, const std::string& op);
+
+// Resolves a single -1 in a view/reshape target shape against numel.
+std::vector<int64_t> infer_size(IntArrayRef shape, int64_t numel, const std::string& op);
+
+// Strides for viewing (sizes, strides) as new_sizes without copying, or nullopt if impossible.
+std::optional<std::vector<int64_t>> compute_view_strides(IntArrayRef old_sizes, IntArrayRef old_strides,
+                                          IntArrayRef new_sizes);
+
+}  // namespace kiln::detail

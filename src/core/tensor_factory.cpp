@@ -1,0 +1,98 @@
+#include "core/tensor_factory.h"
+
+#include <optional>
+
+#include "core/shape.h"
+#include "kiln/ops.h"
+
+namespace kiln::detail {
+
+Tensor make_empty(std::vector<int64_t> sizes, DType dtype, Device device) {
+  std::vector<int64_t> strides = contiguous_strides(sizes);
+  return make_empty_strided(std::move(sizes), std::move(strides), dtype, device);
+}
+
+Tensor make_empty_strided(std::vector<int64_t> sizes, std::vector<int64_t> strides, DType dtype,
+                          Device device) {
+  check_sizes_nonnegative(sizes, "empty");
+  int64_t numel = checked_numel(sizes, "empty");
+  int64_t span = 0;  // elements needed to cover the largest offset
+  if (numel > 0) {
+    span = 1;
+    for (size_t i = 0; i < sizes.size(); ++i) span += (sizes[i] - 1) * strides[i];
+  }
+  int64_t nbytes = 0;
+  KILN_CHECK(!__builtin_mul_overflow(span, itemsize(dtype), &nbytes), ValueError,
+             "[kiln::empty] the shape " + shape_str(sizes) + " needs more bytes than fit in int64.");
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = allocate_storage(nbytes, device);
+  impl->sizes = std::move(sizes);
+  impl->strides = std::move(strides);
+  impl->dtype = dtype;
+  impl->device = device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
+Tensor make_view(const Tensor& base, std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                 int64_t storage_offset) {
+  const TensorImpl& b = base.impl();
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = b.storage;
+  impl->storage_offset = storage_offset;
+  impl->sizes = std::move(sizes);
+  impl->strides = std::move(strides);
+  impl->dtype = b.dtype;
+  impl->device = b.device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
+Tensor wrap_scalar(const Scalar& s, std::optional<DType> dtype, Device device) {
+  DType t = dtype.value_or(s.dtype());
+  Tensor out = make_empty({}, t, kCPU);
+  KILN_DISPATCH_ALL(t, "scalar_tensor", [&] { *static_cast<scalar_t*>(out.raw_data_ptr()) = s.to<scalar_t>(); });
+  out.impl().is_wrapped_number = true;
+  if (!device.is_cpu()) out = out.to(device);
+  return out;
+}
+
+namespace {
+std::optional<DType> promote_opt(std::optional<DType> a, DType b) {
+  return a ? promote_types(*a, b) : b;
+}
+// PyTorch's combine_categories: `higher` comes from operands of higher priority.
+std::optional<DType> combine_categories(std::optional<DType> higher, std::optional<DType> lower) {
+  if (!higher) return lower;
+  if (!lower) return higher;
+  if (is_floating_point(*higher)) return higher;
+  if (*higher == DType::bool_ || is_floating_point(*lower)) return promote_types(*higher, *lower);
+  return higher;
+}
+}  // namespace
+
+DType result_type(std::span<const Tensor> operands) {
+  std::optional<DType> dim_result, zero_result, wrapped_result;
+  for (const Tensor& t : operands) {
+    if (!t.defined()) continue;
+    const TensorImpl& impl = t.impl();
+    DType current = impl.dtype;
+    if (impl.is_wrapped_number) {
+      if (is_floating_point(current)) current = default_dtype();
+      wrapped_result = promote_opt(wrapped_result, current);
+    } else if (!impl.sizes.empty()) {
+      dim_result = promote_opt(dim_result, current);
+    } else {
+      zero_result = promote_opt(zero_result, current);
+    }
+  }
+  auto r = combine_categories(dim_result, combine_categories(zero_result, wrapped_result));
+  return r.value_or(default_dtype());
+}
+
+bool may_overlap(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.impl().storage && a.impl().storage == b.impl().storage &&
+         a.numel() > 0 && b.numel() > 0;
+}
+
+}  // namespace kiln::detail

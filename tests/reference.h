@@ -1,0 +1,60 @@
+// Test helpers: float64 references computed element by element, and tensor comparisons.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kiln/kiln.h"
+
+namespace kiln::testing {
+
+// Row-major float64 copy of any tensor.
+inline std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }
+
+// Tolerances per dtype for comparing against a float64 reference.
+struct Tolerance {
+  double rtol, atol;
+};
+inline Tolerance tolerance_for(DType t) {
+  switch (t) {
+    case DType::float16: return {1e-3, 1e-3};
+    case DType::bfloat16: return {8e-3, 8e-3};
+    case DType::float32: return {1.3e-6, 1e-5};
+    case DType::float64: return {1e-12, 1e-12};
+    default: return {0, 0};
+  }
+}
+
+// Checks shape and every element of `actual` against `expected` (row-major).
+inline ::testing::AssertionResult matches(const Tensor& actual, const std::vector<int64_t>& sizes,
+                                          const std::vector<double>& expected,
+                                          std::optional<Tolerance> tol = std::nullopt) {
+  if (actual.sizes().vec() != sizes)
+    return ::testing::AssertionFailure() << "shape " << shape_str(actual.sizes()) << " != " << shape_str(sizes);
+  auto got = values(actual);
+  if (got.size() != expected.size())
+    return ::testing::AssertionFailure() << "numel " << got.size() << " != " << expected.size();
+  Tolerance t = tol.value_or(tolerance_for(actual.dtype()));
+  for (size_t i = 0; i < got.size(); ++i) {
+    double e = expected[i], g = got[i];
+    if (std::isnan(e) && std::isnan(g)) continue;
+    if (std::isinf(e) && g == e) continue;
+    if (!(std::abs(g - e) <= t.atol + t.rtol * std::abs(e)))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << g << ", expected " << e
+                                           << " (rtol " << t.rtol << ", atol " << t.atol << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Reference for a unary elementwise op: applies f in float64 to each element of x.
+inline std::vector<double> map_ref(const Tensor& x, const std::function<double(double)>& f) {
+  auto v = values(x);
+  for (auto& e : v) e = f(e);
+  return v;
+}
+
+}  // namespace kiln::testing
