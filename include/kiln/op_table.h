@@ -26,13 +26,10 @@ struct OpDef;
 using Attr = std::variant<std::monostate, bool, int64_t, double, Scalar, std::vector<int64_t>,
                           std::string, DType, Device>;
 
-// The arguments of one op invocation.
-struct OpCall {
-  const OpDef* op = nullptr;
-  std::span<const Tensor> inputs;  // undefined tensors stand for None
+// Typed access to an op's non-tensor arguments.
+struct AttrAccess {
   std::span<const Attr> attrs;
 
-  const Tensor& input(size_t i) const { return inputs[i]; }
   bool has_attr(size_t i) const {
     return i < attrs.size() && !std::holds_alternative<std::monostate>(attrs[i]);
   }
@@ -44,7 +41,55 @@ struct OpCall {
   const std::string& string_attr(size_t i) const { return std::get<std::string>(attrs[i]); }
   DType dtype_attr(size_t i) const { return std::get<DType>(attrs[i]); }
   Device device_attr(size_t i) const { return std::get<Device>(attrs[i]); }
+};
+
+// The arguments of one op invocation.
+struct OpCall : AttrAccess {
+  const OpDef* op = nullptr;
+  std::span<const Tensor> inputs;  // undefined tensors stand for None
+
+  OpCall() = default;
+  OpCall(const OpDef* o, std::span<const Tensor> in, std::span<const Attr> at)
+      : AttrAccess{at}, op(o), inputs(in) {}
+  const Tensor& input(size_t i) const { return inputs[i]; }
   const std::string& name() const;
+};
+
+// What a derivative knows about each forward input, saved or not.
+struct InputInfo {
+  std::vector<int64_t> sizes;
+  DType dtype = DType::float32;
+  Device device;
+  bool defined = false;
+};
+
+// The arguments of a derivative: the gradients of the forward outputs, the saved forward
+// values, the attrs, and which inputs need a gradient.
+struct BackwardContext : AttrAccess {
+  const OpDef* op = nullptr;
+  std::span<const Tensor> grads;    // per forward output (zeros where none flowed)
+  std::span<const Tensor> inputs;   // per forward input; defined only where Derivative saves it
+  std::span<const Tensor> outputs;  // per forward output; defined only where Derivative saves it
+  std::span<const InputInfo> input_info;
+  std::vector<bool> needs_input_grad;
+
+  const Tensor& grad(size_t i = 0) const { return grads[i]; }
+  const Tensor& input(size_t i) const { return inputs[i]; }
+  const Tensor& output(size_t i = 0) const { return outputs[i]; }
+  bool needs_grad(size_t i) const { return i < needs_input_grad.size() && needs_input_grad[i]; }
+};
+
+// Gradients of the forward inputs (one per input; undefined for none), written in Kiln ops so
+// that a create_graph backward is itself recorded. A result shaped like a broadcast of its
+// input is summed back to the input's shape by the engine.
+using BackwardFn = std::function<std::vector<Tensor>(const BackwardContext&)>;
+
+struct Derivative {
+  std::string formula;            // shown by `kiln ops`: "self: grad * other; other: grad * self"
+  std::vector<int> save_inputs;   // forward inputs the formula reads
+  std::vector<int> save_outputs;  // forward outputs the formula reads
+  BackwardFn fn;
+  explicit operator bool() const { return static_cast<bool>(fn); }
 };
 
 // What meta returns for each output.
@@ -78,9 +123,9 @@ struct OpDef {
   bool pointwise = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
-  // Filled by later stages; `kiln ops` shows which ops have them.
-  std::string derivative;  // a description of the derivative formula, when one exists
-  std::string lowering;    // "pointwise", "reduction", "extern", "decomposition", ...
+  // The derivative (autograd) and the compiler's lowering; `kiln ops` shows both.
+  Derivative derivative;
+  std::string lowering;  // "pointwise", "reduction", "extern", "decomposition", ...
 
   bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
 };

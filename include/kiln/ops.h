@@ -5,7 +5,9 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kiln/tensor.h"
@@ -177,9 +179,17 @@ Tensor dot(const Tensor& a, const Tensor& b);
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias = Tensor(),
               IntArrayRef stride = {1, 1}, IntArrayRef padding = {0, 0},
               IntArrayRef dilation = {1, 1}, int64_t groups = 1);
-// padding: "same" or "valid".
+namespace detail {
+Tensor conv2d_padding_mode(const Tensor& input, const Tensor& weight, const Tensor& bias, IntArrayRef stride,
+                           std::string_view padding, IntArrayRef dilation, int64_t groups);
+}
+// padding: "same" or "valid". A template so that a braced list of ints, conv2d(x, w, b, {1, 1},
+// {0, 0}), always picks the overload above instead of being ambiguous with std::string.
+template <class String, std::enable_if_t<std::is_convertible_v<const String&, std::string_view>, int> = 0>
 Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, IntArrayRef stride,
-              const std::string& padding, IntArrayRef dilation = {1, 1}, int64_t groups = 1);
+              const String& padding, IntArrayRef dilation = {1, 1}, int64_t groups = 1) {
+  return detail::conv2d_padding_mode(input, weight, bias, stride, std::string_view(padding), dilation, groups);
+}
 Tensor max_pool2d(const Tensor& input, IntArrayRef kernel_size, IntArrayRef stride = {},
                   IntArrayRef padding = {0, 0}, IntArrayRef dilation = {1, 1}, bool ceil_mode = false);
 std::tuple<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, IntArrayRef kernel_size,

@@ -102,7 +102,7 @@ void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std:
 }  // namespace
 
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
-  OpCall call{&op, inputs, attrs};
+  OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   std::vector<Tensor> outputs;
   outputs.reserve(metas.size());
@@ -126,7 +126,7 @@ Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> a
 
 void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
                  std::span<Tensor> outputs) {
-  OpCall call{&op, inputs, attrs};
+  OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   KILN_CHECK(metas.size() == outputs.size(), Error,
              "[kiln::" + op.name + "] expected " + std::to_string(metas.size()) + " outputs, got " +

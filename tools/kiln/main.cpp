@@ -1,2 +1,103 @@
-#include <cstdio>
-int main() { return 0; }
+// The `kiln` command-line tool: the tour of the examples, the op table, and (later) benchmarks.
+#include <fmt/format.h>
+
+#include <cstring>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "example.h"
+#include "kiln/kiln.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: kiln <command> [options]
+
+commands:
+  tour                 run every example in order, with headings
+  tour <name>          run one example (see `kiln tour --list`)
+  ops [--json]         list the op table: name, schema, devices with kernels, derivative, lowering
+  version              print the version
+  help                 show this message
+)";
+
+int run_tour(const std::vector<std::string>& args) {
+  const auto& examples = kiln::examples::registry();
+  if (!args.empty() && args[0] == "--list") {
+    for (const auto& e : examples) std::cout << e.name << "  " << e.title << "\n";
+    return 0;
+  }
+  bool ran = false;
+  for (const auto& e : examples) {
+    if (!args.empty() && args[0] != e.name) continue;
+    std::cout << "=== " << e.title << " (examples/" << e.name << ".cpp) ===\n";
+    e.run(std::cout);
+    std::cout << "\n";
+    ran = true;
+  }
+  if (!ran) {
+    std::cerr << "kiln tour: no example named '" << args[0] << "'. See `kiln tour --list`.\n";
+    return 2;
+  }
+  return 0;
+}
+
+std::string devices_of(const kiln::OpDef& op) {
+  std::string s;
+  if (op.kind == kiln::OpKind::view) return "any (view)";
+  if (op.has_kernel(kiln::DeviceType::cpu)) s += "cpu";
+  if (op.has_kernel(kiln::DeviceType::cuda)) s += s.empty() ? "cuda" : ",cuda";
+  return s.empty() ? "-" : s;
+}
+
+int run_ops(const std::vector<std::string>& args) {
+  auto ops = kiln::OpTable::instance().all();
+  if (!args.empty() && args[0] == "--json") {
+    nlohmann::json j = nlohmann::json::array();
+    for (const auto* op : ops)
+      j.push_back({{"name", op->name}, {"schema", op->schema}, {"devices", devices_of(*op)},
+                   {"derivative", op->derivative.formula}, {"lowering", op->lowering}});
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  size_t wname = 4, wdev = 7;
+  for (const auto* op : ops) {
+    wname = std::max(wname, op->name.size());
+    wdev = std::max(wdev, devices_of(*op).size());
+  }
+  std::cout << fmt::format("{:<{}}  {:<{}}  {:<10}  {:<13}  {}\n", "name", wname, "devices", wdev,
+                           "derivative", "lowering", "schema");
+  for (const auto* op : ops) {
+    std::cout << fmt::format("{:<{}}  {:<{}}  {:<10}  {:<13}  {}\n", op->name, wname, devices_of(*op),
+                             wdev, op->derivative ? "yes" : "-",
+                             op->lowering.empty() ? "-" : op->lowering, op->schema);
+  }
+  std::cout << ops.size() << " ops\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "help" || args[0] == "--help" || args[0] == "-h") {
+    std::cout << kUsage;
+    return args.empty() ? 2 : 0;
+  }
+  std::string cmd = args[0];
+  args.erase(args.begin());
+  try {
+    if (cmd == "tour") return run_tour(args);
+    if (cmd == "ops") return run_ops(args);
+    if (cmd == "version") {
+      std::cout << "kiln " << KILN_CLI_VERSION << "\n";
+      return 0;
+    }
+  } catch (const kiln::Error& e) {
+    std::cerr << "kiln " << cmd << ": " << e.what() << "\n";
+    return 1;
+  }
+  std::cerr << "kiln: unknown command '" << cmd << "'.\n" << kUsage;
+  return 2;
+}

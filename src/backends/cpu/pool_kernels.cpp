@@ -1,0 +1,347 @@
+// CPU kernels for max_pool2d, max_pool2d_with_indices, avg_pool2d and adaptive_avg_pool2d.
+//
+// max_pool2d and avg_pool2d run on oneDNN for float32/bfloat16 directly on the plain NCHW data
+// (pooling is memory-bound; a layout reorder would cost more than it saves), with a cached
+// primitive per configuration. The rest use direct loops, parallel over (plane, output row):
+// max_pool2d_with_indices (PyTorch's flat H * W indices, which oneDNN's workspace does not
+// give), other dtypes, avg_pool2d cases whose divisor oneDNN computes differently
+// (divisor_override, or ceil_mode windows past the padding with count_include_pad), and
+// adaptive_avg_pool2d.
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string_view>
+#include <unordered_map>
+
+#include "backends/cpu/loops.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln::cpu {
+
+namespace {
+
+using dnnl::memory;
+
+struct Window {
+  int64_t kernel[2], stride[2], pad[2], dilation[2];
+};
+
+// Input viewed as planes x H x W (contiguous), output as planes x OH x OW.
+struct PoolGeometry {
+  int64_t planes, h, w, oh, ow;
+};
+
+PoolGeometry geometry(const Tensor& x, const Tensor& out) {
+  const int64_t d = x.dim();
+  const int64_t h = x.sizes()[d - 2], w = x.sizes()[d - 1];
+  return {h * w == 0 ? 0 : x.numel() / (h * w), h, w, out.sizes()[d - 2], out.sizes()[d - 1]};
+}
+
+int64_t pair_at(IntArrayRef v, int d) { return v.size() == 1 ? v[0] : v[d]; }
+
+Window window_from(const OpCall& c, bool has_dilation) {
+  Window win{};
+  IntArrayRef kernel = c.ints_attr(0), stride = c.ints_attr(1), pad = c.ints_attr(2);
+  for (int d = 0; d < 2; ++d) {
+    win.kernel[d] = pair_at(kernel, d);
+    win.stride[d] = stride.empty() ? win.kernel[d] : pair_at(stride, d);
+    win.pad[d] = pair_at(pad, d);
+    win.dilation[d] = has_dilation ? pair_at(c.ints_attr(3), d) : 1;
+  }
+  return win;
+}
+
+// Runs f(plane, oh) over all output rows in parallel.
+template <class F>
+void for_each_output_row(const PoolGeometry& g, int64_t work_per_row, F&& f) {
+  const int64_t rows = g.planes * g.oh;
+  parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, work_per_row)),
+               [&](int64_t begin, int64_t end) {
+                 for (int64_t r = begin; r < end; ++r) f(r / g.oh, r % g.oh);
+               });
+}
+
+// ---------------- direct loops ----------------
+
+template <class T>
+void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window& win) {
+  const PoolGeometry g = geometry(x, out);
+  const T* in = x.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  using Acc = opmath_t<T>;
+  const Acc lowest = std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
+                                                            : std::numeric_limits<Acc>::lowest();
+  for_each_output_row(g, g.ow * win.kernel[0] * win.kernel[1], [&](int64_t p, int64_t oh) {
+    const T* plane = in + p * g.h * g.w;
+    int64_t hstart = oh * win.stride[0] - win.pad[0];
+    const int64_t hend = std::min(hstart + (win.kernel[0] - 1) * win.dilation[0] + 1, g.h);
+    while (hstart < 0) hstart += win.dilation[0];
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      int64_t wstart = ow * win.stride[1] - win.pad[1];
+      const int64_t wend = std::min(wstart + (win.kernel[1] - 1) * win.dilation[1] + 1, g.w);
+      while (wstart < 0) wstart += win.dilation[1];
+      Acc best = lowest;
+      int64_t best_index = hstart * g.w + wstart;
+      for (int64_t ih = hstart; ih < hend; ih += win.dilation[0]) {
+        for (int64_t iw = wstart; iw < wend; iw += win.dilation[1]) {
+          const Acc v = static_cast<Acc>(plane[ih * g.w + iw]);
+          bool take = v > best;
+          if constexpr (!std::is_integral_v<Acc>) take = take || std::isnan(v);
+          if (take) {
+            best = v;
+            best_index = ih * g.w + iw;
+          }
+        }
+      }
+      const int64_t at = (p * g.oh + oh) * g.ow + ow;
+      o[at] = static_cast<T>(best);
+      if (indices) indices[at] = best_index;
+    }
+  });
+}
+
+template <class T>
+void avg_pool_loop(const Tensor& x, Tensor& out, const Window& win, bool count_include_pad,
+                   std::optional<int64_t> divisor_override) {
+  const PoolGeometry g = geometry(x, out);
+  const T* in = x.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  using Acc = opmath_t<T>;
+  for_each_output_row(g, g.ow * win.kernel[0] * win.kernel[1], [&](int64_t p, int64_t oh) {
+    const T* plane = in + p * g.h * g.w;
+    int64_t hstart = oh * win.stride[0] - win.pad[0];
+    int64_t hend = std::min(hstart + win.kernel[0], g.h + win.pad[0]);
+    const int64_t pool_h = hend - hstart;
+    hstart = std::max<int64_t>(hstart, 0);
+    hend = std::min(hend, g.h);
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      int64_t wstart = ow * win.stride[1] - win.pad[1];
+      int64_t wend = std::min(wstart + win.kernel[1], g.w + win.pad[1]);
+      const int64_t pool_w = wend - wstart;
+      wstart = std::max<int64_t>(wstart, 0);
+      wend = std::min(wend, g.w);
+      const int64_t at = (p * g.oh + oh) * g.ow + ow;
+      if (hstart >= hend || wstart >= wend) {
+        o[at] = T(0);
+        continue;
+      }
+      Acc sum = 0;
+      for (int64_t ih = hstart; ih < hend; ++ih)
+        for (int64_t iw = wstart; iw < wend; ++iw) sum += static_cast<Acc>(plane[ih * g.w + iw]);
+      const int64_t divisor = divisor_override ? *divisor_override
+                              : count_include_pad ? pool_h * pool_w
+                                                  : (hend - hstart) * (wend - wstart);
+      o[at] = static_cast<T>(sum / static_cast<Acc>(divisor));
+    }
+  });
+}
+
+template <class T>
+void adaptive_avg_pool_loop(const Tensor& x, Tensor& out) {
+  const PoolGeometry g = geometry(x, out);
+  const T* in = x.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  using Acc = opmath_t<T>;
+  if (g.oh == 1 && g.ow == 1) {  // global average pooling: one vectorized sum per plane
+    const int64_t hw = g.h * g.w;
+    parallel_for(g.planes, std::max<int64_t>(1, kGrainSize / hw), [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const T* plane = in + p * hw;
+        Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hw; ++i) sum += static_cast<Acc>(plane[i]);
+        o[p] = static_cast<T>(sum / static_cast<Acc>(hw));
+      }
+    });
+    return;
+  }
+  for_each_output_row(g, g.ow * (g.h / std::max<int64_t>(1, g.oh) + 1) * (g.w / std::max<int64_t>(1, g.ow) + 1),
+                      [&](int64_t p, int64_t oh) {
+                        const T* plane = in + p * g.h * g.w;
+                        const int64_t hstart = oh * g.h / g.oh, hend = ((oh + 1) * g.h + g.oh - 1) / g.oh;
+                        for (int64_t ow = 0; ow < g.ow; ++ow) {
+                          const int64_t wstart = ow * g.w / g.ow, wend = ((ow + 1) * g.w + g.ow - 1) / g.ow;
+                          Acc sum = 0;
+                          for (int64_t ih = hstart; ih < hend; ++ih)
+                            for (int64_t iw = wstart; iw < wend; ++iw) sum += static_cast<Acc>(plane[ih * g.w + iw]);
+                          o[(p * g.oh + oh) * g.ow + ow] =
+                              static_cast<T>(sum / static_cast<Acc>((hend - hstart) * (wend - wstart)));
+                        }
+                      });
+}
+
+// ---------------- oneDNN ----------------
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& thread_stream() {
+  thread_local dnnl::stream stream(cpu_engine());
+  return stream;
+}
+
+struct PoolKey {
+  std::array<int64_t, 14> dims;
+  int algorithm;
+  DType dtype;
+  bool operator==(const PoolKey&) const = default;
+};
+
+struct PoolKeyHash {
+  size_t operator()(const PoolKey& k) const {
+    size_t h = static_cast<size_t>(k.dtype) * 31u + static_cast<size_t>(k.algorithm);
+    for (int64_t v : k.dims) h = h * 1000003u ^ std::hash<int64_t>{}(v);
+    return h;
+  }
+};
+
+struct PoolPlan {
+  dnnl::pooling_v2_forward pool;
+  memory::desc src, dst, scratchpad;
+};
+
+// Right/bottom padding that makes oneDNN produce `out` windows: the symmetric padding unless
+// ceil_mode adds windows that reach past it.
+int64_t right_padding(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
+  const int64_t needed = (out - 1) * stride + (kernel - 1) * dilation + 1 - in - pad;
+  return std::max(needed, pad);
+}
+
+std::shared_ptr<const PoolPlan> find_pool_plan(const PoolGeometry& g, const Window& win, dnnl::algorithm alg,
+                                               DType dtype) {
+  const int64_t pr_h = right_padding(g.h, g.oh, win.kernel[0], win.stride[0], win.pad[0], win.dilation[0]);
+  const int64_t pr_w = right_padding(g.w, g.ow, win.kernel[1], win.stride[1], win.pad[1], win.dilation[1]);
+  const PoolKey key{{g.planes, g.h, g.w, g.oh, g.ow, win.kernel[0], win.kernel[1], win.stride[0], win.stride[1],
+                     win.pad[0], win.pad[1], win.dilation[0], win.dilation[1], pr_h * 1000003 + pr_w},
+                    static_cast<int>(alg), dtype};
+  static std::mutex mutex;
+  static std::unordered_map<PoolKey, std::shared_ptr<const PoolPlan>, PoolKeyHash> cache;
+  {
+    std::lock_guard lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  std::shared_ptr<PoolPlan> plan;
+  try {
+    const auto dt = dtype == DType::bfloat16 ? memory::data_type::bf16 : memory::data_type::f32;
+    // Planes go in the channel dim: pooling treats every (n, c) plane the same way.
+    const memory::desc src({1, g.planes, g.h, g.w}, dt, memory::format_tag::nchw);
+    const memory::desc dst({1, g.planes, g.oh, g.ow}, dt, memory::format_tag::nchw);
+    dnnl::pooling_v2_forward::desc desc(dnnl::prop_kind::forward_inference, alg, src, dst,
+                                        {win.stride[0], win.stride[1]}, {win.kernel[0], win.kernel[1]},
+                                        {win.dilation[0] - 1, win.dilation[1] - 1}, {win.pad[0], win.pad[1]},
+                                        {pr_h, pr_w});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    dnnl::pooling_v2_forward::primitive_desc pd(desc, attr, cpu_engine());
+    // oneDNN's reference kernel (e.g. for dilated windows) is no faster than the loops here.
+    if (!std::string_view(pd.impl_info_str()).starts_with("ref"))
+      plan = std::make_shared<PoolPlan>(PoolPlan{dnnl::pooling_v2_forward(pd), src, dst, pd.scratchpad_desc()});
+  } catch (const dnnl::error&) {
+    plan = nullptr;
+  }
+  std::lock_guard lock(mutex);
+  return cache.emplace(key, std::move(plan)).first->second;
+}
+
+// Pools with oneDNN; false when oneDNN has no implementation for this configuration.
+bool onednn_pool(const Tensor& x, Tensor& out, const Window& win, dnnl::algorithm alg) {
+  const PoolGeometry g = geometry(x, out);
+  auto plan = find_pool_plan(g, win, alg, x.dtype());
+  if (!plan) return false;
+  dnnl::engine& engine = cpu_engine();
+  dnnl::stream& stream = thread_stream();
+  std::vector<char> scratch(plan->scratchpad.get_size());
+  memory src(plan->src, engine, x.impl().data());
+  memory dst(plan->dst, engine, out.impl().data());
+  std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}};
+  if (!scratch.empty()) args.emplace(DNNL_ARG_SCRATCHPAD, memory(plan->scratchpad, engine, scratch.data()));
+  plan->pool.execute(stream, args);
+  stream.wait();
+  return true;
+}
+
+bool onednn_dtype(DType t) { return t == DType::float32 || t == DType::bfloat16; }
+
+// Runs body(x, y) with a contiguous input and a contiguous output, copying into `out` after.
+template <class Body>
+void with_contiguous(const Tensor& input, Tensor& out, Body&& body) {
+  const Tensor x = input.contiguous();
+  Tensor y = out.is_contiguous() ? out : detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
+  body(x, y);
+  if (!y.same(out)) out.copy_(y);
+}
+
+// ---------------- kernels ----------------
+
+void max_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
+  if (outs[0].numel() == 0) return;
+  const Window win = window_from(call, true);
+  with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
+    if (onednn_dtype(x.dtype()) && onednn_pool(x, y, win, dnnl::algorithm::pooling_max)) return;
+    KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d", [&] { max_pool_loop<scalar_t>(x, y, nullptr, win); });
+  });
+}
+
+void max_pool2d_with_indices_kernel(const OpCall& call, std::span<Tensor> outs) {
+  if (outs[0].numel() == 0) return;
+  const Window win = window_from(call, true);
+  Tensor& indices_out = outs[1];
+  Tensor indices = indices_out.is_contiguous() ? indices_out
+                                               : detail::make_empty(indices_out.sizes().vec(), kInt64, indices_out.device());
+  with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
+    KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d_with_indices",
+                          [&] { max_pool_loop<scalar_t>(x, y, indices.data_ptr<int64_t>(), win); });
+  });
+  if (!indices.same(indices_out)) indices_out.copy_(indices);
+}
+
+void avg_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
+  if (outs[0].numel() == 0) return;
+  const Window win = window_from(call, false);
+  const bool count_include_pad = call.bool_attr(4);
+  const std::optional<int64_t> divisor = call.has_attr(5) ? std::optional<int64_t>(call.int_attr(5)) : std::nullopt;
+  with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
+    const PoolGeometry g = geometry(x, y);
+    // oneDNN's include-padding divisor is always kH * kW; PyTorch's stops at the padding.
+    const bool windows_within_padding =
+        right_padding(g.h, g.oh, win.kernel[0], win.stride[0], win.pad[0], 1) == win.pad[0] &&
+        right_padding(g.w, g.ow, win.kernel[1], win.stride[1], win.pad[1], 1) == win.pad[1];
+    if (onednn_dtype(x.dtype()) && !divisor && (!count_include_pad || windows_within_padding) &&
+        onednn_pool(x, y, win,
+                    count_include_pad ? dnnl::algorithm::pooling_avg_include_padding
+                                      : dnnl::algorithm::pooling_avg_exclude_padding))
+      return;
+    KILN_DISPATCH_FLOATING(x.dtype(), "avg_pool2d",
+                           [&] { avg_pool_loop<scalar_t>(x, y, win, count_include_pad, divisor); });
+  });
+}
+
+void adaptive_avg_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
+  if (outs[0].numel() == 0) return;
+  with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
+    KILN_DISPATCH_FLOATING(x.dtype(), "adaptive_avg_pool2d", [&] { adaptive_avg_pool_loop<scalar_t>(x, y); });
+  });
+}
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("max_pool2d", DeviceType::cpu, max_pool2d_kernel);
+  register_kernel("max_pool2d_with_indices", DeviceType::cpu, max_pool2d_with_indices_kernel);
+  register_kernel("avg_pool2d", DeviceType::cpu, avg_pool2d_kernel);
+  register_kernel("adaptive_avg_pool2d", DeviceType::cpu, adaptive_avg_pool2d_kernel);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kiln::cpu

@@ -1,0 +1,172 @@
+// CPU kernels of the index-returning reductions: argmax, argmin, max.dim, min.dim.
+//
+// Ties go to the first index and NaN wins (the first NaN), as in PyTorch. A contiguous row is
+// scanned twice with vector code (its max, then the first position holding it); when the
+// reduced dim is outer to a contiguous kept dim, adjacent outputs are tracked in vector lanes.
+#include "backends/cpu/loops.h"
+#include "backends/cpu/reduce_loops.h"
+#include "core/shape.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+
+namespace kiln::cpu {
+
+namespace {
+
+using namespace reduce;
+
+template <class A, bool IsMax>
+inline bool better(A v, A best) {
+  if constexpr (IsMax) return v > best || (v != v && best == best);
+  else return v < best || (v != v && best == best);
+}
+
+template <class A>
+struct Best {
+  A value;
+  int64_t index;
+};
+
+// The best element of n elements at p with stride s, and its position.
+template <class T, bool IsMax>
+Best<opmath_t<T>> scan(const T* p, int64_t n, int64_t s) {
+  using A = opmath_t<T>;
+  if (s != 1 || n < 64) {
+    Best<A> best{load<A>(p), 0};
+    for (int64_t i = 1; i < n; ++i) {
+      A v = load<A>(p + i * s);
+      if (better<A, IsMax>(v, best.value)) best = {v, i};
+    }
+    return best;
+  }
+  using Op = std::conditional_t<IsMax, MaxOp<A>, MinOp<A>>;
+  const A m = contiguous_reduce(Op{}, p, n);
+  const bool want_nan = m != m;
+  constexpr int64_t kBlock = 64;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t i1 = std::min(n, i0 + kBlock);
+    bool hit = false;
+#pragma omp simd reduction(|| : hit)
+    for (int64_t i = i0; i < i1; ++i) {
+      A v = load<A>(p + i);
+      hit = hit || (want_nan ? v != v : v == m);
+    }
+    if (!hit) continue;
+    for (int64_t i = i0; i < i1; ++i) {
+      A v = load<A>(p + i);
+      if (want_nan ? v != v : v == m) return {v, i};
+    }
+  }
+  return {m, 0};  // not reached
+}
+
+template <class T, bool IsMax>
+void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices, T* values) {
+  using A = opmath_t<T>;
+  ReducePlan plan = make_plan(x, mask, /*reorder=*/false);
+  if (plan.num_outputs == 0) return;
+  const T* base = static_cast<const T*>(x.impl().data());
+  const Dim red = plan.reduced.back();
+  const int64_t D = red.size, s = red.stride;
+  const Dim* kept = plan.kept.data();
+
+  if (!plan.kept.empty() && plan.kept.back().stride == 1) {
+    // Vertical: outputs j of a block in lanes, rows along the reduced dim.
+    constexpr int64_t B = 64;
+    const int64_t J = plan.kept.back().size, nblocks = (J + B - 1) / B;
+    const size_t nouter = plan.kept.size() - 1;
+    parallel_for(plan.num_outputs / J * nblocks, std::max<int64_t>(1, kGrainSize / (D * B)), [&](int64_t b0, int64_t e0) {
+      for (int64_t t = b0; t < e0; ++t) {
+        int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, J - j0);
+        const T* p = base + offset_of(ko, kept, nouter) + j0;
+        A best[B];
+        int64_t idx[B] = {};
+        for (int64_t b = 0; b < jn; ++b) best[b] = load<A>(p + b);
+        for (int64_t r = 1; r < D; ++r) {
+          const T* row = p + r * s;
+#pragma omp simd
+          for (int64_t b = 0; b < jn; ++b) {
+            A v = load<A>(row + b);
+            bool take = better<A, IsMax>(v, best[b]);
+            best[b] = take ? v : best[b];
+            idx[b] = take ? r : idx[b];
+          }
+        }
+        int64_t o0 = ko * J + j0;
+        for (int64_t b = 0; b < jn; ++b) {
+          indices[o0 + b] = idx[b];
+          if (values) values[o0 + b] = store_as<T>(best[b]);
+        }
+      }
+    });
+    return;
+  }
+
+  auto write = [&](int64_t o, Best<A> r) {
+    indices[o] = r.index;
+    if (values) values[o] = store_as<T>(r.value);
+  };
+  if (plan.num_outputs >= max_threads() || D < 2 * kGrainSize) {
+    parallel_for(plan.num_outputs, std::max<int64_t>(1, kGrainSize / D), [&](int64_t b, int64_t e) {
+      OffsetWalker w(kept, plan.kept.size(), b);
+      for (int64_t o = b; o < e; ++o, w.next()) write(o, scan<T, IsMax>(base + w.offset(), D, s));
+    });
+    return;
+  }
+  // Few outputs, long rows: split each row across threads; earlier chunks win ties.
+  for (int64_t o = 0; o < plan.num_outputs; ++o) {
+    const T* p = base + offset_of(o, kept, plan.kept.size());
+    Best<A> r = parallel_fold<Best<A>>(
+        D, kGrainSize,
+        [&](int64_t b, int64_t e) {
+          Best<A> part = scan<T, IsMax>(p + b * s, e - b, s);
+          part.index += b;
+          return part;
+        },
+        [](Best<A> a, Best<A> b) { return better<A, IsMax>(b.value, a.value) ? b : a; });
+    write(o, r);
+  }
+}
+
+// argmax/argmin (attrs: dim?, keepdim) and max.dim/min.dim (attrs: dim, keepdim; outputs
+// values, indices).
+template <bool IsMax>
+void arg_kernel(const OpCall& c, std::span<Tensor> outs, bool with_values) {
+  Tensor x = c.input(0);
+  std::vector<bool> mask;
+  if (!c.has_attr(0)) {
+    x = x.contiguous().view({x.numel()});  // the flat index over all elements
+    mask = {true};
+  } else {
+    mask.assign(x.dim(), false);
+    if (x.dim() > 0) mask[kiln::detail::wrap_dim(c.int_attr(0), x.dim(), c.name())] = true;
+  }
+  Tensor& idx_out = with_values ? outs[1] : outs[0];
+  Tensor indices = idx_out.is_contiguous() ? idx_out : kiln::detail::make_empty(idx_out.sizes().vec(), kInt64, kCPU);
+  Tensor values;
+  if (with_values) {
+    values = outs[0].is_contiguous() ? outs[0] : kiln::detail::make_empty(outs[0].sizes().vec(), outs[0].dtype(), kCPU);
+  }
+  KILN_DISPATCH_ALL(x.dtype(), c.name(), [&] {
+    arg_reduce<scalar_t, IsMax>(x, mask, static_cast<int64_t*>(indices.impl().data()),
+                                with_values ? static_cast<scalar_t*>(values.impl().data()) : nullptr);
+  });
+  if (!indices.same(idx_out)) idx_out.copy_(indices);
+  if (with_values && !values.same(outs[0])) outs[0].copy_(values);
+}
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("argmax", DeviceType::cpu,
+                  [](const OpCall& c, std::span<Tensor> o) { arg_kernel<true>(c, o, false); });
+  register_kernel("argmin", DeviceType::cpu,
+                  [](const OpCall& c, std::span<Tensor> o) { arg_kernel<false>(c, o, false); });
+  register_kernel("max.dim", DeviceType::cpu,
+                  [](const OpCall& c, std::span<Tensor> o) { arg_kernel<true>(c, o, true); });
+  register_kernel("min.dim", DeviceType::cpu,
+                  [](const OpCall& c, std::span<Tensor> o) { arg_kernel<false>(c, o, true); });
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kiln::cpu

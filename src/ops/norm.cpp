@@ -1,0 +1,181 @@
+// Normalization. Table ops, as in aten: native_batch_norm, native_layer_norm and
+// native_group_norm, each returning (output, mean, inverse std) — the saved statistics backward
+// needs. batch_norm, layer_norm and group_norm are front-ends that take output 0.
+//
+// The statistics outputs are float32 for float16/bfloat16 inputs (the accumulation type) and the
+// input's dtype otherwise. native_batch_norm in eval mode returns the running mean and
+// 1 / sqrt(running_var + eps) as its statistics (PyTorch returns empty tensors there), so
+// backward can read them the same way in both modes.
+#include "core/shape.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+
+namespace {
+
+std::string dtype_str(DType t) { return std::string(dtype_name(t)); }
+
+DType stat_dtype(DType input) {
+  return input == DType::float16 || input == DType::bfloat16 ? DType::float32 : input;
+}
+
+void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if (!first) {
+      first = t;
+      continue;
+    }
+    KILN_CHECK(t->device() == first->device(), DeviceError,
+               "[kiln::" + op + "] expected all tensors to be on the same device, but found at least "
+               "two devices, " + first->device().str() + " and " + t->device().str() +
+                   ". Move them to one device with .to(...).");
+  }
+}
+
+void check_floating(const std::string& op, const Tensor& t, const char* what) {
+  KILN_CHECK(!t.defined() || is_floating_point(t.dtype()), DTypeError,
+             "[kiln::" + op + "] " + what + " must be floating point, but got dtype " + dtype_str(t.dtype()) +
+                 ". Convert it with .to(...).");
+}
+
+// A per-channel parameter: undefined, or a 1-D tensor of `channels` elements.
+void check_channel_vector(const std::string& op, const Tensor& t, const char* what, int64_t channels) {
+  if (!t.defined()) return;
+  KILN_CHECK(t.dim() == 1 && t.numel() == channels, ShapeError,
+             "[kiln::" + op + "] " + what + " should be a 1-D tensor of " + std::to_string(channels) +
+                 " elements (one per channel), but got shape " + shape_str(t.sizes()) + ".");
+}
+
+// Inputs: input, weight?, bias?, running_mean?, running_var?. Attrs: training, momentum, eps.
+const OpDef& kNativeBatchNorm = register_op({
+    .name = "native_batch_norm",
+    .schema = "native_batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+              "Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& x = c.input(0);
+      const Tensor& weight = c.input(1);
+      const Tensor& bias = c.input(2);
+      const Tensor& running_mean = c.input(3);
+      const Tensor& running_var = c.input(4);
+      const bool training = c.bool_attr(0);
+      KILN_CHECK(x.dim() >= 2, ShapeError,
+                 "[kiln::batch_norm] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                     shape_str(x.sizes()) + ".");
+      check_same_device("batch_norm", {&x, &weight, &bias, &running_mean, &running_var});
+      check_floating("batch_norm", x, "input");
+      check_floating("batch_norm", weight, "weight");
+      check_floating("batch_norm", bias, "bias");
+      check_floating("batch_norm", running_mean, "running_mean");
+      check_floating("batch_norm", running_var, "running_var");
+      const int64_t channels = x.sizes()[1];
+      check_channel_vector("batch_norm", weight, "weight", channels);
+      check_channel_vector("batch_norm", bias, "bias", channels);
+      check_channel_vector("batch_norm", running_mean, "running_mean", channels);
+      check_channel_vector("batch_norm", running_var, "running_var", channels);
+      KILN_CHECK(training || (running_mean.defined() && running_var.defined()), ValueError,
+                 "[kiln::batch_norm] running_mean and running_var must be defined in evaluation mode. Pass "
+                 "them, or use training=true.");
+      KILN_CHECK(!training || x.numel() / std::max<int64_t>(channels, 1) != 1 || channels == 0, ValueError,
+                 "[kiln::batch_norm] expected more than 1 value per channel when training, got input size " +
+                     shape_str(x.sizes()) + ".");
+      const DType st = stat_dtype(x.dtype());
+      return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{{channels}, {}, st, x.device()},
+              TensorMeta{{channels}, {}, st, x.device()}};
+    },
+    .mutated_inputs = {3, 4},
+    .lowering = "decomposition",
+});
+
+// Inputs: input, weight?, bias?. Attrs: normalized_shape, eps.
+const OpDef& kNativeLayerNorm = register_op({
+    .name = "native_layer_norm",
+    .schema = "native_layer_norm(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps) "
+              "-> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& x = c.input(0);
+      const Tensor& weight = c.input(1);
+      const Tensor& bias = c.input(2);
+      IntArrayRef shape = c.ints_attr(0);
+      KILN_CHECK(!shape.empty(), ShapeError,
+                 "[kiln::layer_norm] expected normalized_shape to be at least 1-dimensional, i.e., containing "
+                 "at least one element, but got normalized_shape = ().");
+      check_same_device("layer_norm", {&x, &weight, &bias});
+      check_floating("layer_norm", x, "input");
+      check_floating("layer_norm", weight, "weight");
+      check_floating("layer_norm", bias, "bias");
+      KILN_CHECK(!weight.defined() || weight.sizes() == shape, ShapeError,
+                 "[kiln::layer_norm] expected weight to be of same shape as normalized_shape, but got weight of "
+                 "shape " + shape_str(weight.sizes()) + " and normalized_shape = " + shape_str(shape) + ".");
+      KILN_CHECK(!bias.defined() || bias.sizes() == shape, ShapeError,
+                 "[kiln::layer_norm] expected bias to be of same shape as normalized_shape, but got bias of "
+                 "shape " + shape_str(bias.sizes()) + " and normalized_shape = " + shape_str(shape) + ".");
+      const int64_t axis = x.dim() - static_cast<int64_t>(shape.size());
+      KILN_CHECK(axis >= 0 && IntArrayRef(x.sizes().data() + axis, shape.size()) == shape, ShapeError,
+                 "[kiln::layer_norm] given normalized_shape=" + shape_str(shape) + ", expected input with shape (*" +
+                     [&] {
+                       std::string s;
+                       for (int64_t d : shape) s += ", " + std::to_string(d);
+                       return s;
+                     }() + "), but got input of size " + shape_str(x.sizes()) + ".");
+      std::vector<int64_t> stat_sizes(x.sizes().begin(), x.sizes().begin() + axis);
+      stat_sizes.resize(x.dim(), 1);
+      const DType st = stat_dtype(x.dtype());
+      return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{stat_sizes, {}, st, x.device()},
+              TensorMeta{stat_sizes, {}, st, x.device()}};
+    },
+    .lowering = "decomposition",
+});
+
+// Inputs: input, weight?, bias?. Attrs: group, eps. Statistics are (N, group).
+const OpDef& kNativeGroupNorm = register_op({
+    .name = "native_group_norm",
+    .schema = "native_group_norm(Tensor input, Tensor? weight, Tensor? bias, int group, float eps) "
+              "-> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& x = c.input(0);
+      const Tensor& weight = c.input(1);
+      const Tensor& bias = c.input(2);
+      const int64_t groups = c.int_attr(0);
+      KILN_CHECK(x.dim() >= 2, ShapeError,
+                 "[kiln::group_norm] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                     shape_str(x.sizes()) + ".");
+      check_same_device("group_norm", {&x, &weight, &bias});
+      check_floating("group_norm", x, "input");
+      check_floating("group_norm", weight, "weight");
+      check_floating("group_norm", bias, "bias");
+      KILN_CHECK(groups > 0, ValueError,
+                 "[kiln::group_norm] num_groups must be positive, but got " + std::to_string(groups) + ".");
+      const int64_t channels = x.sizes()[1];
+      KILN_CHECK(channels % groups == 0, ShapeError,
+                 "[kiln::group_norm] expected number of channels in input to be divisible by num_groups, but got "
+                 "input of shape " + shape_str(x.sizes()) + " and num_groups=" + std::to_string(groups) + ".");
+      check_channel_vector("group_norm", weight, "weight", channels);
+      check_channel_vector("group_norm", bias, "bias", channels);
+      const DType st = stat_dtype(x.dtype());
+      const std::vector<int64_t> stat_sizes{x.sizes()[0], groups};
+      return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{stat_sizes, {}, st, x.device()},
+              TensorMeta{stat_sizes, {}, st, x.device()}};
+    },
+    .lowering = "decomposition",
+});
+
+}  // namespace
+
+Tensor batch_norm(const Tensor& input, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  return call_op(kNativeBatchNorm, {input, weight, bias, running_mean, running_var}, {training, momentum, eps})[0];
+}
+
+Tensor layer_norm(const Tensor& input, IntArrayRef normalized_shape, const Tensor& weight, const Tensor& bias,
+                  double eps) {
+  return call_op(kNativeLayerNorm, {input, weight, bias}, {normalized_shape.vec(), eps})[0];
+}
+
+Tensor group_norm(const Tensor& input, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  return call_op(kNativeGroupNorm, {input, weight, bias}, {num_groups, eps})[0];
+}
+
+}  // namespace kiln

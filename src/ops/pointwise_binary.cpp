@@ -1,0 +1,310 @@
+// Pointwise binary ops: arithmetic, division, pow, remainder, maximum/minimum, atan2,
+// comparisons, logical and bitwise ops; their Tensor methods, in-place forms and operators.
+//
+// Every op broadcasts its operands and promotes them with detail::result_type (PyTorch's rules,
+// wrapped scalars included). Host scalars become 0-dim "wrapped numbers": floating ones are
+// wrapped as float64 so that a float64 tensor sees the exact value; promotion still treats them
+// as the default float dtype.
+#include <optional>
+#include <string>
+
+#include "core/shape.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+
+namespace {
+
+Tensor wrap(const Scalar& s) {
+  return detail::wrap_scalar(s, s.is_floating_point() ? std::optional<DType>(kFloat64) : std::nullopt);
+}
+
+// The device all tensor inputs share; 0-dim CPU tensors (wrapped scalars) may join any device.
+Device common_device(const OpCall& c) {
+  std::optional<Device> device;
+  for (const Tensor& t : c.inputs) {
+    if (!t.defined() || (t.dim() == 0 && t.is_cpu())) continue;
+    if (!device) {
+      device = t.device();
+    } else {
+      KILN_CHECK(*device == t.device(), DeviceError,
+                 "[kiln::" + c.name() + "] expected all tensors to be on the same device, but found " +
+                     device->str() + " and " + t.device().str() + ". Move them to one device with .to(...).");
+    }
+  }
+  return device.value_or(kCPU);
+}
+
+std::vector<int64_t> broadcast_inputs(const OpCall& c) {
+  std::vector<int64_t> sizes;
+  for (const Tensor& t : c.inputs)
+    if (t.defined()) sizes = detail::broadcast_sizes(sizes, t.sizes(), c.name());
+  return sizes;
+}
+
+std::string name_of(DType t) { return std::string(dtype_name(t)); }
+
+// The output dtype from the promoted dtype of the operands; throws for dtypes the op rejects.
+using DTypeRule = DType (*)(const OpCall& c, DType common);
+
+MetaFn binary_meta(DTypeRule rule) {
+  return [rule](const OpCall& c) -> std::vector<TensorMeta> {
+    Device device = common_device(c);
+    auto sizes = broadcast_inputs(c);
+    DType out = rule(c, detail::result_type(c.inputs));
+    return {TensorMeta{std::move(sizes), {}, out, device}};
+  };
+}
+
+OpDef binary_def(const char* name, const char* schema, DTypeRule rule) {
+  return OpDef{.name = name, .schema = schema, .meta = binary_meta(rule), .pointwise = true,
+               .lowering = "pointwise"};
+}
+
+DType keep(const OpCall&, DType common) { return common; }
+DType to_bool(const OpCall&, DType) { return kBool; }
+DType to_float(const OpCall&, DType common) {
+  return is_integral(common, /*include_bool=*/true) ? default_dtype() : common;
+}
+
+void check_alpha(const OpCall& c, DType common) {
+  if (!c.has_attr(0)) return;
+  const Scalar& alpha = c.scalar_attr(0);
+  KILN_CHECK(!alpha.is_boolean() || common == kBool, DTypeError,
+             "[kiln::" + c.name() + "] Boolean alpha only supported for Boolean results. Pass an integer alpha.");
+  KILN_CHECK(is_floating_point(common) || !alpha.is_floating_point(), DTypeError,
+             "[kiln::" + c.name() +
+                 "] For integral input tensors, argument alpha must not be a floating point number. "
+                 "Convert the inputs to a floating dtype first.");
+}
+
+DType add_rule(const OpCall& c, DType common) {
+  check_alpha(c, common);
+  return common;
+}
+
+DType sub_rule(const OpCall& c, DType common) {
+  bool a = c.input(0).dtype() == kBool, b = c.input(1).dtype() == kBool;
+  KILN_CHECK(!(a && b), DTypeError,
+             "[kiln::sub] Subtraction, the `-` operator, with two bool tensors is not supported. "
+             "Use the `^` or `logical_xor()` operator instead.");
+  KILN_CHECK(!(a || b), DTypeError,
+             "[kiln::sub] Subtraction, the `-` operator, with a bool tensor is not supported. "
+             "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.");
+  check_alpha(c, common);
+  return common;
+}
+
+DType div_rule(const OpCall& c, DType common) {
+  if (!c.has_attr(0)) return to_float(c, common);
+  const std::string& mode = c.string_attr(0);
+  KILN_CHECK(mode == "trunc" || mode == "floor", ValueError,
+             "[kiln::div] div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '" +
+                 mode + "'.");
+  KILN_CHECK(common != kBool, DTypeError,
+             "[kiln::div] division with rounding_mode='" + mode +
+                 "' is not implemented for bool. Convert the inputs to an integer dtype first.");
+  return common;
+}
+
+DType no_bool_rule(const OpCall& c, DType common) {
+  KILN_CHECK(common != kBool, DTypeError,
+             "[kiln::" + c.name() + "] not implemented for bool. Convert the inputs to an integer dtype first.");
+  return common;
+}
+
+DType pow_rule(const OpCall& c, DType common) {
+  no_bool_rule(c, common);
+  const Tensor& exponent = c.input(1);
+  if (is_integral(common) && exponent.impl().is_wrapped_number && is_integral(exponent.dtype()) &&
+      exponent.item().to_int() < 0) {
+    throw ValueError("[kiln::pow] Integers to negative integer powers are not allowed. "
+                     "Use a floating-point base or exponent.");
+  }
+  return common;
+}
+
+DType bitwise_rule(const OpCall& c, DType common) {
+  KILN_CHECK(is_integral(common, /*include_bool=*/true), DTypeError,
+             "[kiln::" + c.name() + "] not implemented for " + name_of(common) +
+                 ": bitwise ops take integer or bool tensors. Use logical ops for floating-point values.");
+  return common;
+}
+
+DType shift_rule(const OpCall& c, DType common) {
+  KILN_CHECK(is_integral(common), DTypeError,
+             "[kiln::" + c.name() + "] not implemented for " + name_of(common) +
+                 ": shifts take integer tensors. Convert the inputs with .to(kInt64).");
+  return common;
+}
+
+const OpDef& kAdd = register_op(
+    binary_def("add", "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", add_rule));
+const OpDef& kSub = register_op(
+    binary_def("sub", "sub(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", sub_rule));
+const OpDef& kMul = register_op(binary_def("mul", "mul(Tensor self, Tensor other) -> Tensor", keep));
+const OpDef& kDiv = register_op(
+    binary_def("div", "div(Tensor self, Tensor other, *, str? rounding_mode=None) -> Tensor", div_rule));
+const OpDef& kPow = register_op(binary_def("pow", "pow(Tensor self, Tensor exponent) -> Tensor", pow_rule));
+const OpDef& kRemainder =
+    register_op(binary_def("remainder", "remainder(Tensor self, Tensor other) -> Tensor", no_bool_rule));
+const OpDef& kMaximum = register_op(binary_def("maximum", "maximum(Tensor self, Tensor other) -> Tensor", keep));
+const OpDef& kMinimum = register_op(binary_def("minimum", "minimum(Tensor self, Tensor other) -> Tensor", keep));
+const OpDef& kAtan2 = register_op(binary_def("atan2", "atan2(Tensor self, Tensor other) -> Tensor", to_float));
+const OpDef& kEq = register_op(binary_def("eq", "eq(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kNe = register_op(binary_def("ne", "ne(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kLt = register_op(binary_def("lt", "lt(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kLe = register_op(binary_def("le", "le(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kGt = register_op(binary_def("gt", "gt(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kGe = register_op(binary_def("ge", "ge(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kLogicalAnd =
+    register_op(binary_def("logical_and", "logical_and(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kLogicalOr =
+    register_op(binary_def("logical_or", "logical_or(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kLogicalXor =
+    register_op(binary_def("logical_xor", "logical_xor(Tensor self, Tensor other) -> Tensor", to_bool));
+const OpDef& kBitwiseAnd =
+    register_op(binary_def("bitwise_and", "bitwise_and(Tensor self, Tensor other) -> Tensor", bitwise_rule));
+const OpDef& kBitwiseOr =
+    register_op(binary_def("bitwise_or", "bitwise_or(Tensor self, Tensor other) -> Tensor", bitwise_rule));
+const OpDef& kBitwiseXor =
+    register_op(binary_def("bitwise_xor", "bitwise_xor(Tensor self, Tensor other) -> Tensor", bitwise_rule));
+const OpDef& kLeftShift = register_op(binary_def(
+    "bitwise_left_shift", "bitwise_left_shift(Tensor self, Tensor other) -> Tensor", shift_rule));
+const OpDef& kRightShift = register_op(binary_def(
+    "bitwise_right_shift", "bitwise_right_shift(Tensor self, Tensor other) -> Tensor", shift_rule));
+
+Attr rounding_attr(const std::optional<std::string>& mode) { return mode ? Attr(*mode) : Attr(); }
+
+// Runs `op` writing into `self` (the in-place forms).
+Tensor& in_place(const OpDef& op, Tensor& self, const Tensor& other, std::vector<Attr> attrs = {}) {
+  Tensor out[1] = {self};
+  call_op_out(op, {self, other}, std::move(attrs), out);
+  return self;
+}
+
+}  // namespace
+
+// ---------------- free functions ----------------
+
+Tensor add(const Tensor& a, const Tensor& b, Scalar alpha) { return call_op1(kAdd, {a, b}, {alpha}); }
+Tensor add(const Tensor& a, Scalar b, Scalar alpha) { return call_op1(kAdd, {a, wrap(b)}, {alpha}); }
+Tensor sub(const Tensor& a, const Tensor& b, Scalar alpha) { return call_op1(kSub, {a, b}, {alpha}); }
+Tensor sub(const Tensor& a, Scalar b, Scalar alpha) { return call_op1(kSub, {a, wrap(b)}, {alpha}); }
+Tensor mul(const Tensor& a, const Tensor& b) { return call_op1(kMul, {a, b}); }
+Tensor mul(const Tensor& a, Scalar b) { return call_op1(kMul, {a, wrap(b)}); }
+Tensor div(const Tensor& a, const Tensor& b, std::optional<std::string> mode) {
+  return call_op1(kDiv, {a, b}, {rounding_attr(mode)});
+}
+Tensor div(const Tensor& a, Scalar b, std::optional<std::string> mode) {
+  return call_op1(kDiv, {a, wrap(b)}, {rounding_attr(mode)});
+}
+Tensor floor_divide(const Tensor& a, const Tensor& b) { return div(a, b, "floor"); }
+Tensor pow(const Tensor& base, const Tensor& exponent) { return call_op1(kPow, {base, exponent}); }
+Tensor pow(const Tensor& base, Scalar exponent) { return call_op1(kPow, {base, wrap(exponent)}); }
+Tensor pow(Scalar base, const Tensor& exponent) { return call_op1(kPow, {wrap(base), exponent}); }
+Tensor remainder(const Tensor& a, const Tensor& b) { return call_op1(kRemainder, {a, b}); }
+Tensor remainder(const Tensor& a, Scalar b) { return call_op1(kRemainder, {a, wrap(b)}); }
+Tensor maximum(const Tensor& a, const Tensor& b) { return call_op1(kMaximum, {a, b}); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return call_op1(kMinimum, {a, b}); }
+Tensor atan2(const Tensor& a, const Tensor& b) { return call_op1(kAtan2, {a, b}); }
+Tensor eq(const Tensor& a, const Tensor& b) { return call_op1(kEq, {a, b}); }
+Tensor eq(const Tensor& a, Scalar b) { return call_op1(kEq, {a, wrap(b)}); }
+Tensor ne(const Tensor& a, const Tensor& b) { return call_op1(kNe, {a, b}); }
+Tensor ne(const Tensor& a, Scalar b) { return call_op1(kNe, {a, wrap(b)}); }
+Tensor lt(const Tensor& a, const Tensor& b) { return call_op1(kLt, {a, b}); }
+Tensor lt(const Tensor& a, Scalar b) { return call_op1(kLt, {a, wrap(b)}); }
+Tensor le(const Tensor& a, const Tensor& b) { return call_op1(kLe, {a, b}); }
+Tensor le(const Tensor& a, Scalar b) { return call_op1(kLe, {a, wrap(b)}); }
+Tensor gt(const Tensor& a, const Tensor& b) { return call_op1(kGt, {a, b}); }
+Tensor gt(const Tensor& a, Scalar b) { return call_op1(kGt, {a, wrap(b)}); }
+Tensor ge(const Tensor& a, const Tensor& b) { return call_op1(kGe, {a, b}); }
+Tensor ge(const Tensor& a, Scalar b) { return call_op1(kGe, {a, wrap(b)}); }
+Tensor logical_and(const Tensor& a, const Tensor& b) { return call_op1(kLogicalAnd, {a, b}); }
+Tensor logical_or(const Tensor& a, const Tensor& b) { return call_op1(kLogicalOr, {a, b}); }
+Tensor logical_xor(const Tensor& a, const Tensor& b) { return call_op1(kLogicalXor, {a, b}); }
+Tensor bitwise_and(const Tensor& a, const Tensor& b) { return call_op1(kBitwiseAnd, {a, b}); }
+Tensor bitwise_or(const Tensor& a, const Tensor& b) { return call_op1(kBitwiseOr, {a, b}); }
+Tensor bitwise_xor(const Tensor& a, const Tensor& b) { return call_op1(kBitwiseXor, {a, b}); }
+Tensor bitwise_left_shift(const Tensor& a, const Tensor& b) { return call_op1(kLeftShift, {a, b}); }
+Tensor bitwise_right_shift(const Tensor& a, const Tensor& b) { return call_op1(kRightShift, {a, b}); }
+
+// ---------------- Tensor methods ----------------
+
+Tensor& Tensor::add_(const Tensor& other, Scalar alpha) { return in_place(kAdd, *this, other, {alpha}); }
+Tensor& Tensor::add_(Scalar other, Scalar alpha) { return in_place(kAdd, *this, wrap(other), {alpha}); }
+Tensor& Tensor::sub_(const Tensor& other, Scalar alpha) { return in_place(kSub, *this, other, {alpha}); }
+Tensor& Tensor::sub_(Scalar other, Scalar alpha) { return in_place(kSub, *this, wrap(other), {alpha}); }
+Tensor& Tensor::mul_(const Tensor& other) { return in_place(kMul, *this, other); }
+Tensor& Tensor::mul_(Scalar other) { return in_place(kMul, *this, wrap(other)); }
+Tensor& Tensor::div_(const Tensor& other) { return in_place(kDiv, *this, other, {Attr()}); }
+Tensor& Tensor::div_(Scalar other) { return in_place(kDiv, *this, wrap(other), {Attr()}); }
+Tensor& Tensor::pow_(Scalar exponent) { return in_place(kPow, *this, wrap(exponent)); }
+Tensor& Tensor::maximum_(const Tensor& other) { return in_place(kMaximum, *this, other); }
+
+Tensor Tensor::pow(const Tensor& exponent) const { return kiln::pow(*this, exponent); }
+Tensor Tensor::pow(Scalar exponent) const { return kiln::pow(*this, exponent); }
+Tensor Tensor::eq(const Tensor& other) const { return kiln::eq(*this, other); }
+Tensor Tensor::ne(const Tensor& other) const { return kiln::ne(*this, other); }
+Tensor Tensor::lt(const Tensor& other) const { return kiln::lt(*this, other); }
+Tensor Tensor::le(const Tensor& other) const { return kiln::le(*this, other); }
+Tensor Tensor::gt(const Tensor& other) const { return kiln::gt(*this, other); }
+Tensor Tensor::ge(const Tensor& other) const { return kiln::ge(*this, other); }
+
+// ---------------- operators ----------------
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator+(const Tensor& a, Scalar b) { return add(a, b); }
+Tensor operator+(Scalar a, const Tensor& b) { return add(wrap(a), b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator-(const Tensor& a, Scalar b) { return sub(a, b); }
+Tensor operator-(Scalar a, const Tensor& b) { return sub(wrap(a), b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator*(const Tensor& a, Scalar b) { return mul(a, b); }
+Tensor operator*(Scalar a, const Tensor& b) { return mul(wrap(a), b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator/(const Tensor& a, Scalar b) { return div(a, b); }
+Tensor operator/(Scalar a, const Tensor& b) { return div(wrap(a), b); }
+Tensor operator%(const Tensor& a, const Tensor& b) { return remainder(a, b); }
+Tensor operator%(const Tensor& a, Scalar b) { return remainder(a, b); }
+Tensor operator%(Scalar a, const Tensor& b) { return remainder(wrap(a), b); }
+Tensor operator==(const Tensor& a, const Tensor& b) { return eq(a, b); }
+Tensor operator==(const Tensor& a, Scalar b) { return eq(a, b); }
+Tensor operator==(Scalar a, const Tensor& b) { return eq(b, a); }
+Tensor operator!=(const Tensor& a, const Tensor& b) { return ne(a, b); }
+Tensor operator!=(const Tensor& a, Scalar b) { return ne(a, b); }
+Tensor operator!=(Scalar a, const Tensor& b) { return ne(b, a); }
+Tensor operator<(const Tensor& a, const Tensor& b) { return lt(a, b); }
+Tensor operator<(const Tensor& a, Scalar b) { return lt(a, b); }
+Tensor operator<(Scalar a, const Tensor& b) { return gt(b, a); }
+Tensor operator<=(const Tensor& a, const Tensor& b) { return le(a, b); }
+Tensor operator<=(const Tensor& a, Scalar b) { return le(a, b); }
+Tensor operator<=(Scalar a, const Tensor& b) { return ge(b, a); }
+Tensor operator>(const Tensor& a, const Tensor& b) { return gt(a, b); }
+Tensor operator>(const Tensor& a, Scalar b) { return gt(a, b); }
+Tensor operator>(Scalar a, const Tensor& b) { return lt(b, a); }
+Tensor operator>=(const Tensor& a, const Tensor& b) { return ge(a, b); }
+Tensor operator>=(const Tensor& a, Scalar b) { return ge(a, b); }
+Tensor operator>=(Scalar a, const Tensor& b) { return le(b, a); }
+Tensor operator&(const Tensor& a, const Tensor& b) { return bitwise_and(a, b); }
+Tensor operator&(const Tensor& a, Scalar b) { return bitwise_and(a, wrap(b)); }
+Tensor operator&(Scalar a, const Tensor& b) { return bitwise_and(wrap(a), b); }
+Tensor operator|(const Tensor& a, const Tensor& b) { return bitwise_or(a, b); }
+Tensor operator|(const Tensor& a, Scalar b) { return bitwise_or(a, wrap(b)); }
+Tensor operator|(Scalar a, const Tensor& b) { return bitwise_or(wrap(a), b); }
+Tensor operator^(const Tensor& a, const Tensor& b) { return bitwise_xor(a, b); }
+Tensor operator^(const Tensor& a, Scalar b) { return bitwise_xor(a, wrap(b)); }
+Tensor operator^(Scalar a, const Tensor& b) { return bitwise_xor(wrap(a), b); }
+
+Tensor& operator+=(Tensor& a, const Tensor& b) { return a.add_(b); }
+Tensor& operator+=(Tensor& a, Scalar b) { return a.add_(b); }
+Tensor& operator-=(Tensor& a, const Tensor& b) { return a.sub_(b); }
+Tensor& operator-=(Tensor& a, Scalar b) { return a.sub_(b); }
+Tensor& operator*=(Tensor& a, const Tensor& b) { return a.mul_(b); }
+Tensor& operator*=(Tensor& a, Scalar b) { return a.mul_(b); }
+Tensor& operator/=(Tensor& a, const Tensor& b) { return a.div_(b); }
+Tensor& operator/=(Tensor& a, Scalar b) { return a.div_(b); }
+
+}  // namespace kiln

@@ -1,0 +1,221 @@
+// Pointwise ternary ops: where, clamp, lerp, addcmul, addcdiv, masked_fill; their Tensor methods
+// and in-place forms. All broadcast their tensor operands; host scalars become 0-dim wrapped
+// numbers (floating ones as float64, promoted like Python numbers).
+#include <optional>
+#include <string>
+
+#include "core/shape.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln {
+
+namespace {
+
+Tensor wrap(const Scalar& s) {
+  return detail::wrap_scalar(s, s.is_floating_point() ? std::optional<DType>(kFloat64) : std::nullopt);
+}
+
+std::string name_of(DType t) { return std::string(dtype_name(t)); }
+
+// The device all tensor inputs share; 0-dim CPU tensors (wrapped scalars) may join any device.
+Device common_device(const OpCall& c) {
+  std::optional<Device> device;
+  for (const Tensor& t : c.inputs) {
+    if (!t.defined() || (t.dim() == 0 && t.is_cpu())) continue;
+    if (!device) {
+      device = t.device();
+    } else {
+      KILN_CHECK(*device == t.device(), DeviceError,
+                 "[kiln::" + c.name() + "] expected all tensors to be on the same device, but found " +
+                     device->str() + " and " + t.device().str() + ". Move them to one device with .to(...).");
+    }
+  }
+  return device.value_or(kCPU);
+}
+
+std::vector<int64_t> broadcast_inputs(const OpCall& c) {
+  std::vector<int64_t> sizes;
+  for (const Tensor& t : c.inputs)
+    if (t.defined()) sizes = detail::broadcast_sizes(sizes, t.sizes(), c.name());
+  return sizes;
+}
+
+TensorMeta broadcast_meta(const OpCall& c, DType dtype) {
+  Device device = common_device(c);
+  return TensorMeta{broadcast_inputs(c), {}, dtype, device};
+}
+
+// where(condition, self, other)
+const OpDef& kWhere = register_op(OpDef{
+    .name = "where",
+    .schema = "where(Tensor condition, Tensor self, Tensor other) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& cond = c.input(0);
+      KILN_CHECK(cond.dtype() == kBool, DTypeError,
+                 "[kiln::where] where expected condition to be a boolean tensor, but got a tensor with dtype " +
+                     name_of(cond.dtype()) + ". Compare it (x != 0) or convert it with .to(kBool).");
+      const Tensor values[2] = {c.input(1), c.input(2)};
+      return {broadcast_meta(c, detail::result_type(values))};
+    },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+// clamp(self, min, max): min and max are tensors (0-dim for scalar bounds) or undefined (None).
+const OpDef& kClamp = register_op(OpDef{
+    .name = "clamp",
+    .schema = "clamp(Tensor self, Tensor? min=None, Tensor? max=None) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      KILN_CHECK(c.input(1).defined() || c.input(2).defined(), ValueError,
+                 "[kiln::clamp] At least one of 'min' or 'max' must not be None. Pass a bound.");
+      DType out = detail::result_type(c.inputs);
+      KILN_CHECK(out != kBool, DTypeError,
+                 "[kiln::clamp] clamp is not implemented for bool. Convert the input with .to(...) first.");
+      return {broadcast_meta(c, out)};
+    },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+// lerp(self, end, weight): weight is a tensor or a wrapped scalar.
+const OpDef& kLerp = register_op(OpDef{
+    .name = "lerp",
+    .schema = "lerp(Tensor self, Tensor end, Tensor weight) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor &start = c.input(0), &end = c.input(1), &weight = c.input(2);
+      KILN_CHECK(is_floating_point(start.dtype()), DTypeError,
+                 "[kiln::lerp] lerp is not implemented for " + name_of(start.dtype()) +
+                     ". Use floating-point tensors.");
+      KILN_CHECK(end.dtype() == start.dtype(), DTypeError,
+                 "[kiln::lerp] expected dtype " + name_of(start.dtype()) + " for `end` but got dtype " +
+                     name_of(end.dtype()) + ". Convert it with .to(...).");
+      KILN_CHECK(weight.impl().is_wrapped_number || weight.dtype() == start.dtype(), DTypeError,
+                 "[kiln::lerp] expected dtype " + name_of(start.dtype()) + " for `weight` but got dtype " +
+                     name_of(weight.dtype()) + ". Convert it with .to(...).");
+      return {broadcast_meta(c, start.dtype())};
+    },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+DType addc_dtype(const OpCall& c) {
+  DType out = detail::result_type(c.inputs);
+  KILN_CHECK(out != kBool, DTypeError,
+             "[kiln::" + c.name() + "] not implemented for bool. Convert the inputs with .to(...) first.");
+  KILN_CHECK(is_floating_point(out) || !c.scalar_attr(0).is_floating_point(), DTypeError,
+             "[kiln::" + c.name() +
+                 "] For integral input tensors, argument value must not be a floating point number. "
+                 "Convert the inputs to a floating dtype first.");
+  return out;
+}
+
+const OpDef& kAddcmul = register_op(OpDef{
+    .name = "addcmul",
+    .schema = "addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> { return {broadcast_meta(c, addc_dtype(c))}; },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+const OpDef& kAddcdiv = register_op(OpDef{
+    .name = "addcdiv",
+    .schema = "addcdiv(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      KILN_CHECK(!(is_integral(c.input(1).dtype(), true) && is_integral(c.input(2).dtype(), true)), DTypeError,
+                 "[kiln::addcdiv] Integer division with addcdiv is no longer supported, and in a future release "
+                 "addcdiv will perform a true division of tensor1 and tensor2. The historic addcdiv behavior can "
+                 "be implemented as (input + value * trunc(tensor1 / tensor2)).to(input.dtype) for integer inputs "
+                 "and as (input + value * tensor1 / tensor2) for float inputs. The future addcdiv behavior is just "
+                 "the latter implementation: (input + value * tensor1 / tensor2), for all dtypes.");
+      return {broadcast_meta(c, addc_dtype(c))};
+    },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+// masked_fill(self, mask, value): value is a 0-dim tensor (a wrapped scalar for the Scalar form).
+const OpDef& kMaskedFill = register_op(OpDef{
+    .name = "masked_fill",
+    .schema = "masked_fill(Tensor self, Tensor mask, Tensor value) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor &x = c.input(0), &mask = c.input(1), &value = c.input(2);
+      KILN_CHECK(mask.dtype() == kBool, DTypeError,
+                 "[kiln::masked_fill] masked_fill_ only supports boolean masks, but got mask with dtype " +
+                     name_of(mask.dtype()) + ". Compare it (m != 0) or convert it with .to(kBool).");
+      KILN_CHECK(value.dim() == 0, ShapeError,
+                 "[kiln::masked_fill] masked_fill_ only supports a 0-dimensional value tensor, but got tensor "
+                 "with " + std::to_string(value.dim()) + " dimension(s). Pass a scalar or a 0-dim tensor.");
+      return {broadcast_meta(c, x.dtype())};
+    },
+    .pointwise = true,
+    .lowering = "pointwise",
+});
+
+Tensor bound(const std::optional<Scalar>& s) { return s ? wrap(*s) : Tensor(); }
+
+Tensor& in_place(const OpDef& op, Tensor& self, std::vector<Tensor> inputs, std::vector<Attr> attrs = {}) {
+  Tensor out[1] = {self};
+  call_op_out(op, std::move(inputs), std::move(attrs), out);
+  return self;
+}
+
+}  // namespace
+
+// ---------------- free functions ----------------
+
+Tensor where(const Tensor& condition, const Tensor& a, const Tensor& b) {
+  return call_op1(kWhere, {condition, a, b});
+}
+Tensor where(const Tensor& condition, const Tensor& a, Scalar b) { return call_op1(kWhere, {condition, a, wrap(b)}); }
+Tensor where(const Tensor& condition, Scalar a, const Tensor& b) { return call_op1(kWhere, {condition, wrap(a), b}); }
+
+Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max) {
+  return call_op1(kClamp, {x, bound(min), bound(max)});
+}
+Tensor clamp(const Tensor& x, const Tensor& min, const Tensor& max) { return call_op1(kClamp, {x, min, max}); }
+
+Tensor lerp(const Tensor& start, const Tensor& end, Scalar weight) {
+  return call_op1(kLerp, {start, end, wrap(weight)});
+}
+Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight) {
+  return call_op1(kLerp, {start, end, weight});
+}
+
+Tensor addcmul(const Tensor& self, const Tensor& t1, const Tensor& t2, Scalar value) {
+  return call_op1(kAddcmul, {self, t1, t2}, {value});
+}
+Tensor addcdiv(const Tensor& self, const Tensor& t1, const Tensor& t2, Scalar value) {
+  return call_op1(kAddcdiv, {self, t1, t2}, {value});
+}
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
+  return call_op1(kMaskedFill, {x, mask, wrap(value)});
+}
+Tensor masked_fill(const Tensor& x, const Tensor& mask, const Tensor& value) {
+  return call_op1(kMaskedFill, {x, mask, value});
+}
+
+// ---------------- Tensor methods ----------------
+
+Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
+  return in_place(kClamp, *this, {*this, bound(min), bound(max)});
+}
+Tensor& Tensor::lerp_(const Tensor& end, Scalar weight) { return in_place(kLerp, *this, {*this, end, wrap(weight)}); }
+Tensor& Tensor::addcmul_(const Tensor& t1, const Tensor& t2, Scalar value) {
+  return in_place(kAddcmul, *this, {*this, t1, t2}, {value});
+}
+Tensor& Tensor::addcdiv_(const Tensor& t1, const Tensor& t2, Scalar value) {
+  return in_place(kAddcdiv, *this, {*this, t1, t2}, {value});
+}
+Tensor& Tensor::masked_fill_(const Tensor& mask, Scalar value) {
+  return in_place(kMaskedFill, *this, {*this, mask, wrap(value)});
+}
+
+Tensor Tensor::clamp(std::optional<Scalar> min, std::optional<Scalar> max) const {
+  return kiln::clamp(*this, min, max);
+}
+Tensor Tensor::masked_fill(const Tensor& mask, Scalar value) const { return kiln::masked_fill(*this, mask, value); }
+
+}  // namespace kiln
