@@ -316,6 +316,40 @@ TEST(AdvancedIndex, BoolMasksSelectInRowMajorOrder) {
   EXPECT_TRUE(matches(index(x, {tensor<bool>({false, false, false})}), {0, 4}, {}));
 }
 
+TEST(AdvancedIndex, MasksOverUnmergeableDimsOrWithOtherIndicesUseCoordinates) {
+  // A transposed view cannot merge the mask's dims: one coordinate tensor per mask dim.
+  Tensor xt = seq({4, 3}, kFloat32).t();  // (3, 4), xt[i][j] = 3j + i
+  Tensor mask = tensor<bool>({false, true, false, false, true, false, false, true, false, false, false, true})
+                    .view({3, 4});
+  EXPECT_TRUE(matches(index(xt, {mask}), {4}, {3, 1, 10, 11}));
+  // A mask next to another index tensor: its nonzero coordinates broadcast with it.
+  Tensor x = seq({2, 3, 4}, kFloat64);
+  Tensor m = tensor<bool>({true, false, true, false, false, true}).view({2, 3});  // (0,0) (0,2) (1,2)
+  EXPECT_TRUE(matches(index(x, {m, longs({3, 0, 1})}), {3}, {3, 8, 21}));
+  EXPECT_TRUE(matches(index(x, {m, longs({2})}), {3}, {2, 10, 22}));
+  // uint8 masks behave like bool ones.
+  EXPECT_TRUE(matches(index(x, {m.to(kUInt8), longs({2})}), {3}, {2, 10, 22}));
+}
+
+TEST(AdvancedIndex, LargeMasksMatchReferenceAcrossThreadChunks) {
+  const int64_t rows = 300, cols = 301;
+  std::vector<bool> mv(rows * cols);
+  std::vector<double> ref;
+  for (int64_t i = 0; i < rows * cols; ++i) {
+    mv[i] = (i * 7) % 3 == 0 || i % 11 == 0;
+    if (mv[i]) ref.push_back(static_cast<double>(i));
+  }
+  Tensor mask = tensor<bool>(mv, {rows, cols});
+  Tensor x = seq({rows, cols}, kFloat64);
+  EXPECT_TRUE(matches(index(x, {mask}), {static_cast<int64_t>(ref.size())}, ref));
+  // Coordinate path (mask dims not mergeable in a transposed view of the transpose).
+  Tensor xt = seq({cols, rows}, kFloat64).t();  // (rows, cols), xt[i][j] = j * rows + i
+  std::vector<double> ref_t;
+  for (int64_t i = 0; i < rows * cols; ++i)
+    if (mv[i]) ref_t.push_back(static_cast<double>((i % cols) * rows + i / cols));
+  EXPECT_TRUE(matches(index(xt, {mask}), {static_cast<int64_t>(ref_t.size())}, ref_t));
+}
+
 TEST(AdvancedIndex, NonContiguousSelfAndEmptyIndex) {
   Tensor x = seq({4, 3}, kFloat32).t();  // (3, 4), x[i][j] = 3j + i
   EXPECT_TRUE(matches(index(x, {longs({2, 0})}), {2, 4}, {2, 5, 8, 11, 0, 3, 6, 9}));
@@ -368,6 +402,25 @@ TEST(IndexPut, MasksTwoIndicesAndBroadcastValues) {
   EXPECT_TRUE(matches(r2, {3, 3}, {0, 1, 100, 3, 4, 5, 101, 7, 8}));
   Tensor r3 = index_put(x, {Tensor(), longs({1})}, seq({3, 1}, kFloat32, -5));
   EXPECT_TRUE(matches(r3, {3, 3}, {0, -5, 2, 3, -4, 5, 6, -3, 8}));
+}
+
+TEST(IndexPut, MaskWithTensorValuesWritesInRowMajorOrder) {
+  Tensor x = seq({2, 3}, kFloat32);
+  Tensor mask = tensor<bool>({true, false, true, false, true, true}).view({2, 3});
+  Tensor r = index_put(x, {mask}, tensor<float>({10, 20, 30, 40}));
+  EXPECT_TRUE(matches(r, {2, 3}, {10, 1, 20, 3, 30, 40}));
+  EXPECT_TRUE(matches(x, {2, 3}, {0, 1, 2, 3, 4, 5}));
+  EXPECT_TRUE(matches(index_put(x, {mask}, tensor<float>({1, 2, 3, 4}), true), {2, 3}, {1, 1, 4, 3, 7, 9}));
+  Tensor xt = seq({3, 2}, kFloat32).t();  // (2, 3), non-contiguous: xt[i][j] = 2j + i
+  xt.index_put_({mask}, tensor<float>({-1, -2, -3, -4}));
+  EXPECT_TRUE(matches(xt, {2, 3}, {-1, 2, -2, 1, -3, -4}));
+  // A one-element value goes through masked_fill, uint8 masks included.
+  Tensor y = seq({2, 3}, kInt64);
+  y.index_put_({mask.to(kUInt8)}, tensor<int64_t>({7}));
+  EXPECT_TRUE(matches(y, {2, 3}, {7, 1, 7, 3, 7, 7}));
+  Tensor z = seq({2, 3, 2}, kFloat64);
+  z.index_put_({Slice(), tensor<bool>({false, true, false})}, 0.5);
+  EXPECT_TRUE(matches(z, {2, 3, 2}, {0, 1, 0.5, 0.5, 4, 5, 6, 7, 0.5, 0.5, 10, 11}));
 }
 
 TEST(IndexPut, BadInputsThrowBeforeWriting) {

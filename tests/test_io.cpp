@@ -57,7 +57,8 @@ std::string bytes_of(std::initializer_list<T> values) {
   return s;
 }
 // A safetensors file: length prefix (the header's own length unless given), header, data.
-std::string file_bytes(const std::string& header, const std::string& data, std::optional<uint64_t> length = {}) {
+std::string file_bytes(const std::string& header, const std::string& data,
+                       std::optional<uint64_t> length = {}) {
   return le64(length.value_or(header.size())) + header + data;
 }
 
@@ -81,14 +82,16 @@ const Tensor& find(const NamedTensors& ts, const std::string& name) {
 
 // Expects loading `bytes` to throw exactly E with a message naming the file and `needle`.
 template <class E>
-::testing::AssertionResult load_fails(const std::string& path, const std::string& bytes, const std::string& needle) {
+::testing::AssertionResult load_fails(const std::string& path, const std::string& bytes,
+                                      const std::string& needle) {
   write_file(path, bytes);
   try {
     load_safetensors(path);
   } catch (const E& e) {
     std::string msg = e.what();
     if (typeid(e) != typeid(E)) return ::testing::AssertionFailure() << "wrong subclass: " << msg;
-    if (msg.find(path) == std::string::npos) return ::testing::AssertionFailure() << "no path in: " << msg;
+    if (msg.find(path) == std::string::npos)
+      return ::testing::AssertionFailure() << "no path in: " << msg;
     if (msg.find(needle) == std::string::npos)
       return ::testing::AssertionFailure() << "'" << needle << "' not in: " << msg;
     return ::testing::AssertionSuccess();
@@ -99,15 +102,19 @@ template <class E>
 }
 
 NamedTensors every_dtype() {
-  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity(),
+              nan = std::numeric_limits<float>::quiet_NaN();
   return {
       {"bool", tensor<bool>(std::vector<bool>{true, false, true, true}, {2, 2})},
       {"u8", tensor<uint8_t>({0, 255, 7})},
       {"i8", tensor<int8_t>({-128, 127, 0, -1})},
-      {"i32", tensor<int32_t>({std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), 5})},
+      {"i32", tensor<int32_t>(
+                  {std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), 5})},
       {"i64", tensor<int64_t>(std::vector<int64_t>{std::numeric_limits<int64_t>::min(), -3, 7,
-                                                   std::numeric_limits<int64_t>::max()}, {2, 2})},
-      {"f16", tensor<Half>({Half(1.5f), Half(-0.0f), Half(65504.f), Half(inf), Half(nan), Half(6e-8f)})},
+                                                   std::numeric_limits<int64_t>::max()},
+                              {2, 2})},
+      {"f16",
+       tensor<Half>({Half(1.5f), Half(-0.0f), Half(65504.f), Half(inf), Half(nan), Half(6e-8f)})},
       {"bf16", tensor<BFloat16>({BFloat16(3.140625f), BFloat16(-1e30f), BFloat16(-inf)})},
       {"f32", tensor<float>(std::vector<float>{3.14159265f, -1e-40f, nan, inf, 0.f, -0.f}, {3, 2})},
       {"f64", tensor<double>({std::numbers::pi, -1e-310, 1e300})},
@@ -166,13 +173,15 @@ TEST_F(IoTest, NonContiguousSourcesAreWrittenRowMajor) {
   EXPECT_TRUE(matches(find(back, "transposed"), {4, 3}, {0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
   EXPECT_TRUE(matches(find(back, "stepped"), {3, 2}, {0, 2, 4, 6, 8, 10}));
   EXPECT_TRUE(matches(find(back, "expanded"), {3, 2}, {1, 2, 1, 2, 1, 2}));
-  EXPECT_TRUE(matches(find(back, "f16_transposed"), {4, 3}, {0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+  EXPECT_TRUE(
+      matches(find(back, "f16_transposed"), {4, 3}, {0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
   // The source views are untouched.
   EXPECT_FALSE(src[0].second.is_contiguous());
 }
 
 TEST_F(IoTest, MetadataRoundTrips) {
-  std::map<std::string, std::string> meta = {{"format", "pt"}, {"note", "ünïcode \"quoted\"\n\ttabs"}, {"", "empty key"}};
+  std::map<std::string, std::string> meta = {
+      {"format", "pt"}, {"note", "ünïcode \"quoted\"\n\ttabs"}, {"", "empty key"}};
   save_safetensors(path("m.safetensors"), {{"w", ones({2})}}, meta);
   EXPECT_EQ(load_safetensors_metadata(path("m.safetensors")), meta);
   EXPECT_EQ(names_of(load_safetensors(path("m.safetensors"))), (std::vector<std::string>{"w"}));
@@ -182,8 +191,9 @@ TEST_F(IoTest, MetadataRoundTrips) {
 
 TEST_F(IoTest, LoadOrderIsDataOffsetOrderAndSaveUsesReferenceLayout) {
   // The writer lays data out by dtype (I64, F64, F32, I32, BF16, F16, I8, U8, BOOL), then name.
-  NamedTensors src = {{"b", ones({3})},          {"flag", ones({3}, kBool)}, {"a", ones({1})},
-                      {"h", ones({1}, kFloat16)}, {"idx", ones({2}, kInt64)}, {"d", ones({1}, kFloat64)}};
+  NamedTensors src = {{"b", ones({3})},           {"flag", ones({3}, kBool)},
+                      {"a", ones({1})},           {"h", ones({1}, kFloat16)},
+                      {"idx", ones({2}, kInt64)}, {"d", ones({1}, kFloat64)}};
   save_safetensors(path("o.safetensors"), src);
   EXPECT_EQ(names_of(load_safetensors(path("o.safetensors"))),
             (std::vector<std::string>{"idx", "d", "a", "b", "h", "flag"}));
@@ -192,7 +202,8 @@ TEST_F(IoTest, LoadOrderIsDataOffsetOrderAndSaveUsesReferenceLayout) {
 TEST_F(IoTest, ReadsFilesFromOtherWritersInOffsetOrder) {
   // Header order differs from data order, extra whitespace, an unknown field (ignored, as the
   // reference implementation does) and a bool byte of 2 (normalized to true).
-  std::string header = R"( {"z": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6], "extra": {"x": 1}},
+  std::string header =
+      R"( {"z": {"dtype": "U8", "shape": [2], "data_offsets": [4, 6], "extra": {"x": 1}},
                             "a": {"shape": [], "data_offsets": [0, 4], "dtype": "I32"},
                             "m": {"dtype": "BOOL", "shape": [2], "data_offsets": [6, 8]} }   )";
   header.erase(0, 1);  // the header must start with '{'
@@ -216,20 +227,25 @@ TEST_F(IoTest, LoadedTensorsDoNotDependOnTheFile) {
 
 TEST_F(IoTest, SmallFileIsByteExact) {
   // One F32 tensor: the JSON header (65 bytes) is padded with 7 spaces to 72.
-  save_safetensors(path("a.safetensors"), {{"attn0", tensor<float>({0, 1, 2, 3, 4, 5}).view({1, 1, 2, 3})}});
+  save_safetensors(path("a.safetensors"),
+                   {{"attn0", tensor<float>({0, 1, 2, 3, 4, 5}).view({1, 1, 2, 3})}});
   const std::string json = R"({"attn0":{"dtype":"F32","shape":[1,1,2,3],"data_offsets":[0,24]}})";
   ASSERT_EQ(json.size(), 65u);
   std::string expected = std::string("\x48\0\0\0\0\0\0\0", 8) + json + std::string(7, ' ') +
-                         std::string("\x00\x00\x00\x00\x00\x00\x80\x3f\x00\x00\x00\x40"
-                                     "\x00\x00\x40\x40\x00\x00\x80\x40\x00\x00\xa0\x40", 24);
+                         std::string(
+                             "\x00\x00\x00\x00\x00\x00\x80\x3f\x00\x00\x00\x40"
+                             "\x00\x00\x40\x40\x00\x00\x80\x40\x00\x00\xa0\x40",
+                             24);
   EXPECT_EQ(read_file(path("a.safetensors")), expected);
 }
 
 TEST_F(IoTest, MixedDtypesAndMetadataFileIsByteExact) {
   save_safetensors(path("b.safetensors"),
-                   {{"x", tensor<int8_t>({1, -1})}, {"y", scalar_tensor(2.0, kFloat64)}}, {{"k", "v"}});
-  const std::string json = R"({"__metadata__":{"k":"v"},"y":{"dtype":"F64","shape":[],"data_offsets":[0,8]},)"
-                           R"("x":{"dtype":"I8","shape":[2],"data_offsets":[8,10]}})";
+                   {{"x", tensor<int8_t>({1, -1})}, {"y", scalar_tensor(2.0, kFloat64)}},
+                   {{"k", "v"}});
+  const std::string json =
+      R"({"__metadata__":{"k":"v"},"y":{"dtype":"F64","shape":[],"data_offsets":[0,8]},)"
+      R"("x":{"dtype":"I8","shape":[2],"data_offsets":[8,10]}})";
   ASSERT_EQ(json.size(), 131u);  // padded with 5 spaces to 136 = 0x88
   std::string expected = std::string("\x88\0\0\0\0\0\0\0", 8) + json + "     " +
                          std::string("\0\0\0\0\0\0\0\x40", 8) + std::string("\x01\xff", 2);
@@ -258,7 +274,8 @@ TEST_F(IoTest, SaveRejectsBadInputWithoutTouchingTheTarget) {
   EXPECT_THROW(save_safetensors(p, {{"__metadata__", ones({1})}}), ValueError);
   EXPECT_THROW(save_safetensors(p, {{"a", Tensor()}}), ValueError);
   EXPECT_THROW(save_safetensors(p, {{std::string("\xff\xfe", 2), ones({1})}}), ValueError);
-  EXPECT_THROW(save_safetensors(p, {{"a", ones({1})}}, {{"k", std::string("\xc3", 1)}}), ValueError);
+  EXPECT_THROW(save_safetensors(p, {{"a", ones({1})}}, {{"k", std::string("\xc3", 1)}}),
+               ValueError);
   EXPECT_FALSE(fs::exists(p));
   EXPECT_TRUE(fs::is_empty(dir_));
 }
@@ -287,20 +304,24 @@ TEST_F(IoTest, RejectsFileShorterThanTheLengthPrefix) {
 }
 
 TEST_F(IoTest, RejectsHeaderLengthPastTheEndOfTheFile) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("{}", "", 100), "runs past the end of the file"));
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("{}", "", 100),
+                                     "runs past the end of the file"));
   EXPECT_TRUE(load_fails<ValueError>(path("f"), le64(1), "runs past the end of the file"));
 }
 
 TEST_F(IoTest, RejectsAbsurdHeaderLength) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("{}", "", 100'000'001), "exceeds the limit"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("{}", "", UINT64_MAX), "exceeds the limit"));
+  EXPECT_TRUE(
+      load_fails<ValueError>(path("f"), file_bytes("{}", "", 100'000'001), "exceeds the limit"));
+  EXPECT_TRUE(
+      load_fails<ValueError>(path("f"), file_bytes("{}", "", UINT64_MAX), "exceeds the limit"));
 }
 
 TEST_F(IoTest, RejectsInvalidJson) {
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"a": )", ""), "not valid JSON"));
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"a": 1} x)", ""), "not valid JSON"));
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("{\"\xff\": 1}", ""), "not valid JSON"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"([1, 2])", ""), "does not start with '{'"));
+  EXPECT_TRUE(
+      load_fails<ValueError>(path("f"), file_bytes(R"([1, 2])", ""), "does not start with '{'"));
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes("", ""), "does not start with '{'"));
 }
 
@@ -310,66 +331,86 @@ TEST_F(IoTest, RejectsDeeplyNestedJsonWithoutCrashing) {
 }
 
 TEST_F(IoTest, RejectsDuplicateKeys) {
-  std::string h = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})";
+  std::string h =
+      R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})";
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(h, "xy"), "repeats the key \"a\""));
   h = R"({"a":{"dtype":"U8","dtype":"I8","shape":[1],"data_offsets":[0,1]}})";
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(h, "x"), "repeats the key \"dtype\""));
 }
 
 TEST_F(IoTest, RejectsEntriesMissingFields) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"shape":[1],"data_offsets":[0,1]}})", "x"),
+  EXPECT_TRUE(load_fails<ValueError>(path("f"),
+                                     file_bytes(R"({"w":{"shape":[1],"data_offsets":[0,1]}})", "x"),
                                      "tensor \"w\" has no 'dtype'"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","data_offsets":[0,1]}})", "x"),
-                                     "tensor \"w\" has no 'shape'"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[1]}})", "x"),
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","data_offsets":[0,1]}})", "x"),
+      "tensor \"w\" has no 'shape'"));
+  EXPECT_TRUE(load_fails<ValueError>(path("f"),
+                                     file_bytes(R"({"w":{"dtype":"U8","shape":[1]}})", "x"),
                                      "tensor \"w\" has no 'data_offsets'"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":[1]})", "x"), "is not a JSON object"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0]}})", "x"),
-                                     "[begin, end] pair"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":5,"shape":[1],"data_offsets":[0,1]}})", "x"),
-                                     "not a string"));
+  EXPECT_TRUE(
+      load_fails<ValueError>(path("f"), file_bytes(R"({"w":[1]})", "x"), "is not a JSON object"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[1],"data_offsets":[0]}})", "x"),
+      "[begin, end] pair"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":5,"shape":[1],"data_offsets":[0,1]}})", "x"),
+      "not a string"));
 }
 
 TEST_F(IoTest, RejectsUnknownDtype) {
-  EXPECT_TRUE(load_fails<DTypeError>(path("f"), file_bytes(R"({"w":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}})",
-                                                           std::string(16, 'x')),
-                                     "tensor \"w\" has unknown dtype \"F128\""));
-  EXPECT_TRUE(load_fails<DTypeError>(path("f"), file_bytes(R"({"w":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}})", "xy"),
-                                     "dtype I16, which Kiln does not support"));
+  EXPECT_TRUE(load_fails<DTypeError>(
+      path("f"),
+      file_bytes(R"({"w":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}})",
+                 std::string(16, 'x')),
+      "tensor \"w\" has unknown dtype \"F128\""));
+  EXPECT_TRUE(load_fails<DTypeError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"I16","shape":[1],"data_offsets":[0,2]}})", "xy"),
+      "dtype I16, which Kiln does not support"));
 }
 
 TEST_F(IoTest, RejectsNegativeOrNonIntegerShapeEntries) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}})", ""),
-                                     "shape entry -1"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[2.0],"data_offsets":[0,2]}})", "xy"),
-                                     "shape entry 2.0"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":"2","data_offsets":[0,2]}})", "xy"),
-                                     "not an array"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[-1,1]}})", "xy"),
-                                     "not non-negative integers"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,0]}})", ""),
+      "shape entry -1"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[2.0],"data_offsets":[0,2]}})", "xy"),
+      "shape entry 2.0"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":"2","data_offsets":[0,2]}})", "xy"),
+      "not an array"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[-1,1]}})", "xy"),
+      "not non-negative integers"));
 }
 
 TEST_F(IoTest, RejectsShapeWhoseByteCountDoesNotMatchTheOffsets) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "abcd"),
-                                     "needs 8 bytes"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}})", "abcd"),
+      "needs 8 bytes"));
   // The element count overflows 64 bits: 2^32 * 2^32 * 16.
   EXPECT_TRUE(load_fails<ValueError>(
-      path("f"), file_bytes(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}})", ""),
+      path("f"),
+      file_bytes(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,0]}})",
+                 ""),
       "overflows 64 bits"));
   // The byte count overflows even though the element count does not: 2^62 * 8.
   EXPECT_TRUE(load_fails<ValueError>(
-      path("f"), file_bytes(R"({"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,0]}})", ""),
+      path("f"),
+      file_bytes(R"({"w":{"dtype":"F64","shape":[4611686018427387904],"data_offsets":[0,0]}})", ""),
       "overflows 64 bits"));
 }
 
 TEST_F(IoTest, RejectsOffsetsThatEndBeforeTheyBegin) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", "abcd"),
-                                     "end before they begin"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}})", "abcd"),
+      "end before they begin"));
 }
 
 TEST_F(IoTest, RejectsOffsetsPastTheDataBuffer) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "abcd"),
-                                     "past the end of the data buffer"));
+  EXPECT_TRUE(load_fails<ValueError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", "abcd"),
+      "past the end of the data buffer"));
 }
 
 TEST_F(IoTest, RejectsTruncatedFile) {
@@ -380,31 +421,41 @@ TEST_F(IoTest, RejectsTruncatedFile) {
 }
 
 TEST_F(IoTest, RejectsOverlappingRanges) {
-  std::string h = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(h, std::string(12, 'x')), "overlapping tensor \"a\""));
+  std::string h =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(h, std::string(12, 'x')),
+                                     "overlapping tensor \"a\""));
   h = R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})";
   EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(h, "abcd"), "overlapping"));
 }
 
 TEST_F(IoTest, RejectsIncompleteCoverageOfTheDataBuffer) {
-  std::string gap = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(gap, std::string(12, 'x')), "belong to no tensor (a gap"));
+  std::string gap =
+      R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})";
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(gap, std::string(12, 'x')),
+                                     "belong to no tensor (a gap"));
   std::string trailing = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(trailing, std::string(8, 'x')), "trailing bytes"));
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(trailing, std::string(8, 'x')),
+                                     "trailing bytes"));
   std::string leading = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})";
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(leading, std::string(8, 'x')), "bytes [0, 4)"));
+  EXPECT_TRUE(
+      load_fails<ValueError>(path("f"), file_bytes(leading, std::string(8, 'x')), "bytes [0, 4)"));
 }
 
 TEST_F(IoTest, RejectsMetadataThatIsNotAStringMap) {
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"__metadata__":{"k":1}})", ""), "values must be strings"));
-  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"__metadata__":"x"})", ""), "not a JSON object"));
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"__metadata__":{"k":1}})", ""),
+                                     "values must be strings"));
+  EXPECT_TRUE(load_fails<ValueError>(path("f"), file_bytes(R"({"__metadata__":"x"})", ""),
+                                     "not a JSON object"));
   write_file(path("g"), file_bytes(R"({"__metadata__":{"k":1}})", ""));
   EXPECT_THROW(load_safetensors_metadata(path("g")), ValueError);
 }
 
 TEST_F(IoTest, CorruptedAndTruncatedFilesNeverCrash) {
-  save_safetensors(path("good"), {{"weight", ones({2, 3})}, {"bias", zeros({3}, kFloat16)}, {"flag", ones({1}, kBool)}},
-                   {{"k", "v"}});
+  save_safetensors(
+      path("good"),
+      {{"weight", ones({2, 3})}, {"bias", zeros({3}, kFloat16)}, {"flag", ones({1}, kBool)}},
+      {{"k", "v"}});
   const std::string good = read_file(path("good"));
   int rejected = 0;
   for (size_t len = 0; len < good.size(); ++len) {  // every strict prefix is invalid
@@ -414,7 +465,8 @@ TEST_F(IoTest, CorruptedAndTruncatedFilesNeverCrash) {
   }
   // Any single corrupted header byte either still loads or throws a kiln::Error.
   size_t header_end = 8;
-  for (int i = 7; i >= 0; --i) header_end += static_cast<size_t>(static_cast<unsigned char>(good[i])) << (8 * i);
+  for (int i = 7; i >= 0; --i)
+    header_end += static_cast<size_t>(static_cast<unsigned char>(good[i])) << (8 * i);
   for (size_t i = 0; i < header_end; ++i) {
     for (char c : {'9', '}', '\xff'}) {
       std::string bad = good;
@@ -434,8 +486,12 @@ TEST_F(IoTest, CorruptedAndTruncatedFilesNeverCrash) {
 
 namespace {
 int g_deleted = 0;
-void count_deletion(DLManagedTensor*) { ++g_deleted; }
-void count_deletion_versioned(DLManagedTensorVersioned*) { ++g_deleted; }
+void count_deletion(DLManagedTensor*) {
+  ++g_deleted;
+}
+void count_deletion_versioned(DLManagedTensorVersioned*) {
+  ++g_deleted;
+}
 
 // A DLManagedTensor describing `buffer` (owned by the test) whose deleter counts calls.
 struct Producer {
@@ -445,7 +501,8 @@ struct Producer {
   DLManagedTensor managed{};
   Producer() {
     g_deleted = 0;
-    managed.dl_tensor = {buffer.data(), {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape.data(), strides.data(), 0};
+    managed.dl_tensor = {buffer.data(), {kDLCPU, 0},    2, {kDLFloat, 32, 1},
+                         shape.data(),  strides.data(), 0};
     managed.deleter = &count_deletion;
   }
 };
@@ -476,8 +533,9 @@ TEST(DLPack, ExportDescribesTheTensorAndItsStrides) {
 
 TEST(DLPack, ExportMapsEveryDtype) {
   const std::vector<std::tuple<DType, int, int>> cases = {
-      {kBool, kDLBool, 8},   {kUInt8, kDLUInt, 8},    {kInt8, kDLInt, 8},        {kInt32, kDLInt, 32},  {kInt64, kDLInt, 64},
-      {kFloat16, kDLFloat, 16}, {kBFloat16, kDLBfloat, 16}, {kFloat32, kDLFloat, 32}, {kFloat64, kDLFloat, 64}};
+      {kBool, kDLBool, 8},        {kUInt8, kDLUInt, 8},     {kInt8, kDLInt, 8},
+      {kInt32, kDLInt, 32},       {kInt64, kDLInt, 64},     {kFloat16, kDLFloat, 16},
+      {kBFloat16, kDLBfloat, 16}, {kFloat32, kDLFloat, 32}, {kFloat64, kDLFloat, 64}};
   for (auto [dtype, code, bits] : cases) {
     Tensor t = ones({2}, dtype);
     DLManagedTensor* m = to_dlpack(t);
@@ -552,7 +610,10 @@ TEST(DLPack, ImportHonoursNullStridesByteOffsetAndStrides) {
 TEST(DLPack, ImportAcceptsANullDeleter) {
   Producer prod;
   prod.managed.deleter = nullptr;
-  { Tensor t = from_dlpack(&prod.managed); EXPECT_EQ(t.numel(), 6); }
+  {
+    Tensor t = from_dlpack(&prod.managed);
+    EXPECT_EQ(t.numel(), 6);
+  }
   EXPECT_EQ(g_deleted, 0);
 }
 
@@ -583,7 +644,10 @@ TEST(DLPack, VersionedRoundTripAndDeleter) {
   v.deleter = &count_deletion_versioned;
   v.dl_tensor = {buffer.data(), {kDLCPU, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
   g_deleted = 0;
-  { Tensor t = from_dlpack(&v); EXPECT_TRUE(kiln::testing::matches(t, {2}, {1, 2})); }
+  {
+    Tensor t = from_dlpack(&v);
+    EXPECT_TRUE(kiln::testing::matches(t, {2}, {1, 2}));
+  }
   EXPECT_EQ(g_deleted, 1);
 
   g_deleted = 0;
@@ -619,17 +683,33 @@ TEST(DLPack, ImportRejectsUnsupportedTensorsAndKeepsOwnershipWithTheCaller) {
     }
   };
   EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.dtype.lanes = 4; }), DTypeError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.dtype = {kDLComplex, 64, 1}; }), DTypeError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.dtype = {kDLInt, 16, 1}; }), DTypeError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.dtype = {kDLBool, 1, 1}; }), DTypeError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.device = {kDLOpenCL, 0}; }), DeviceError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.device = {kDLCUDA, 99}; }), DeviceError);
+  EXPECT_THROW(rejects([](Producer& p) {
+                 p.managed.dl_tensor.dtype = {kDLComplex, 64, 1};
+               }),
+               DTypeError);
+  EXPECT_THROW(rejects([](Producer& p) {
+                 p.managed.dl_tensor.dtype = {kDLInt, 16, 1};
+               }),
+               DTypeError);
+  EXPECT_THROW(rejects([](Producer& p) {
+                 p.managed.dl_tensor.dtype = {kDLBool, 1, 1};
+               }),
+               DTypeError);
+  EXPECT_THROW(rejects([](Producer& p) {
+                 p.managed.dl_tensor.device = {kDLOpenCL, 0};
+               }),
+               DeviceError);
+  EXPECT_THROW(rejects([](Producer& p) {
+                 p.managed.dl_tensor.device = {kDLCUDA, 99};
+               }),
+               DeviceError);
   EXPECT_THROW(rejects([](Producer& p) { p.strides = {3, -1}; }), ValueError);
   EXPECT_THROW(rejects([](Producer& p) { p.shape = {2, -3}; }), ValueError);
   EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.ndim = -1; }), ValueError);
   EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.shape = nullptr; }), ValueError);
   EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.data = nullptr; }), ValueError);
-  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.byte_offset = 1; }), ValueError);  // misaligned
+  EXPECT_THROW(rejects([](Producer& p) { p.managed.dl_tensor.byte_offset = 1; }),
+               ValueError);  // misaligned
   EXPECT_THROW(rejects([](Producer& p) { p.shape = {INT64_MAX, 2}; }), ValueError);
   EXPECT_THROW(rejects([](Producer& p) { p.strides = {INT64_MAX / 2, 1}; }), ValueError);
 }

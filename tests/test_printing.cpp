@@ -128,6 +128,12 @@ TEST(Printing, RequiresGradSuffix) {
   EXPECT_EQ(t.str(), "tensor([1., 2.], requires_grad=True)");
 }
 
+TEST(Printing, NonLeafTensorsShowTheirGradFn) {
+  Tensor x = tensor<float>({1.0f, 2.0f, 3.0f});
+  x.requires_grad_(true);
+  EXPECT_EQ(x.slice(0, 1).str(), "tensor([2., 3.], grad_fn=<SliceBackward0>)");  // PyTorch: x[1:]
+}
+
 TEST(Printing, StreamOperatorWritesStr) {
   std::ostringstream os;
   os << tensor<float>({1.5f});

@@ -363,6 +363,9 @@ TEST(RandomBadInputs, ThrowTheRightErrorKind) {
   EXPECT_THROW(rand({-1}), ValueError);
   Tensor f = zeros({2});
   EXPECT_THROW(f.uniform_(1, 0), ValueError);
+  EXPECT_THROW(f.uniform_(-std::numeric_limits<double>::infinity(), 0), ValueError);
+  EXPECT_THROW(f.uniform_(-3e38, 3e38), ValueError);  // to - from overflows float32
+  EXPECT_THROW(rand({2}, kFloat16).uniform_(0, 70000), ValueError);
   EXPECT_THROW(f.normal_(0, -1), ValueError);
   EXPECT_THROW(randint(5, 5, {2}), ValueError);
   EXPECT_THROW(randint(0, 300, {2}, kUInt8), ValueError);

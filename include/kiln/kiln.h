@@ -1,6 +1,7 @@
 // The whole public API of Kiln.
 #pragma once
 
+#include "kiln/autograd.h"
 #include "kiln/device.h"
 #include "kiln/dtype.h"
 #include "kiln/error.h"

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -132,9 +133,22 @@ class Tensor {
   Tensor& copy_(const Tensor& src);  // broadcasts src, converts dtype and device
   Tensor detach() const;             // shares storage, no autograd history
 
-  // ---- autograd (gradients arrive with kiln/autograd.h) ----
+  // ---- autograd (see kiln/autograd.h) ----
   bool requires_grad() const { return impl().requires_grad; }
   Tensor& requires_grad_(bool on = true);  // floating-point tensors only
+  Tensor grad() const;                     // undefined until a backward reaches this tensor
+  void set_grad(const Tensor& g) const;    // assign or clear (undefined) the gradient
+  bool is_leaf() const;                    // no grad_fn: created by the user, not by a recorded op
+  std::shared_ptr<autograd::Node> grad_fn() const;
+  std::string grad_fn_name() const;        // "MulBackward0", or "" for leaves
+  void retain_grad() const;                // keep .grad() of a non-leaf after backward
+  bool retains_grad() const;
+  // Runs `hook(grad)` when this tensor's gradient is computed; a defined result replaces it.
+  void register_hook(std::function<Tensor(const Tensor&)> hook) const;
+  // Backpropagates from this tensor (see autograd::backward). `gradient` may be omitted for
+  // one-element tensors.
+  void backward(const Tensor& gradient = Tensor(), std::optional<bool> retain_graph = std::nullopt,
+                bool create_graph = false) const;
 
   // ---- in-place ----
   Tensor& zero_();

@@ -5,6 +5,7 @@
 #include <map>
 #include <memory>
 
+#include "autograd/node.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/ops.h"
@@ -97,6 +98,12 @@ bool same_elementwise_layout(const Tensor& in, const Tensor& out) {
   return true;
 }
 
+// Kernels may call other ops on their outputs; those internal calls are never recorded.
+void run_kernel(const Kernel& kernel, const OpCall& call, std::span<Tensor> outputs) {
+  NoGradGuard no_grad;
+  kernel(call, outputs);
+}
+
 void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace
@@ -109,14 +116,15 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
   if (op.kind == OpKind::view) {
     for (auto& m : metas)
       outputs.push_back(detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset));
-    return outputs;
+  } else {
+    Device device = metas.empty() ? kCPU : metas[0].device;
+    const Kernel& kernel = kernel_for(op, device);
+    for (const auto& m : metas) outputs.push_back(allocate(m));
+    run_kernel(kernel, call, outputs);
+    for (int i : op.mutated_inputs)
+      if (inputs[i].defined()) bump_version(inputs[i]);
   }
-  Device device = metas.empty() ? kCPU : metas[0].device;
-  const Kernel& kernel = kernel_for(op, device);
-  for (const auto& m : metas) outputs.push_back(allocate(m));
-  kernel(call, outputs);
-  for (int i : op.mutated_inputs)
-    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (autograd::recording(inputs)) autograd::record(op, inputs, attrs, outputs);
   return outputs;
 }
 
@@ -154,18 +162,28 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
       if (!op.pointwise ? detail::may_overlap(in, out) : !same_elementwise_layout(in, out)) need_temp = true;
     }
   }
+  // Autograd: an in-place op on a tensor with history (or with inputs that require grad)
+  // replaces the target's grad_fn with this op's node.
+  bool record = autograd::recording(inputs);
+  if (!record && is_grad_enabled())
+    for (const Tensor& out : outputs) record |= out.requires_grad();
+  std::vector<Tensor> node_inputs;
+  if (record) node_inputs = autograd::prepare_inplace(op, inputs, outputs);
+
   const Kernel& kernel = kernel_for(op, metas.empty() ? kCPU : metas[0].device);
   if (!need_temp) {
-    kernel(call, outputs);
+    run_kernel(kernel, call, outputs);
   } else {
     std::vector<Tensor> temps;
     for (const auto& m : metas) temps.push_back(allocate(m));
-    kernel(call, temps);
+    run_kernel(kernel, call, temps);
+    NoGradGuard no_grad;  // the copy-back is part of this op, not a recorded op of its own
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(temps[i]);
   }
   for (Tensor& out : outputs) bump_version(out);
   for (int i : op.mutated_inputs)
     if (inputs[i].defined()) bump_version(inputs[i]);
+  if (record) autograd::record(op, node_inputs, attrs, outputs);
 }
 
 }  // namespace kiln

@@ -255,10 +255,13 @@ std::string Tensor::str() const {
   } else {
     if (dtype() != default_dtype() && dtype() != DType::int64 && dtype() != DType::bool_)
       suffixes.push_back(dtype_suffix);
-    Tensor host = is_cpu() ? *this : cpu();
+    Tensor host = is_cpu() ? *this : detach().cpu();  // detach: the copy records no autograd node
     body = TensorPrinter(host).str(indent);
   }
-  if (requires_grad()) suffixes.push_back("requires_grad=True");
+  // A tensor made by a recorded op shows its backward node; a leaf shows requires_grad.
+  const std::string grad_fn = grad_fn_name();
+  if (!grad_fn.empty()) suffixes.push_back("grad_fn=<" + grad_fn + ">");
+  else if (requires_grad()) suffixes.push_back("requires_grad=True");
   return add_suffixes(prefix + body, suffixes, indent);
 }
 

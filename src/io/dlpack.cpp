@@ -16,17 +16,27 @@ namespace {
 DLDataType to_dl_dtype(DType t) {
   const uint8_t bits = static_cast<uint8_t>(itemsize(t) * 8);
   switch (t) {
-    case DType::bool_: return {kDLBool, 8, 1};
-    case DType::uint8: return {kDLUInt, bits, 1};
-    case DType::int8: case DType::int32: case DType::int64: return {kDLInt, bits, 1};
-    case DType::float16: case DType::float32: case DType::float64: return {kDLFloat, bits, 1};
-    case DType::bfloat16: return {kDLBfloat, 16, 1};
+    case DType::bool_:
+      return {kDLBool, 8, 1};
+    case DType::uint8:
+      return {kDLUInt, bits, 1};
+    case DType::int8:
+    case DType::int32:
+    case DType::int64:
+      return {kDLInt, bits, 1};
+    case DType::float16:
+    case DType::float32:
+    case DType::float64:
+      return {kDLFloat, bits, 1};
+    case DType::bfloat16:
+      return {kDLBfloat, 16, 1};
   }
   return {kDLOpaqueHandle, 0, 1};
 }
 
 std::string describe(DLDataType d) {
-  static constexpr const char* kCodes[] = {"int", "uint", "float", "opaque handle", "bfloat", "complex", "bool"};
+  static constexpr const char* kCodes[] = {"int",    "uint",    "float", "opaque handle",
+                                           "bfloat", "complex", "bool"};
   std::string code = d.code < std::size(kCodes) ? kCodes[d.code] : "code ";
   if (d.code >= std::size(kCodes)) code += std::to_string(d.code);
   std::string s = code + std::to_string(d.bits);
@@ -36,11 +46,15 @@ std::string describe(DLDataType d) {
 
 DType from_dl_dtype(DLDataType d, const std::string& op) {
   KILN_CHECK(d.lanes == 1, DTypeError,
-             op + "vector element types are not supported (got " + describe(d) +
-                 ", lanes " + std::to_string(d.lanes) + "). Export a tensor with lanes = 1.");
+             op + "vector element types are not supported (got " + describe(d) + ", lanes " +
+                 std::to_string(d.lanes) + "). Export a tensor with lanes = 1.");
   switch (d.code) {
-    case kDLBool: if (d.bits == 8) return kBool; break;
-    case kDLUInt: if (d.bits == 8) return kUInt8; break;
+    case kDLBool:
+      if (d.bits == 8) return kBool;
+      break;
+    case kDLUInt:
+      if (d.bits == 8) return kUInt8;
+      break;
     case kDLInt:
       if (d.bits == 8) return kInt8;
       if (d.bits == 32) return kInt32;
@@ -51,12 +65,16 @@ DType from_dl_dtype(DLDataType d, const std::string& op) {
       if (d.bits == 32) return kFloat32;
       if (d.bits == 64) return kFloat64;
       break;
-    case kDLBfloat: if (d.bits == 16) return kBFloat16; break;
-    default: break;
+    case kDLBfloat:
+      if (d.bits == 16) return kBFloat16;
+      break;
+    default:
+      break;
   }
-  throw DTypeError(op + "Kiln has no dtype for DLPack " + describe(d) +
-                   ". Supported: bool8, uint8, int8, int32, int64, float16, bfloat16, float32, float64; "
-                   "convert the tensor before exporting it.");
+  throw DTypeError(
+      op + "Kiln has no dtype for DLPack " + describe(d) +
+      ". Supported: bool8, uint8, int8, int32, int64, float16, bfloat16, float32, float64; "
+      "convert the tensor before exporting it.");
 }
 
 DLDevice to_dl_device(Device d) {
@@ -73,9 +91,10 @@ Device from_dl_device(DLDevice d, const std::string& op) {
                    " CUDA devices are available to Kiln. Copy it to the CPU before exporting it.");
     return cuda_device(d.device_id);
   }
-  throw DeviceError(op + "DLPack device type " + std::to_string(static_cast<int>(d.device_type)) +
-                    " is not supported; Kiln reads kDLCPU (1) and kDLCUDA (2). Copy the tensor to the "
-                    "CPU before exporting it.");
+  throw DeviceError(
+      op + "DLPack device type " + std::to_string(static_cast<int>(d.device_type)) +
+      " is not supported; Kiln reads kDLCPU (1) and kDLCUDA (2). Copy the tensor to the "
+      "CPU before exporting it.");
 }
 
 // What an exported tensor points at: a reference to the storage and the shape/stride arrays.
@@ -136,15 +155,17 @@ Tensor import_tensor(Managed* managed, const DLTensor& dl, const std::string& op
     KILN_CHECK(s >= 0, ValueError, op + "the shape " + shape_str(sizes) + " has a negative size.");
     overflow |= __builtin_mul_overflow(numel, s, &numel);
   }
-  KILN_CHECK(!overflow, ValueError, op + "the shape " + shape_str(sizes) + " has more elements than fit in int64.");
+  KILN_CHECK(!overflow, ValueError,
+             op + "the shape " + shape_str(sizes) + " has more elements than fit in int64.");
 
   std::vector<int64_t> strides;
   if (dl.strides != nullptr) {
     strides.assign(dl.strides, dl.strides + dl.ndim);
     for (int64_t st : strides)
-      KILN_CHECK(st >= 0, ValueError,
-                 op + "the strides " + shape_str(strides) +
-                     " are negative somewhere; Kiln has no negative strides. Export a contiguous copy.");
+      KILN_CHECK(
+          st >= 0, ValueError,
+          op + "the strides " + shape_str(strides) +
+              " are negative somewhere; Kiln has no negative strides. Export a contiguous copy.");
   }
   if (numel > 0) {
     // The byte span of the view must be representable, so no address computation wraps.
@@ -159,15 +180,19 @@ Tensor import_tensor(Managed* managed, const DLTensor& dl, const std::string& op
     }
     int64_t span_bytes = 0;
     overflow |= __builtin_mul_overflow(span, itemsize(dtype), &span_bytes);
-    KILN_CHECK(!overflow, ValueError, op + "the strides " + shape_str(strides) + " span more bytes than fit in int64.");
-    KILN_CHECK(dl.data != nullptr, ValueError, op + "data is null for a tensor of " + std::to_string(numel) + " elements.");
+    KILN_CHECK(!overflow, ValueError,
+               op + "the strides " + shape_str(strides) + " span more bytes than fit in int64.");
+    KILN_CHECK(dl.data != nullptr, ValueError,
+               op + "data is null for a tensor of " + std::to_string(numel) + " elements.");
   }
 
   const auto base = reinterpret_cast<uintptr_t>(dl.data);
-  KILN_CHECK(dl.byte_offset <= UINTPTR_MAX - base, ValueError,
-             op + "byte_offset " + std::to_string(dl.byte_offset) + " overflows the address space.");
+  KILN_CHECK(
+      dl.byte_offset <= UINTPTR_MAX - base, ValueError,
+      op + "byte_offset " + std::to_string(dl.byte_offset) + " overflows the address space.");
   void* data = reinterpret_cast<void*>(base + static_cast<uintptr_t>(dl.byte_offset));
-  KILN_CHECK(numel == 0 || reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(itemsize(dtype)) == 0,
+  KILN_CHECK(numel == 0 ||
+                 reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(itemsize(dtype)) == 0,
              ValueError,
              op + "data + byte_offset is not aligned to the " + std::to_string(itemsize(dtype)) +
                  "-byte element size. Export an aligned (e.g. contiguous) copy.");
@@ -199,11 +224,13 @@ Tensor from_dlpack(DLManagedTensorVersioned* src) {
   KILN_CHECK(src != nullptr, ValueError, op + "the DLManagedTensorVersioned pointer is null.");
   KILN_CHECK(src->version.major == DLPACK_MAJOR_VERSION, ValueError,
              op + "DLPack version " + std::to_string(src->version.major) + "." +
-                 std::to_string(src->version.minor) + " is not supported; Kiln reads major version " +
+                 std::to_string(src->version.minor) +
+                 " is not supported; Kiln reads major version " +
                  std::to_string(DLPACK_MAJOR_VERSION) + ".");
-  KILN_CHECK((src->flags & DLPACK_FLAG_BITMASK_READ_ONLY) == 0, ValueError,
-             op + "the tensor is read-only (DLPACK_FLAG_BITMASK_READ_ONLY) and Kiln tensors are always "
-                  "writable. Export a writable copy.");
+  KILN_CHECK(
+      (src->flags & DLPACK_FLAG_BITMASK_READ_ONLY) == 0, ValueError,
+      op + "the tensor is read-only (DLPACK_FLAG_BITMASK_READ_ONLY) and Kiln tensors are always "
+           "writable. Export a writable copy.");
   return import_tensor(src, src->dl_tensor, op);
 }
 

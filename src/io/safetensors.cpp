@@ -72,7 +72,9 @@ int layout_rank(DType t) {
   return 0;
 }
 
-std::string os_error(int err) { return std::generic_category().message(err); }
+std::string os_error(int err) {
+  return std::generic_category().message(err);
+}
 
 // A name as it appears in messages: JSON-quoted, so control characters stay visible.
 std::string quoted(const std::string& s) {
@@ -88,13 +90,16 @@ std::string shape_list(const std::vector<int64_t>& shape) {
 // Errors raised while reading name the operation and the file.
 class Context {
  public:
-  Context(std::string op, const std::string& path) : prefix_("[kiln::" + std::move(op) + "] " + path + ": ") {}
+  Context(std::string op, const std::string& path)
+      : prefix_("[kiln::" + std::move(op) + "] " + path + ": ") {}
   template <class E = ValueError>
   [[noreturn]] void fail(const std::string& what) const {
     throw E(prefix_ + what);
   }
   [[noreturn]] void malformed(const std::string& what) const {
-    fail(what + ". The file is not a valid safetensors file (corrupt, truncated or written by a buggy tool).");
+    fail(what +
+         ". The file is not a valid safetensors file (corrupt, truncated or written by a buggy "
+         "tool).");
   }
 
  private:
@@ -137,7 +142,8 @@ class InputFile {
         if (err == EINTR) continue;
         ctx_.fail<Error>("read failed: " + os_error(err) + ".");
       }
-      if (got == 0) ctx_.fail("the file ended early; it was truncated while being read. Read it again");
+      if (got == 0)
+        ctx_.fail("the file ended early; it was truncated while being read. Read it again");
       p += got;
       n -= static_cast<uint64_t>(got);
       offset += static_cast<uint64_t>(got);
@@ -158,7 +164,7 @@ struct Entry {
 };
 
 struct Header {
-  uint64_t data_start = 0;  // 8 + header length
+  uint64_t data_start = 0;     // 8 + header length
   std::vector<Entry> entries;  // sorted by data offset
   std::map<std::string, std::string> metadata;
 };
@@ -169,15 +175,21 @@ json parse_json(const std::string& text, const Context& ctx) {
   std::vector<std::set<std::string>> keys;  // the keys seen in each open object
   auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
     if (depth > kMaxJsonDepth)
-      ctx.malformed("the JSON header nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+      ctx.malformed("the JSON header nests deeper than " + std::to_string(kMaxJsonDepth) +
+                    " levels");
     switch (event) {
-      case json::parse_event_t::object_start: keys.emplace_back(); break;
-      case json::parse_event_t::object_end: keys.pop_back(); break;
+      case json::parse_event_t::object_start:
+        keys.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        keys.pop_back();
+        break;
       case json::parse_event_t::key:
         if (!keys.empty() && !keys.back().insert(parsed.get<std::string>()).second)
           ctx.malformed("the JSON header repeats the key " + quoted(parsed.get<std::string>()));
         break;
-      default: break;
+      default:
+        break;
     }
     return true;
   };
@@ -213,12 +225,14 @@ DType parse_dtype(const json& v, const std::string& tensor, const Context& ctx) 
     ctx.fail<DTypeError>("tensor " + tensor + " has dtype " + s +
                          ", which Kiln does not support. Convert it to one of " + valid +
                          " before saving.");
-  ctx.fail<DTypeError>("tensor " + tensor + " has unknown dtype " + quoted(s) + ". Valid dtypes: " + valid + ".");
+  ctx.fail<DTypeError>("tensor " + tensor + " has unknown dtype " + quoted(s) +
+                       ". Valid dtypes: " + valid + ".");
 }
 
 Entry parse_entry(const std::string& name, const json& info, const Context& ctx) {
   const std::string tensor = quoted(name);
-  if (!info.is_object()) ctx.malformed("the header entry of tensor " + tensor + " is not a JSON object");
+  if (!info.is_object())
+    ctx.malformed("the header entry of tensor " + tensor + " is not a JSON object");
   for (const char* field : {"dtype", "shape", "data_offsets"})
     if (!info.contains(field)) ctx.malformed("tensor " + tensor + " has no '" + field + "'");
   Entry e;
@@ -231,7 +245,9 @@ Entry parse_entry(const std::string& name, const json& info, const Context& ctx)
   bool overflow = false;
   for (const json& s : shape) {
     auto n = as_size(s);
-    if (!n) ctx.malformed("tensor " + tensor + " has a shape entry " + s.dump() + " that is not a non-negative integer");
+    if (!n)
+      ctx.malformed("tensor " + tensor + " has a shape entry " + s.dump() +
+                    " that is not a non-negative integer");
     e.shape.push_back(static_cast<int64_t>(*n));
     overflow |= __builtin_mul_overflow(numel, *n, &numel);
   }
@@ -240,22 +256,26 @@ Entry parse_entry(const std::string& name, const json& info, const Context& ctx)
   // numel can be 0 after an overflowing prefix (e.g. [2^40, 2^40, 0]); only a product that is
   // representable in int64 throughout is accepted.
   if (overflow || numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-    ctx.malformed("tensor " + tensor + " has shape " + shape_list(e.shape) + ", whose size overflows 64 bits");
+    ctx.malformed("tensor " + tensor + " has shape " + shape_list(e.shape) +
+                  ", whose size overflows 64 bits");
 
   const json& offsets = info.at("data_offsets");
   if (!offsets.is_array() || offsets.size() != 2)
     ctx.malformed("tensor " + tensor + " has 'data_offsets' that are not a [begin, end] pair");
   auto begin = as_size(offsets[0]), end = as_size(offsets[1]);
   if (!begin || !end)
-    ctx.malformed("tensor " + tensor + " has data_offsets " + offsets.dump() + " that are not non-negative integers");
+    ctx.malformed("tensor " + tensor + " has data_offsets " + offsets.dump() +
+                  " that are not non-negative integers");
   e.begin = *begin;
   e.end = *end;
   if (e.begin > e.end)
-    ctx.malformed("tensor " + tensor + " has data_offsets " + offsets.dump() + " that end before they begin");
+    ctx.malformed("tensor " + tensor + " has data_offsets " + offsets.dump() +
+                  " that end before they begin");
   if (e.end - e.begin != nbytes)
-    ctx.malformed("tensor " + tensor + " of dtype " + std::string(safetensors_name(e.dtype)) + " and shape " +
-                  shape_list(e.shape) + " needs " + std::to_string(nbytes) + " bytes, but its data_offsets " +
-                  offsets.dump() + " span " + std::to_string(e.end - e.begin));
+    ctx.malformed("tensor " + tensor + " of dtype " + std::string(safetensors_name(e.dtype)) +
+                  " and shape " + shape_list(e.shape) + " needs " + std::to_string(nbytes) +
+                  " bytes, but its data_offsets " + offsets.dump() + " span " +
+                  std::to_string(e.end - e.begin));
   return e;
 }
 
@@ -264,7 +284,8 @@ Entry parse_entry(const std::string& name, const json& info, const Context& ctx)
 Header read_header(const InputFile& file, const Context& ctx) {
   const uint64_t file_size = file.size();
   if (file_size < 8)
-    ctx.malformed("the file has " + std::to_string(file_size) + " bytes, fewer than the 8-byte header length");
+    ctx.malformed("the file has " + std::to_string(file_size) +
+                  " bytes, fewer than the 8-byte header length");
   unsigned char prefix[8];
   file.read_at(prefix, 8, 0);
   uint64_t n = 0;
@@ -288,7 +309,8 @@ Header read_header(const InputFile& file, const Context& ctx) {
       if (!value.is_object()) ctx.malformed("'__metadata__' is not a JSON object");
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string())
-          ctx.malformed("'__metadata__' maps " + quoted(mk) + " to " + mv.dump() + "; values must be strings");
+          ctx.malformed("'__metadata__' maps " + quoted(mk) + " to " + mv.dump() +
+                        "; values must be strings");
         h.metadata.emplace(mk, mv.get<std::string>());
       }
       continue;
@@ -306,20 +328,23 @@ Header read_header(const InputFile& file, const Context& ctx) {
     std::string range = "[";
     range += std::to_string(e.begin) + ", " + std::to_string(e.end) + "]";
     if (e.end > data_size)
-      ctx.malformed("tensor " + quoted(e.name) + " has data_offsets " + range + " past the end of the data buffer (" +
-                    std::to_string(data_size) + " bytes; the file may be truncated)");
+      ctx.malformed("tensor " + quoted(e.name) + " has data_offsets " + range +
+                    " past the end of the data buffer (" + std::to_string(data_size) +
+                    " bytes; the file may be truncated)");
     if (e.begin < covered)
-      ctx.malformed("tensor " + quoted(e.name) + " has data_offsets " + range + " overlapping tensor " +
-                    quoted(previous->name));
+      ctx.malformed("tensor " + quoted(e.name) + " has data_offsets " + range +
+                    " overlapping tensor " + quoted(previous->name));
     if (e.begin > covered)
       ctx.malformed("bytes [" + std::to_string(covered) + ", " + std::to_string(e.begin) +
-                    ") of the data buffer belong to no tensor (a gap before tensor " + quoted(e.name) + ")");
+                    ") of the data buffer belong to no tensor (a gap before tensor " +
+                    quoted(e.name) + ")");
     covered = e.end;
     previous = &e;
   }
   if (covered != data_size)
-    ctx.malformed("the tensors cover " + std::to_string(covered) + " bytes of data but the file holds " +
-                  std::to_string(data_size) + " bytes after the header (trailing bytes belong to no tensor)");
+    ctx.malformed("the tensors cover " + std::to_string(covered) +
+                  " bytes of data but the file holds " + std::to_string(data_size) +
+                  " bytes after the header (trailing bytes belong to no tensor)");
   return h;
 }
 
@@ -341,7 +366,8 @@ class AtomicOutputFile {
     }
     if (fd_ < 0) {
       int err = errno;
-      fail("cannot create " + tmp_ + ": " + os_error(err) + ". Check that the directory exists and is writable.");
+      fail("cannot create " + tmp_ + ": " + os_error(err) +
+           ". Check that the directory exists and is writable.");
     }
   }
   ~AtomicOutputFile() {
@@ -435,9 +461,11 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   const std::string op = "[kiln::save_safetensors] " + path + ": ";
   std::set<std::string_view> names;
   for (const auto& [name, t] : tensors) {
-    KILN_CHECK(t.defined(), ValueError, op + "tensor " + quoted(name) + " is undefined. Pass defined tensors only.");
+    KILN_CHECK(t.defined(), ValueError,
+               op + "tensor " + quoted(name) + " is undefined. Pass defined tensors only.");
     KILN_CHECK(name != "__metadata__", ValueError,
-               op + "\"__metadata__\" is reserved for the metadata map and cannot name a tensor. Rename it.");
+               op + "\"__metadata__\" is reserved for the metadata map and cannot name a tensor. "
+                    "Rename it.");
     KILN_CHECK(names.insert(name).second, ValueError,
                op + "the name " + quoted(name) + " appears twice. Tensor names must be unique.");
   }
@@ -467,16 +495,19 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
   try {
     text = header.dump();
   } catch (const nlohmann::ordered_json::exception&) {
-    throw ValueError(op + "a tensor name or metadata string is not valid UTF-8. JSON headers need UTF-8 text.");
+    throw ValueError(
+        op + "a tensor name or metadata string is not valid UTF-8. JSON headers need UTF-8 text.");
   }
   text.append((8 - text.size() % 8) % 8, ' ');
   KILN_CHECK(text.size() <= kMaxHeaderBytes, ValueError,
              op + "the header would be " + std::to_string(text.size()) + " bytes, over the " +
-                 std::to_string(kMaxHeaderBytes) + "-byte limit readers accept. Save fewer tensors per file.");
+                 std::to_string(kMaxHeaderBytes) +
+                 "-byte limit readers accept. Save fewer tensors per file.");
 
   AtomicOutputFile file(path);
   unsigned char prefix[8];
-  for (int i = 0; i < 8; ++i) prefix[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    prefix[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
   file.write(prefix, 8);
   file.write(text.data(), text.size());
   for (size_t i : order) {

@@ -35,6 +35,16 @@ void check_floating(DType t, const std::string& op) {
                  std::string(dtype_name(t)) + ". Pass a floating dtype (or use randint for integers).");
 }
 
+// The largest finite value of a floating dtype.
+double largest_finite(DType t) {
+  switch (t) {
+    case DType::float16: return 65504.0;
+    case DType::bfloat16: return 3.3895313892515355e38;
+    case DType::float32: return std::numeric_limits<float>::max();
+    default: return std::numeric_limits<double>::max();
+  }
+}
+
 TensorMeta factory_meta(const OpCall& c, size_t size_attr, size_t dtype_attr, const std::string& op) {
   IntArrayRef sizes = c.ints_attr(size_attr);
   detail::check_sizes_nonnegative(sizes, op);
@@ -57,12 +67,18 @@ const OpDef& kUniform = register_op({
       TensorMeta m = factory_meta(c, 0, 5, "uniform_");
       check_floating(m.dtype, "uniform_");
       double from = c.double_attr(1), to = c.double_attr(2);
+      const double max = largest_finite(m.dtype);
+      const std::string dt(dtype_name(m.dtype));
+      KILN_CHECK(from >= -max && from <= max, ValueError,
+                 "[kiln::uniform_] from is out of bounds for " + dt + ": got " + num_str(from) + ".");
+      KILN_CHECK(to >= -max && to <= max, ValueError,
+                 "[kiln::uniform_] to is out of bounds for " + dt + ": got " + num_str(to) + ".");
       KILN_CHECK(from <= to, ValueError,
                  "[kiln::uniform_] uniform_ expects to return a [from, to) range, but found from=" +
                      num_str(from) + " > to=" + num_str(to) + ".");
-      KILN_CHECK(std::isfinite(to - from), ValueError,
-                 "[kiln::uniform_] uniform_ expects a finite range, but found from=" + num_str(from) +
-                     " and to=" + num_str(to) + ". Use finite bounds.");
+      KILN_CHECK(to - from <= max, ValueError,
+                 "[kiln::uniform_] uniform_ expects to-from <= the largest " + dt + ", but found to=" +
+                     num_str(to) + " and from=" + num_str(from) + ". Narrow the range.");
       return {m};
     },
     .pointwise = true,

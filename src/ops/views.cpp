@@ -17,6 +17,9 @@ using detail::wrap_dim;
 
 namespace {
 
+const OpDef& slice_backward_op();
+const OpDef& select_backward_op();
+
 TensorMeta view_meta(const Tensor& x, std::vector<int64_t> sizes, std::vector<int64_t> strides,
                      int64_t offset) {
   return TensorMeta{std::move(sizes), std::move(strides), x.dtype(), x.device(), offset};
@@ -36,6 +39,10 @@ const OpDef& kView = register_op({
                      "spans across two contiguous subspaces). Use .reshape(...) instead.");
       return {view_meta(x, std::move(sizes), std::move(*strides), x.storage_offset())};
     },
+    .derivative = {.formula = "self: grad.reshape(self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {c.grad().reshape(c.input_info[0].sizes)};
+                   }},
     .lowering = "view",
 });
 
@@ -58,6 +65,14 @@ const OpDef& kPermute = register_op({
       }
       return {view_meta(x, std::move(sizes), std::move(strides), x.storage_offset())};
     },
+    .derivative = {.formula = "self: grad.permute(inverse(dims))",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     IntArrayRef dims = c.ints_attr(0);
+                     int64_t n = static_cast<int64_t>(dims.size());
+                     std::vector<int64_t> inverse(n);
+                     for (int64_t i = 0; i < n; ++i) inverse[wrap_dim(dims[i], n, "permute")] = i;
+                     return {c.grad().permute(inverse)};
+                   }},
     .lowering = "view",
 });
 
@@ -100,6 +115,8 @@ const OpDef& kExpand = register_op({
       }
       return {view_meta(x, std::move(sizes), std::move(strides), x.storage_offset())};
     },
+    .derivative = {.formula = "self: grad.sum_to(self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList { return {c.grad()}; }},
     .lowering = "view",
 });
 
@@ -130,6 +147,11 @@ const OpDef& kSlice = register_op({
       strides[dim] *= step;
       return {view_meta(x, std::move(sizes), std::move(strides), offset)};
     },
+    .derivative = {.formula = "self: slice_backward(grad, self.sizes(), dim, start, stop, step)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {call_op1(slice_backward_op(), {c.grad()},
+                                      {c.input_info[0].sizes, c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3]})};
+                   }},
     .lowering = "view",
 });
 
@@ -154,6 +176,11 @@ const OpDef& kSelect = register_op({
       strides.erase(strides.begin() + dim);
       return {view_meta(x, std::move(sizes), std::move(strides), offset)};
     },
+    .derivative = {.formula = "self: select_backward(grad, self.sizes(), dim, index)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {call_op1(select_backward_op(), {c.grad()},
+                                      {c.input_info[0].sizes, c.attrs[0], c.attrs[1]})};
+                   }},
     .lowering = "view",
 });
 
@@ -173,6 +200,10 @@ const OpDef& kSqueeze = register_op({
       }
       return {view_meta(x, std::move(sizes), std::move(strides), x.storage_offset())};
     },
+    .derivative = {.formula = "self: grad.reshape(self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {c.grad().reshape(c.input_info[0].sizes)};
+                   }},
     .lowering = "view",
 });
 
@@ -190,6 +221,10 @@ const OpDef& kUnsqueeze = register_op({
       strides.insert(strides.begin() + dim, st);
       return {view_meta(x, std::move(sizes), std::move(strides), x.storage_offset())};
     },
+    .derivative = {.formula = "self: grad.reshape(self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {c.grad().reshape(c.input_info[0].sizes)};
+                   }},
     .lowering = "view",
 });
 
@@ -233,6 +268,10 @@ const OpDef& kCopy = register_op({
       return {TensorMeta{src.sizes().vec(), {}, c.dtype_attr(0), c.device_attr(1)}};
     },
     .pointwise = true,
+    .derivative = {.formula = "src: grad.to(src.dtype(), src.device())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {c.grad().to(c.input_info[0].device, c.input_info[0].dtype)};
+                   }},
     .lowering = "pointwise",
 });
 
@@ -248,8 +287,57 @@ const OpDef& kFill = register_op({
       return {TensorMeta{c.ints_attr(0).vec(), {}, c.dtype_attr(1), c.device_attr(2)}};
     },
     .pointwise = true,
+    .derivative = {.formula = "value: grad.sum()",
+                   .fn = [](const BackwardContext& c) -> TensorList { return {c.grad().sum()}; }},
     .lowering = "pointwise",
 });
+
+// The derivatives of slice and select: a zero tensor of the input's shape with the gradient
+// written into the sliced region. Table ops (not in-place code) so that they are themselves
+// differentiable and capturable.
+const OpDef& kSliceBackward = register_op({
+    .name = "slice_backward",
+    .schema = "slice_backward(Tensor grad, int[] input_sizes, int dim, int? start, int? stop, int step) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      return {TensorMeta{c.ints_attr(0).vec(), {}, c.input(0).dtype(), c.input(0).device()}};
+    },
+    .derivative = {.formula = "grad: grad.slice(dim, start, stop, step)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {call_op1(kSlice, {c.grad()}, {c.attrs[1], c.attrs[2], c.attrs[3], c.attrs[4]})};
+                   }},
+    .lowering = "index",
+});
+
+const OpDef& kSelectBackward = register_op({
+    .name = "select_backward",
+    .schema = "select_backward(Tensor grad, int[] input_sizes, int dim, int index) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      return {TensorMeta{c.ints_attr(0).vec(), {}, c.input(0).dtype(), c.input(0).device()}};
+    },
+    .derivative = {.formula = "grad: grad.select(dim, index)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {call_op1(kSelect, {c.grad()}, {c.attrs[1], c.attrs[2]})};
+                   }},
+    .lowering = "index",
+});
+
+const OpDef& slice_backward_op() { return kSliceBackward; }
+const OpDef& select_backward_op() { return kSelectBackward; }
+
+// Device-generic kernels: zero the output, then copy the gradient into the region.
+[[maybe_unused]] const bool backward_kernels_registered = [] {
+  for (DeviceType d : {DeviceType::cpu, DeviceType::cuda}) {
+    register_kernel("slice_backward", d, [](const OpCall& c, std::span<Tensor> outs) {
+      outs[0].zero_();
+      call_op1(kSlice, {outs[0]}, {c.attrs[1], c.attrs[2], c.attrs[3], c.attrs[4]}).copy_(c.input(0));
+    });
+    register_kernel("select_backward", d, [](const OpCall& c, std::span<Tensor> outs) {
+      outs[0].zero_();
+      call_op1(kSelect, {outs[0]}, {c.attrs[1], c.attrs[2]}).copy_(c.input(0));
+    });
+  }
+  return true;
+}();
 
 }  // namespace
 

@@ -14,7 +14,10 @@
 
 namespace kiln {
 
-namespace autograd { struct AutogradMeta; }
+namespace autograd {
+struct AutogradMeta;
+struct Node;
+}  // namespace autograd
 namespace compiler { struct LazyValue; }
 
 namespace detail {

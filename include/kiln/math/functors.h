@@ -20,6 +20,16 @@
 
 #include "kiln/half.h"
 
+// Forced inlining: the vectorizer only sees through calls that are inlined, and GCC's heuristics
+// give up on the polynomial bodies when they sit a few templates deep inside a kernel loop.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define KILN_MATH_INLINE __forceinline__
+#elif defined(__GNUC__)
+#define KILN_MATH_INLINE inline __attribute__((always_inline))
+#else
+#define KILN_MATH_INLINE inline
+#endif
+
 namespace kiln::math {
 
 // ---------------------------------------------------------------------------------------------
@@ -31,21 +41,21 @@ namespace fast {
 inline constexpr float kInf = std::numeric_limits<float>::infinity();
 inline constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-KILN_HD inline float with_sign_of(float magnitude, float sign_source) {
+KILN_HD KILN_MATH_INLINE float with_sign_of(float magnitude, float sign_source) {
   uint32_t m = ::kiln::detail::f32_bits(magnitude) & 0x7fffffffu;
   uint32_t s = ::kiln::detail::f32_bits(sign_source) & 0x80000000u;
   return ::kiln::detail::bits_f32(m | s);
 }
 
 // Rounds to the nearest integer (ties to even) for |v| < 2^22, without calling libm.
-KILN_HD inline float round_small(float v) {
+KILN_HD KILN_MATH_INLINE float round_small(float v) {
   constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
   return (v + kMagic) - kMagic;
 }
 
 // exp(x): x = n ln2 + r, |r| <= ln2/2; exp(r) by a degree-7 polynomial; 2^n applied in two steps
 // so that results down in the subnormal range round once.
-KILN_HD inline float exp(float x) {
+KILN_HD KILN_MATH_INLINE float exp(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;       // few bits: n * kLn2Hi is exact
   constexpr float kLn2Lo = -2.12194440e-4f;
@@ -71,7 +81,7 @@ KILN_HD inline float exp(float x) {
 
 // log(x): x = m 2^e with m in [sqrt(1/2), sqrt(2)); log(m) by Cephes' degree-9 polynomial.
 // (Selects are on floats: GCC does not if-convert the integer ones.)
-KILN_HD inline float log(float x) {
+KILN_HD KILN_MATH_INLINE float log(float x) {
   constexpr float kMinNormal = 1.17549435e-38f;
   bool subnormal = x < kMinNormal;
   float xs = subnormal ? x * 8388608.0f : x;     // 2^23
@@ -105,7 +115,7 @@ KILN_HD inline float log(float x) {
 }
 
 // tanh(x): an odd polynomial for |x| < 0.625, 1 - 2 / (exp(2|x|) + 1) above (saturates to ±1).
-KILN_HD inline float tanh(float x) {
+KILN_HD KILN_MATH_INLINE float tanh(float x) {
   float ax = with_sign_of(x, 0.0f);
   float z = x * x;
   float p = -5.70498872745e-3f;
@@ -118,10 +128,10 @@ KILN_HD inline float tanh(float x) {
   return ax < 0.625f ? small : large;
 }
 
-KILN_HD inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+KILN_HD KILN_MATH_INLINE float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 
 // erf(x): Eigen's rational approximation x P(x^2) / Q(x^2) on [-4, 4]; ±1 beyond.
-KILN_HD inline float erf(float a) {
+KILN_HD KILN_MATH_INLINE float erf(float a) {
   float x = a > 4.0f ? 4.0f : a;
   x = x < -4.0f ? -4.0f : x;
   float x2 = x * x;
@@ -152,25 +162,25 @@ template <class T> struct unsigned_of_impl { using type = std::make_unsigned_t<T
 template <> struct unsigned_of_impl<bool> { using type = unsigned; };
 template <class T> using unsigned_of = typename unsigned_of_impl<T>::type;
 
-template <class T> KILN_HD inline T wrapping_add(T a, T b) {
+template <class T> KILN_HD KILN_MATH_INLINE T wrapping_add(T a, T b) {
   if constexpr (std::is_same_v<T, bool>) return a || b;
   else return static_cast<T>(static_cast<unsigned_of<T>>(a) + static_cast<unsigned_of<T>>(b));
 }
-template <class T> KILN_HD inline T wrapping_sub(T a, T b) {
+template <class T> KILN_HD KILN_MATH_INLINE T wrapping_sub(T a, T b) {
   return static_cast<T>(static_cast<unsigned_of<T>>(a) - static_cast<unsigned_of<T>>(b));
 }
-template <class T> KILN_HD inline T wrapping_mul(T a, T b) {
+template <class T> KILN_HD KILN_MATH_INLINE T wrapping_mul(T a, T b) {
   if constexpr (std::is_same_v<T, bool>) return a && b;
   else return static_cast<T>(static_cast<unsigned_of<T>>(a) * static_cast<unsigned_of<T>>(b));
 }
-template <class T> KILN_HD inline T wrapping_neg(T a) {
+template <class T> KILN_HD KILN_MATH_INLINE T wrapping_neg(T a) {
   return static_cast<T>(unsigned_of<T>(0) - static_cast<unsigned_of<T>>(a));
 }
 
 template <class T> inline constexpr bool is_float_v = std::is_floating_point_v<T>;
 template <class T> inline constexpr bool is_signed_int_v = std::is_integral_v<T> && std::is_signed_v<T>;
 
-template <class T> KILN_HD inline bool is_negative(T a) {
+template <class T> KILN_HD KILN_MATH_INLINE bool is_negative(T a) {
   if constexpr (std::is_unsigned_v<T>) return false;  // includes bool
   else return a < T(0);
 }
@@ -181,18 +191,18 @@ template <class T> KILN_HD inline bool is_negative(T a) {
 // Unary
 // ---------------------------------------------------------------------------------------------
 struct Identity {
-  template <class T> KILN_HD T operator()(T a) const { return a; }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return a; }
 };
 
 struct Neg {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) return -a;
     else return util::wrapping_neg(a);
   }
 };
 
 struct Abs {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) return std::fabs(a);
     else if constexpr (std::is_unsigned_v<T>) return a;
     else return a < T(0) ? util::wrapping_neg(a) : a;  // abs(INT_MIN) wraps to INT_MIN
@@ -200,7 +210,7 @@ struct Abs {
 };
 
 struct Exp {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
 #if defined(__CUDA_ARCH__)
       return ::expf(a);
@@ -214,7 +224,7 @@ struct Exp {
 };
 
 struct Log {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
 #if defined(__CUDA_ARCH__)
       return ::logf(a);
@@ -228,27 +238,27 @@ struct Log {
 };
 
 struct Log1p {
-  template <class T> KILN_HD T operator()(T a) const { return std::log1p(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::log1p(a); }
 };
 
 struct Expm1 {
-  template <class T> KILN_HD T operator()(T a) const { return std::expm1(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::expm1(a); }
 };
 
 struct Sin {
-  template <class T> KILN_HD T operator()(T a) const { return std::sin(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::sin(a); }
 };
 
 struct Cos {
-  template <class T> KILN_HD T operator()(T a) const { return std::cos(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::cos(a); }
 };
 
 struct Tan {
-  template <class T> KILN_HD T operator()(T a) const { return std::tan(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::tan(a); }
 };
 
 struct Tanh {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
 #if defined(__CUDA_ARCH__)
       return ::tanhf(a);
@@ -262,11 +272,11 @@ struct Tanh {
 };
 
 struct Sigmoid {
-  template <class T> KILN_HD T operator()(T a) const { return T(1) / (T(1) + Exp{}(-a)); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return T(1) / (T(1) + Exp{}(-a)); }
 };
 
 struct Erf {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
 #if defined(__CUDA_ARCH__)
       return ::erff(a);
@@ -281,7 +291,7 @@ struct Erf {
 
 // gelu(x) = x Φ(x) = x/2 (1 + erf(x/√2)). gelu(-inf) is -0 (the limit), not nan.
 struct Gelu {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     constexpr T kSqrtHalf = T(0.707106781186547524400844362104849039);
     T r = T(0.5) * a * (T(1) + Erf{}(a * kSqrtHalf));
     return a == -std::numeric_limits<T>::infinity() ? T(-0.0) : r;
@@ -291,7 +301,7 @@ struct Gelu {
 // The tanh approximation: x/2 (1 + tanh(u)), u = √(2/π)(x + 0.044715 x³), written as
 // x / (1 + exp(-2u)) — the same value without the cancellation for negative x.
 struct GeluTanh {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     constexpr T kBeta = T(0.797884560802865355879892119868763737);  // √(2/π)
     constexpr T kKappa = T(0.044715);
     T u = kBeta * (a + kKappa * a * a * a);
@@ -302,41 +312,41 @@ struct GeluTanh {
 
 // silu(x) = x sigmoid(x); silu(-inf) is -0 (the limit), not nan.
 struct Silu {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     T r = a / (T(1) + Exp{}(-a));
     return a == -std::numeric_limits<T>::infinity() ? T(-0.0) : r;
   }
 };
 
 struct Relu {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_unsigned_v<T>) return a;
     else return a < T(0) ? T(0) : a;  // nan stays nan
   }
 };
 
 struct Square {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) return a * a;
     else return util::wrapping_mul(a, a);
   }
 };
 
 struct Sqrt {
-  template <class T> KILN_HD T operator()(T a) const { return std::sqrt(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return std::sqrt(a); }
 };
 
 struct Rsqrt {
-  template <class T> KILN_HD T operator()(T a) const { return T(1) / std::sqrt(a); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return T(1) / std::sqrt(a); }
 };
 
 struct Reciprocal {
-  template <class T> KILN_HD T operator()(T a) const { return T(1) / a; }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const { return T(1) / a; }
 };
 
 // -1, 0 or 1 (0 for nan and ±0, like torch.sign); bool stays bool.
 struct Sign {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, bool>) return a;
     else if constexpr (std::is_unsigned_v<T>) return static_cast<T>(a != T(0));
     else return static_cast<T>((T(0) < a) - (a < T(0)));
@@ -346,7 +356,7 @@ struct Sign {
 // floor and ceil from nearbyint (std::floor is a libm call unless -fno-trapping-math, so it
 // would not vectorize): the nearest integer, moved by one when it lies on the wrong side.
 struct Floor {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) {
       T r = std::nearbyint(a);
       return r > a ? r - T(1) : r;
@@ -357,7 +367,7 @@ struct Floor {
 };
 
 struct Ceil {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) {
       T r = std::nearbyint(a);
       return r < a ? r + T(1) : r;
@@ -369,39 +379,39 @@ struct Ceil {
 
 // Half to even, like torch.round (the default rounding mode).
 struct Round {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) return std::nearbyint(a);
     else return a;
   }
 };
 
 struct Trunc {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (util::is_float_v<T>) return a < T(0) ? Ceil{}(a) : Floor{}(a);
     else return a;
   }
 };
 
 struct LogicalNot {
-  template <class T> KILN_HD bool operator()(T a) const { return a == T(0); }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a) const { return a == T(0); }
 };
 
 struct IsNan {
-  template <class T> KILN_HD bool operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a) const {
     if constexpr (util::is_float_v<T>) return a != a;
     else return false;
   }
 };
 
 struct IsFinite {
-  template <class T> KILN_HD bool operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a) const {
     if constexpr (util::is_float_v<T>) return a - a == T(0);  // inf - inf and nan are nan
     else return true;
   }
 };
 
 struct BitwiseNot {
-  template <class T> KILN_HD T operator()(T a) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, bool>) return !a;
     else return static_cast<T>(~a);
   }
@@ -411,21 +421,21 @@ struct BitwiseNot {
 // Binary
 // ---------------------------------------------------------------------------------------------
 struct Add {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a + b;
     else return util::wrapping_add(a, b);
   }
 };
 
 struct Sub {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a - b;
     else return util::wrapping_sub(a, b);
   }
 };
 
 struct Mul {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a * b;
     else return util::wrapping_mul(a, b);
   }
@@ -435,13 +445,13 @@ struct Mul {
 template <class T>
 struct AddScaled {
   T alpha;
-  KILN_HD T operator()(T a, T b) const { return Add{}(a, Mul{}(alpha, b)); }
+  KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return Add{}(a, Mul{}(alpha, b)); }
 };
 
 // True division for floats. For integers: truncation toward zero; the caller rules out b == 0,
 // and b == -1 is a negation so INT_MIN / -1 wraps instead of trapping.
 struct Div {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a / b;
     else if constexpr (std::is_unsigned_v<T>) return static_cast<T>(a / b);
     else return b == T(-1) ? util::wrapping_neg(a) : static_cast<T>(a / b);
@@ -449,7 +459,7 @@ struct Div {
 };
 
 struct TruncDiv {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return Trunc{}(a / b);
     else return Div{}(a, b);
   }
@@ -457,7 +467,7 @@ struct TruncDiv {
 
 // Division rounded toward -inf (Python's //), computed like PyTorch's div_floor.
 struct FloorDiv {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) {
       if (b == T(0)) return a / b;
       T mod = std::fmod(a, b);
@@ -480,7 +490,7 @@ struct FloorDiv {
 
 // Remainder with the sign of the divisor (Python's %).
 struct Remainder {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) {
       T mod = std::fmod(a, b);
       if (mod != T(0) && (b < T(0)) != (mod < T(0))) mod += b;
@@ -497,7 +507,7 @@ struct Remainder {
 
 // Integer powers by squaring (wrapping); negative exponents give 0 except for bases ±1.
 struct Pow {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) {
       return std::pow(a, b);
     } else {
@@ -521,73 +531,73 @@ struct Pow {
 
 // NaN-propagating maximum and minimum (torch.maximum / torch.minimum).
 struct Maximum {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a != a ? a : (b != b ? b : (a > b ? a : b));
     else return a > b ? a : b;
   }
 };
 
 struct Minimum {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     if constexpr (util::is_float_v<T>) return a != a ? a : (b != b ? b : (a < b ? a : b));
     else return a < b ? a : b;
   }
 };
 
 struct Atan2 {
-  template <class T> KILN_HD T operator()(T a, T b) const { return std::atan2(a, b); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return std::atan2(a, b); }
 };
 
 struct Eq {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a == b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a == b; }
 };
 struct Ne {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a != b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a != b; }
 };
 struct Lt {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a < b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a < b; }
 };
 struct Le {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a <= b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a <= b; }
 };
 struct Gt {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a > b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a > b; }
 };
 struct Ge {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return a >= b; }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a >= b; }
 };
 
 struct LogicalAnd {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return (a != T(0)) && (b != T(0)); }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return (a != T(0)) && (b != T(0)); }
 };
 struct LogicalOr {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return (a != T(0)) || (b != T(0)); }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return (a != T(0)) || (b != T(0)); }
 };
 struct LogicalXor {
-  template <class T> KILN_HD bool operator()(T a, T b) const { return (a != T(0)) != (b != T(0)); }
+  template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return (a != T(0)) != (b != T(0)); }
 };
 
 struct BitwiseAnd {
-  template <class T> KILN_HD T operator()(T a, T b) const { return static_cast<T>(a & b); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return static_cast<T>(a & b); }
 };
 struct BitwiseOr {
-  template <class T> KILN_HD T operator()(T a, T b) const { return static_cast<T>(a | b); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return static_cast<T>(a | b); }
 };
 struct BitwiseXor {
-  template <class T> KILN_HD T operator()(T a, T b) const { return static_cast<T>(a ^ b); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return static_cast<T>(a ^ b); }
 };
 
 // Shifts by a negative amount or by the bit width or more give 0 (right shifts of negative
 // signed values give -1), as in PyTorch.
 struct LeftShift {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     constexpr T kBits = static_cast<T>(sizeof(T) * 8);
     if (util::is_negative(b) || b >= kBits) return T(0);
     return static_cast<T>(static_cast<util::unsigned_of<T>>(a) << b);
   }
 };
 struct RightShift {
-  template <class T> KILN_HD T operator()(T a, T b) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
     constexpr T kBits = static_cast<T>(sizeof(T) * 8);
     if (util::is_negative(b) || b >= kBits) {
       if constexpr (std::is_signed_v<T>) return util::is_negative(a) ? T(-1) : T(0);
@@ -601,27 +611,27 @@ struct RightShift {
 // Ternary
 // ---------------------------------------------------------------------------------------------
 struct Where {
-  template <class C, class T> KILN_HD T operator()(C condition, T a, T b) const {
+  template <class C, class T> KILN_HD KILN_MATH_INLINE T operator()(C condition, T a, T b) const {
     return condition ? a : b;
   }
 };
 
 // min(max(x, lo), hi) with NaN propagation from every operand; lo > hi gives hi, like torch.clamp.
 struct Clamp {
-  template <class T> KILN_HD T operator()(T x, T lo, T hi) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T x, T lo, T hi) const {
     return Minimum{}(Maximum{}(x, lo), hi);
   }
 };
 struct ClampMin {
-  template <class T> KILN_HD T operator()(T x, T lo) const { return Maximum{}(x, lo); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T x, T lo) const { return Maximum{}(x, lo); }
 };
 struct ClampMax {
-  template <class T> KILN_HD T operator()(T x, T hi) const { return Minimum{}(x, hi); }
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T x, T hi) const { return Minimum{}(x, hi); }
 };
 
 // start + weight (end - start), evaluated from the nearer end for accuracy (PyTorch's lerp).
 struct Lerp {
-  template <class T> KILN_HD T operator()(T start, T end, T weight) const {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T start, T end, T weight) const {
     T w = weight < T(0) ? -weight : weight;
     return w < T(0.5) ? start + weight * (end - start) : end - (end - start) * (T(1) - weight);
   }
@@ -631,14 +641,14 @@ struct Lerp {
 template <class T>
 struct Addcmul {
   T value;
-  KILN_HD T operator()(T self, T t1, T t2) const { return Add{}(self, Mul{}(Mul{}(value, t1), t2)); }
+  KILN_HD KILN_MATH_INLINE T operator()(T self, T t1, T t2) const { return Add{}(self, Mul{}(Mul{}(value, t1), t2)); }
 };
 
 // self + value * t1 / t2 (floating point only)
 template <class T>
 struct Addcdiv {
   T value;
-  KILN_HD T operator()(T self, T t1, T t2) const { return self + value * (t1 / t2); }
+  KILN_HD KILN_MATH_INLINE T operator()(T self, T t1, T t2) const { return self + value * (t1 / t2); }
 };
 
 }  // namespace kiln::math

@@ -13,50 +13,55 @@ namespace {
 
 namespace m = kiln::math;
 
-// out = condition ? a : b, with a and b already of T. Out may share memory with a or b at the
-// same positions (in-place masked_fill_), so no restrict.
-template <class T>
+// out = condition ? a : b, with a and b already of out's dtype. Selecting moves bits, so the
+// loop runs on unsigned integers of the element's size (which vectorize for every dtype, where
+// Half/BFloat16 structs and bool loads would not). Out may share memory with a or b at the same
+// positions (in-place masked_fill_), so no restrict.
+template <class U>
 void select_loop(Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b) {
   StridedLoop<4> loop(out.sizes(), {&out, &condition, &a, &b});
   parallel_for(loop.numel, kGrainSize, [&](int64_t begin, int64_t end) {
     loop.run(begin, end, [](const std::array<char*, 4>& p, const std::array<int64_t, 4>& st, int64_t n) {
-      T* o = reinterpret_cast<T*>(p[0]);
-      const bool* c = reinterpret_cast<const bool*>(p[1]);
-      const T* x = reinterpret_cast<const T*>(p[2]);
-      const T* y = reinterpret_cast<const T*>(p[3]);
+      U* o = reinterpret_cast<U*>(p[0]);
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(p[1]);  // bool storage: 0 or 1
+      const U* x = reinterpret_cast<const U*>(p[2]);
+      const U* y = reinterpret_cast<const U*>(p[3]);
       const m::Where where;
       if (st[0] == 1 && st[1] == 1 && st[2] == 1 && st[3] == 1) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i], x[i], y[i]);
+        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i] != 0, x[i], y[i]);
       } else if (st[0] == 1 && st[1] == 1 && st[2] == 0 && st[3] == 1) {
-        const T xv = x[0];
+        const U xv = x[0];
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i], xv, y[i]);
+        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i] != 0, xv, y[i]);
       } else if (st[0] == 1 && st[1] == 1 && st[2] == 1 && st[3] == 0) {
-        const T yv = y[0];
+        const U yv = y[0];
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i], x[i], yv);
+        for (int64_t i = 0; i < n; ++i) o[i] = where(c[i] != 0, x[i], yv);
       } else {
-        for (int64_t i = 0; i < n; ++i) o[i * st[0]] = where(c[i * st[1]], x[i * st[2]], y[i * st[3]]);
+        for (int64_t i = 0; i < n; ++i) o[i * st[0]] = where(c[i * st[1]] != 0, x[i * st[2]], y[i * st[3]]);
       }
     });
   });
 }
 
-void where_kernel(const OpCall& c, std::span<Tensor> outs) {
-  Tensor& out = outs[0];
+void select_kernel(Tensor& out, const Tensor& condition, const Tensor& a, const Tensor& b) {
   if (out.numel() == 0) return;
-  KILN_DISPATCH_ALL(out.dtype(), "where", [&] {
-    select_loop<scalar_t>(out, c.input(0), as_dtype(c.input(1), out.dtype()), as_dtype(c.input(2), out.dtype()));
-  });
+  Tensor x = as_dtype(a, out.dtype()), y = as_dtype(b, out.dtype());
+  switch (out.element_size()) {
+    case 1: return select_loop<uint8_t>(out, condition, x, y);
+    case 2: return select_loop<uint16_t>(out, condition, x, y);
+    case 4: return select_loop<uint32_t>(out, condition, x, y);
+    default: return select_loop<uint64_t>(out, condition, x, y);
+  }
+}
+
+void where_kernel(const OpCall& c, std::span<Tensor> outs) {
+  select_kernel(outs[0], c.input(0), c.input(1), c.input(2));
 }
 
 void masked_fill_kernel(const OpCall& c, std::span<Tensor> outs) {
-  Tensor& out = outs[0];
-  if (out.numel() == 0) return;
-  KILN_DISPATCH_ALL(out.dtype(), "masked_fill", [&] {
-    select_loop<scalar_t>(out, c.input(1), as_dtype(c.input(2), out.dtype()), as_dtype(c.input(0), out.dtype()));
-  });
+  select_kernel(outs[0], c.input(1), c.input(2), c.input(0));
 }
 
 template <class T>

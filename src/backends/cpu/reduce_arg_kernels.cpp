@@ -40,7 +40,7 @@ Best<opmath_t<T>> scan(const T* p, int64_t n, int64_t s) {
     return best;
   }
   using Op = std::conditional_t<IsMax, MaxOp<A>, MinOp<A>>;
-  const A m = contiguous_reduce(Op{}, p, n);
+  const A m = reduce_run(Op{}, p, n, 1);
   const bool want_nan = m != m;
   constexpr int64_t kBlock = 64;
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {

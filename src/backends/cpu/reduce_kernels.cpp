@@ -2,6 +2,7 @@
 // any/all, var/std/var_mean, norm, logsumexp. The loops live in reduce_loops.h; each kernel picks
 // the element type, the accumulation type and the op, and writes the finished value.
 #include <cmath>
+#include <limits>
 
 #include "backends/cpu/loops.h"
 #include "backends/cpu/reduce_loops.h"
@@ -38,7 +39,7 @@ void reduce_into(const Tensor& x, const std::vector<bool>& mask, const Op& op, T
   ReducePlan plan = make_plan(x, mask);
   ReduceLoop<T> loop(data_of<T>(x), plan);
   Out* o = static_cast<Out*>(out.impl().data());
-  loop.run(op, [&](int64_t i, typename Op::acc_t a) { o[i] = store_as<Out>(fin(a)); });
+  loop.run(op, [&](int64_t i, const typename Op::acc_t& a) { o[i] = store_as<Out>(fin(a)); });
 }
 
 constexpr auto kIdentity = [](auto a) { return a; };
@@ -113,17 +114,51 @@ void any_all_kernel(const OpCall& c, std::span<Tensor> outs) {
   });
 }
 
-// var, std, var_mean: two passes per output (the mean, then the squared deviations from it).
-enum class Moments { var, std, var_mean };
+// var, std, var_mean: each leaf (a chunk of elements or of rows, in cache) takes its mean and
+// then its sum of squared deviations from it; leaves merge with Chan et al.'s pairwise update.
+// Accurate however far the mean is from zero, and one read of the input from memory.
+template <class A>
+struct Moments {
+  A mean = 0, m2 = 0;
+  int64_t n = 0;
+};
 
-void moments_kernel(const OpCall& c, std::span<Tensor> outs, Moments kind) {
+template <class A>
+struct MomentsOp {
+  using acc_t = Moments<A>;
+  static constexpr bool custom_leaves = true;
+  acc_t identity() const { return {}; }
+  acc_t combine(const acc_t& a, const acc_t& b) const {
+    if (a.n == 0) return b;
+    if (b.n == 0) return a;
+    const int64_t n = a.n + b.n;
+    const A wb = static_cast<A>(b.n) / static_cast<A>(n), d = b.mean - a.mean;
+    return {a.mean + d * wb, a.m2 + b.m2 + d * d * static_cast<A>(a.n) * wb, n};
+  }
+  template <class T>
+  acc_t leaf(const T* p, int64_t n, int64_t s) const {
+    if (n == 0) return {};
+    const A mean = elementwise_leaf(SumOp<A>{}, p, n, s) / static_cast<A>(n);
+    return {mean, elementwise_leaf(SquaredDeviationOp<A>{}, p, n, s, mean), n};
+  }
+  template <int64_t B, class T>
+  void leaf_rows(const T* const* rows, int64_t nrows, int64_t jn, acc_t* acc) const {
+    A sum[B], mean[B], m2[B];
+    rows_leaf<B>(SumOp<A>{}, rows, nrows, jn, sum);
+    for (int64_t b = 0; b < B; ++b) mean[b] = sum[b] / static_cast<A>(nrows);
+    rows_leaf<B>(SquaredDeviationOp<A>{}, rows, nrows, jn, m2, mean);
+    for (int64_t b = 0; b < jn; ++b) acc[b] = {mean[b], m2[b], nrows};
+  }
+};
+
+enum class MomentsKind { var, std, var_mean };
+
+void moments_kernel(const OpCall& c, std::span<Tensor> outs, MomentsKind kind) {
   const Tensor& x = c.input(0);
   auto mask = mask_of(c, x, 0);
-  const int64_t n = reduced_count(x, mask);
-  const int64_t correction = c.int_attr(1);
-  const int64_t dof = std::max<int64_t>(0, n - correction);
-  Tensor mean_out = kind == Moments::var_mean ? outs[1] : Tensor();
-  bool temp_mean = mean_out.defined() && !mean_out.is_contiguous();
+  const int64_t dof = std::max<int64_t>(0, reduced_count(x, mask) - c.int_attr(1));
+  Tensor mean_out = kind == MomentsKind::var_mean ? outs[1] : Tensor();
+  const bool temp_mean = mean_out.defined() && !mean_out.is_contiguous();
   if (temp_mean) mean_out = kiln::detail::make_empty(mean_out.sizes().vec(), mean_out.dtype(), mean_out.device());
   into_contiguous(outs[0], [&](Tensor& out) {
     KILN_DISPATCH_FLOATING(x.dtype(), c.name(), [&] {
@@ -132,14 +167,13 @@ void moments_kernel(const OpCall& c, std::span<Tensor> outs, Moments kind) {
       ReduceLoop<scalar_t> loop(data_of<scalar_t>(x), plan);
       scalar_t* o = static_cast<scalar_t*>(out.impl().data());
       scalar_t* m = mean_out.defined() ? static_cast<scalar_t*>(mean_out.impl().data()) : nullptr;
-      const A count = static_cast<A>(n), divisor = static_cast<A>(dof);
-      const bool take_sqrt = kind == Moments::std;
-      loop.run2(SumOp<A>{}, SquaredDeviationOp<A>{}, [count](A sum) { return sum / count; },
-                [&](int64_t i, A sum, A squares) {
-                  A var = squares / divisor;
-                  o[i] = store_as<scalar_t>(take_sqrt ? std::sqrt(var) : var);
-                  if (m) m[i] = store_as<scalar_t>(sum / count);
-                });
+      const A divisor = static_cast<A>(dof);
+      const bool take_sqrt = kind == MomentsKind::std;
+      loop.run(MomentsOp<A>{}, [&](int64_t i, const Moments<A>& r) {
+        A var = r.m2 / divisor;  // 0 / 0 = nan for an empty reduction
+        o[i] = store_as<scalar_t>(take_sqrt ? std::sqrt(var) : var);
+        if (m) m[i] = store_as<scalar_t>(r.n > 0 ? r.mean : std::numeric_limits<A>::quiet_NaN());
+      });
     });
   });
   if (temp_mean) outs[1].copy_(mean_out);
@@ -166,20 +200,51 @@ void norm_kernel(const OpCall& c, std::span<Tensor> outs) {
   });
 }
 
-// logsumexp = m + log(sum(exp(x - m))) with m the max (0 when infinite, so all -inf gives -inf and
-// a +inf gives +inf rather than nan).
+// logsumexp = shift + log(sum(exp(x - shift))) with shift the max (0 when it is infinite, so all
+// -inf gives -inf and a +inf gives +inf rather than nan). Each leaf takes its max and then its sum
+// of exponentials while in cache; leaves merge by rescaling to the larger shift.
+template <class A>
+struct ShiftedSum {
+  A shift = 0, sum = 0;  // the value is log(sum) + shift
+};
+
+template <class A>
+struct LogSumExpOp {
+  using acc_t = ShiftedSum<A>;
+  static constexpr bool custom_leaves = true;
+  static A shift_of(A max) { return std::isinf(max) ? A(0) : max; }
+  acc_t identity() const { return {}; }
+  acc_t combine(const acc_t& a, const acc_t& b) const {
+    if (a.sum == 0) return b;  // empty, or all -inf
+    if (b.sum == 0) return a;
+    if (std::isnan(a.sum) || std::isnan(b.sum)) return {0, std::numeric_limits<A>::quiet_NaN()};
+    if (std::isinf(a.sum) || std::isinf(b.sum)) return {0, std::numeric_limits<A>::infinity()};
+    const A m = std::max(a.shift, b.shift);
+    return {m, a.sum * std::exp(a.shift - m) + b.sum * std::exp(b.shift - m)};
+  }
+  template <class T>
+  acc_t leaf(const T* p, int64_t n, int64_t s) const {
+    const A shift = shift_of(elementwise_leaf(MaxOp<A>{}, p, n, s));
+    return {shift, elementwise_leaf(ExpShiftOp<A>{}, p, n, s, shift)};
+  }
+  template <int64_t B, class T>
+  void leaf_rows(const T* const* rows, int64_t nrows, int64_t jn, acc_t* acc) const {
+    A shift[B], sum[B];
+    rows_leaf<B>(MaxOp<A>{}, rows, nrows, jn, shift);
+    for (int64_t b = 0; b < B; ++b) shift[b] = shift_of(shift[b]);
+    rows_leaf<B>(ExpShiftOp<A>{}, rows, nrows, jn, sum, shift);
+    for (int64_t b = 0; b < jn; ++b) acc[b] = {shift[b], sum[b]};
+  }
+};
+
 void logsumexp_kernel(const OpCall& c, std::span<Tensor> outs) {
   auto mask = mask_of(c, c.input(0), 0);
   into_contiguous(outs[0], [&](Tensor& out) {
     Tensor x = as_dtype(c.input(0), out.dtype());
     KILN_DISPATCH_FLOATING(x.dtype(), "logsumexp", [&] {
       using A = acc_t<scalar_t>;
-      ReducePlan plan = make_plan(x, mask);
-      ReduceLoop<scalar_t> loop(data_of<scalar_t>(x), plan);
-      scalar_t* o = static_cast<scalar_t*>(out.impl().data());
-      auto shift = [](A m) { return std::isinf(m) ? A(0) : m; };
-      loop.run2(MaxOp<A>{}, ExpShiftOp<A>{}, shift,
-                [&](int64_t i, A m, A s) { o[i] = store_as<scalar_t>(std::log(s) + shift(m)); });
+      reduce_into<scalar_t, scalar_t>(x, mask, LogSumExpOp<A>{}, out,
+                                      [](const ShiftedSum<A>& r) { return std::log(r.sum) + r.shift; });
     });
   });
 }
@@ -199,11 +264,11 @@ void logsumexp_kernel(const OpCall& c, std::span<Tensor> outs) {
   register_kernel("any", DeviceType::cpu, any_all_kernel<AnyOp>);
   register_kernel("all", DeviceType::cpu, any_all_kernel<AllOp>);
   register_kernel("var", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, Moments::var); });
+                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::var); });
   register_kernel("std", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, Moments::std); });
+                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::std); });
   register_kernel("var_mean", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, Moments::var_mean); });
+                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::var_mean); });
   register_kernel("norm", DeviceType::cpu, norm_kernel);
   register_kernel("logsumexp", DeviceType::cpu, logsumexp_kernel);
   return true;

@@ -10,15 +10,11 @@
 //  - per output: otherwise each output reduces its reduced rows, the innermost reduced dim
 //    contiguous in the common case (sum over the last dims, NCHW per-channel stats, sum of all).
 //
-// Float accumulation is pairwise over chunks of kChunk elements (rows of kLeafRows in the vertical
-// case) with kLanes independent accumulators inside a chunk, so float32 sums of millions of
-// elements stay within a few ulp of the float64 result. Work is split across threads over outputs
-// when there are enough of them, and inside each output otherwise; partial results are combined
-// in a fixed order, so results do not depend on timing.
-//
-// run2 chains two reductions per output (the mean then the squared deviations for var; the max
-// then the sum of exponentials for logsumexp): the second sees the first one's result as `param`,
-// and runs right after it on the same output while its data is still in cache.
+// Float accumulation is pairwise over leaves of kChunk elements (kLeafRows rows in the vertical
+// case) with many independent accumulators inside a leaf, so float32 sums of millions of elements
+// stay within a few ulp of the float64 result. Work is split across threads over outputs when
+// there are enough of them, and inside each output otherwise; partial results are combined in a
+// fixed order, so results do not depend on timing.
 #pragma once
 
 #include <omp.h>
@@ -292,17 +288,27 @@ R parallel_fold(int64_t n, int64_t grain, const F& f, const C& combine) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The engine
+// Leaves: the innermost loops
 // ---------------------------------------------------------------------------------------------
+//
+// An op either reduces element by element (identity, map(x, param), combine) and the loops below
+// do the rest, or it sets `custom_leaves` and brings its own leaves: leaf(p, n, s) over <= kChunk
+// elements with stride s, and leaf_rows<B>(rows, nrows, jn, acc) over <= kLeafRows rows of jn <= B
+// adjacent outputs. Custom leaves let var and logsumexp make their two passes over data that is
+// still in cache and merge the leaves' results, so the input is read from memory once.
 
-inline constexpr int64_t kChunk = 4096;   // elements per pairwise leaf (per output)
-inline constexpr int64_t kLeafRows = 64;  // rows per pairwise leaf (vertical)
+template <class Op>
+concept CustomLeaves = requires { requires Op::custom_leaves; };
+
+inline constexpr int64_t kChunk = 4096;   // elements per leaf (per output)
+inline constexpr int64_t kLeafRows = 64;  // rows per leaf (vertical)
 
 template <class A> constexpr int64_t lanes() { return sizeof(A) >= 4 ? 128 / sizeof(A) : 64; }
 template <class A> constexpr int64_t block() { return sizeof(A) >= 8 ? 32 : 64; }
 
-// The reduction of n contiguous elements: lanes<A>() accumulators inside a kChunk leaf, pairwise
-// across leaves.
+// n contiguous elements: lanes<A>() accumulators, four groups of them in the main loop so that
+// ops with long dependency chains (the NaN-propagating max) keep enough loads in flight; the lanes
+// fold as a tree at the end.
 template <class T, class Op>
 typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename Op::acc_t prm) {
   using A = typename Op::acc_t;
@@ -312,14 +318,25 @@ typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename
     for (int64_t i = 0; i < n; ++i) acc = op.combine(acc, op.map(load<A>(p + i), prm));
     return acc;
   }
-  A acc[L];
-  for (int64_t l = 0; l < L; ++l) acc[l] = op.identity();
+  A acc[L], acc1[L], acc2[L], acc3[L];
+  for (int64_t l = 0; l < L; ++l) acc[l] = acc1[l] = acc2[l] = acc3[l] = op.identity();
   int64_t i = 0;
+  for (; i + 4 * L <= n; i += 4 * L) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
+      acc1[l] = op.combine(acc1[l], op.map(load<A>(p + i + L + l), prm));
+      acc2[l] = op.combine(acc2[l], op.map(load<A>(p + i + 2 * L + l), prm));
+      acc3[l] = op.combine(acc3[l], op.map(load<A>(p + i + 3 * L + l), prm));
+    }
+  }
   for (; i + L <= n; i += L) {
 #pragma omp simd
     for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
   }
   for (int64_t l = 0; i + l < n; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(op.combine(acc[l], acc1[l]), op.combine(acc2[l], acc3[l]));
   for (int64_t w = L / 2; w > 0; w /= 2) {
 #pragma omp simd
     for (int64_t l = 0; l < w; ++l) acc[l] = op.combine(acc[l], acc[l + w]);
@@ -327,223 +344,192 @@ typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename
   return acc[0];
 }
 
+// n elements with stride s: four accumulators.
 template <class T, class Op>
-typename Op::acc_t contiguous_reduce(const Op& op, const T* p, int64_t n, typename Op::acc_t prm = {}) {
-  if (n <= kChunk) return contiguous_leaf(op, p, n, prm);
-  int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
-  return op.combine(contiguous_reduce(op, p, half, prm), contiguous_reduce(op, p + half, n - half, prm));
+typename Op::acc_t strided_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm) {
+  using A = typename Op::acc_t;
+  A a0 = op.identity(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
+    a1 = op.combine(a1, op.map(load<A>(p + (i + 1) * s), prm));
+    a2 = op.combine(a2, op.map(load<A>(p + (i + 2) * s), prm));
+    a3 = op.combine(a3, op.map(load<A>(p + (i + 3) * s), prm));
+  }
+  for (; i < n; ++i) a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
+  return op.combine(op.combine(a0, a1), op.combine(a2, a3));
 }
 
-// Marks a single-stage run.
-struct NoStage {
-  using acc_t = int;
-};
+// One leaf of an element-by-element op (n <= kChunk).
+template <class T, class Op>
+typename Op::acc_t elementwise_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
+  return s == 1 ? contiguous_leaf(op, p, n, prm) : strided_leaf(op, p, n, s, prm);
+}
+
+// acc[b] = the reduction over r < nrows of rows[r][b], for b < jn (<= B); prm[b] is the param of
+// output b (null: none).
+template <int64_t B, class T, class Op>
+void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, typename Op::acc_t* acc,
+               const typename Op::acc_t* prm = nullptr) {
+  using A = typename Op::acc_t;
+  A zero[B] = {};
+  if (!prm) prm = zero;
+  for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
+  // (No unrolling over rows: GCC 12 would turn the second row's contiguous loads into gathers.)
+  if (jn == B) {
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < nrows; ++r) {
+      const T* row = rows[r];
+#pragma omp simd
+      for (int64_t b = 0; b < B; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
+    }
+  } else {
+#pragma GCC unroll 1
+    for (int64_t r = 0; r < nrows; ++r) {
+      const T* row = rows[r];
+#pragma omp simd
+      for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
+    }
+  }
+}
+
+// The reduction of n elements with stride s, pairwise over leaves of kChunk.
+template <class T, class Op>
+typename Op::acc_t reduce_run(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
+  if (n > kChunk) {
+    int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
+    return op.combine(reduce_run(op, p, half, s, prm), reduce_run(op, p + half * s, n - half, s, prm));
+  }
+  if constexpr (CustomLeaves<Op>) return op.leaf(p, n, s);
+  else return elementwise_leaf(op, p, n, s, prm);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine
+// ---------------------------------------------------------------------------------------------
 
 template <class T>
 class ReduceLoop {
  public:
   ReduceLoop(const T* base, const ReducePlan& plan) : base_(base), plan_(plan) {
     inner_ = plan.reduced.back();
-    nrows_ = plan.reduce_size / std::max<int64_t>(inner_.size, 1);
+    nrows_ = inner_.size > 0 ? plan.reduce_size / inner_.size : 0;
     vertical_ = !plan.kept.empty() && plan.kept.back().stride == 1;
   }
 
-  // store(o, acc) for every output o.
+  // Calls store(o, acc) for every output o (from several threads, each o once).
   template <class Op, class Store>
   void run(const Op& op, const Store& store) const {
-    run2(op, NoStage{}, [](auto) { return 0; }, store);
-  }
-
-  // Two stages per output: a1 = reduce(op1); a2 = reduce(op2, param = mid(a1)); store(o, a1, a2).
-  template <class Op1, class Op2, class Mid, class Store>
-  void run2(const Op1& op1, const Op2& op2, const Mid& mid, const Store& store) const {
     if (plan_.num_outputs == 0) return;
     if (plan_.reduce_size == 0) {
-      for (int64_t o = 0; o < plan_.num_outputs; ++o) finish(op2, mid, store, o, op1.identity(), nullptr);
+      for (int64_t o = 0; o < plan_.num_outputs; ++o) store(o, op.identity());
       return;
     }
-    if (vertical_) run_vertical(op1, op2, mid, store);
-    else run_per_output(op1, op2, mid, store);
+    if (vertical_) run_vertical(op, store);
+    else run_per_output(op, store);
   }
 
  private:
-  template <class Op2, class Mid, class Store, class A1>
-  void finish(const Op2& op2, const Mid& mid, const Store& store, int64_t o, A1 a1, const T* p) const {
-    if constexpr (std::is_same_v<Op2, NoStage>) {
-      (void)op2, (void)mid, (void)p;
-      store(o, a1);
-    } else {
-      auto prm = mid(a1);
-      auto a2 = p ? rows(op2, p, 0, nrows_, prm) : op2.identity();
-      store(o, a1, a2);
-    }
-  }
-
-  template <class Op>
-  typename Op::acc_t strided(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm) const {
-    using A = typename Op::acc_t;
-    if (n > kChunk) {
-      int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
-      return op.combine(strided(op, p, half, s, prm), strided(op, p + half * s, n - half, s, prm));
-    }
-    A a0 = op.identity(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-      a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
-      a1 = op.combine(a1, op.map(load<A>(p + (i + 1) * s), prm));
-      a2 = op.combine(a2, op.map(load<A>(p + (i + 2) * s), prm));
-      a3 = op.combine(a3, op.map(load<A>(p + (i + 3) * s), prm));
-    }
-    for (; i < n; ++i) a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
-    return op.combine(op.combine(a0, a1), op.combine(a2, a3));
-  }
-
-  template <class Op>
-  typename Op::acc_t inner(const Op& op, const T* p, int64_t n, typename Op::acc_t prm) const {
-    return inner_.stride == 1 ? contiguous_reduce(op, p, n, prm) : strided(op, p, n, inner_.stride, prm);
-  }
-
-  const Dim* row_dims() const { return plan_.reduced.data(); }
-  size_t num_row_dims() const { return plan_.reduced.size() - 1; }
-
   // Rows [r0, r1) of the reduced dims outside the innermost one, pairwise.
   template <class Op>
-  typename Op::acc_t rows(const Op& op, const T* p, int64_t r0, int64_t r1, typename Op::acc_t prm) const {
+  typename Op::acc_t rows(const Op& op, const T* p, int64_t r0, int64_t r1) const {
     using A = typename Op::acc_t;
-    const int64_t len = inner_.size;
-    if (r1 - r0 == 1) return inner(op, p + offset_of(r0, row_dims(), num_row_dims()), len, prm);
-    if ((r1 - r0) * len <= kChunk) {
-      OffsetWalker w(row_dims(), num_row_dims(), r0);
+    const Dim* dims = plan_.reduced.data();
+    const size_t ndims = plan_.reduced.size() - 1;
+    if (r1 - r0 == 1) return reduce_run(op, p + offset_of(r0, dims, ndims), inner_.size, inner_.stride);
+    if ((r1 - r0) * inner_.size <= kChunk) {
+      OffsetWalker w(dims, ndims, r0);
       A acc = op.identity();
-      for (int64_t r = r0; r < r1; ++r, w.next()) acc = op.combine(acc, inner(op, p + w.offset(), len, prm));
+      for (int64_t r = r0; r < r1; ++r, w.next())
+        acc = op.combine(acc, reduce_run(op, p + w.offset(), inner_.size, inner_.stride));
       return acc;
     }
     int64_t mid = r0 + (r1 - r0) / 2;
-    return op.combine(rows(op, p, r0, mid, prm), rows(op, p, mid, r1, prm));
+    return op.combine(rows(op, p, r0, mid), rows(op, p, mid, r1));
   }
 
-  // One stage of one output, split across threads.
-  template <class Op>
-  typename Op::acc_t one_output_parallel(const Op& op, const T* p, typename Op::acc_t prm) const {
+  template <class Op, class Store>
+  void run_per_output(const Op& op, const Store& store) const {
     using A = typename Op::acc_t;
-    auto comb = [&](A a, A b) { return op.combine(a, b); };
-    if (nrows_ >= 2) {
-      return parallel_fold<A>(nrows_, std::max<int64_t>(1, kGrainSize / inner_.size),
-                              [&](int64_t b, int64_t e) { return rows(op, p, b, e, prm); }, comb);
-    }
-    const int64_t s = inner_.stride;
-    return parallel_fold<A>(inner_.size, kGrainSize,
-                            [&](int64_t b, int64_t e) {
-                              return s == 1 ? contiguous_reduce(op, p + b, e - b, prm) : strided(op, p + b * s, e - b, s, prm);
-                            },
-                            comb);
-  }
-
-  template <class Op1, class Op2, class Mid, class Store>
-  void run_per_output(const Op1& op1, const Op2& op2, const Mid& mid, const Store& store) const {
     const int64_t outputs = plan_.num_outputs, size = plan_.reduce_size;
     const Dim* kept = plan_.kept.data();
     const size_t nkept = plan_.kept.size();
     if (outputs >= max_threads() || size < 2 * kGrainSize) {
       parallel_for(outputs, std::max<int64_t>(1, kGrainSize / size), [&](int64_t b, int64_t e) {
         OffsetWalker w(kept, nkept, b);
-        for (int64_t o = b; o < e; ++o, w.next()) {
-          const T* p = base_ + w.offset();
-          finish(op2, mid, store, o, rows(op1, p, 0, nrows_, {}), p);
-        }
+        for (int64_t o = b; o < e; ++o, w.next()) store(o, rows(op, base_ + w.offset(), 0, nrows_));
       });
       return;
     }
+    // Few outputs with long reductions: split each one across threads.
+    auto combine = [&](const A& a, const A& b) { return op.combine(a, b); };
     for (int64_t o = 0; o < outputs; ++o) {
       const T* p = base_ + offset_of(o, kept, nkept);
-      auto a1 = one_output_parallel(op1, p, {});
-      if constexpr (std::is_same_v<Op2, NoStage>) {
-        store(o, a1);
+      if (nrows_ >= 2) {
+        store(o, parallel_fold<A>(nrows_, std::max<int64_t>(1, kGrainSize / inner_.size),
+                                  [&](int64_t b, int64_t e) { return rows(op, p, b, e); }, combine));
       } else {
-        auto a2 = one_output_parallel(op2, p, mid(a1));
-        store(o, a1, a2);
+        const int64_t s = inner_.stride;
+        store(o, parallel_fold<A>(inner_.size, kGrainSize,
+                                  [&](int64_t b, int64_t e) { return reduce_run(op, p + b * s, e - b, s); }, combine));
       }
     }
   }
 
-  // Vertical: acc[b] over reduced rows [r0, r1) for the jn adjacent outputs at p, pairwise.
-  // B: the block size (acc and prm hold B entries, jn <= B of them used).
+  // Vertical: acc[b] over reduced rows [r0, r1) for the jn <= B adjacent outputs at p, pairwise.
   template <int64_t B, class Op>
-  void vertical_rows(const Op& op, const T* p, int64_t r0, int64_t r1, int64_t jn,
-                     const typename Op::acc_t* prm, typename Op::acc_t* acc) const {
+  void vertical_rows(const Op& op, const T* p, int64_t r0, int64_t r1, int64_t jn, typename Op::acc_t* acc) const {
     using A = typename Op::acc_t;
     if (r1 - r0 > kLeafRows) {
       int64_t mid = r0 + (r1 - r0) / 2;
-      vertical_rows<B>(op, p, r0, mid, jn, prm, acc);
+      vertical_rows<B>(op, p, r0, mid, jn, acc);
       A tmp[B];
-      vertical_rows<B>(op, p, mid, r1, jn, prm, tmp);
-#pragma omp simd
+      vertical_rows<B>(op, p, mid, r1, jn, tmp);
       for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], tmp[b]);
       return;
     }
-    for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
+    const T* row_ptrs[kLeafRows];
     OffsetWalker w(plan_.reduced.data(), plan_.reduced.size(), r0);
-    if (jn == B) {
-      for (int64_t r = r0; r < r1; ++r, w.next()) {
-        const T* row = p + w.offset();
-#pragma omp simd
-        for (int64_t b = 0; b < B; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
-      }
-    } else {
-      for (int64_t r = r0; r < r1; ++r, w.next()) {
-        const T* row = p + w.offset();
-#pragma omp simd
-        for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r, w.next()) row_ptrs[r - r0] = p + w.offset();
+    if constexpr (CustomLeaves<Op>) op.template leaf_rows<B>(row_ptrs, r1 - r0, jn, acc);
+    else rows_leaf<B>(op, row_ptrs, r1 - r0, jn, acc);
   }
 
-  // Vertical, rows split across threads (few output blocks, long reductions).
+  // Vertical with the rows split across threads (few output blocks, long reductions).
   template <int64_t B, class Op>
-  void vertical_parallel(const Op& op, const T* p, int64_t jn, const typename Op::acc_t* prm,
-                         typename Op::acc_t* acc) const {
+  void vertical_parallel(const Op& op, const T* p, int64_t jn, typename Op::acc_t* acc) const {
     using A = typename Op::acc_t;
     const int64_t R = plan_.reduce_size;
     int64_t chunks = std::min<int64_t>(max_threads(), std::max<int64_t>(1, R * jn / kGrainSize));
     if (chunks <= 1) {
-      vertical_rows<B>(op, p, 0, R, jn, prm, acc);
+      vertical_rows<B>(op, p, 0, R, jn, acc);
       return;
     }
     std::unique_ptr<A[]> parts(new A[chunks * B]);
 #pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) vertical_rows<B>(op, p, R * c / chunks, R * (c + 1) / chunks, jn, prm, &parts[c * B]);
+    for (int64_t c = 0; c < chunks; ++c) vertical_rows<B>(op, p, R * c / chunks, R * (c + 1) / chunks, jn, &parts[c * B]);
     for (int64_t b = 0; b < jn; ++b) acc[b] = parts[b];
     for (int64_t c = 1; c < chunks; ++c)
       for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], parts[c * B + b]);
   }
 
-  template <class Op1, class Op2, class Mid, class Store>
-  void run_vertical(const Op1& op1, const Op2& op2, const Mid& mid, const Store& store) const {
-    using A1 = typename Op1::acc_t;
-    using A2 = typename Op2::acc_t;
-    constexpr int64_t B = std::min(block<A1>(), block<A2>());
+  template <class Op, class Store>
+  void run_vertical(const Op& op, const Store& store) const {
+    using A = typename Op::acc_t;
+    constexpr int64_t B = block<A>();
     const int64_t J = plan_.kept.back().size;
     const int64_t nblocks = (J + B - 1) / B;
     const int64_t tasks = plan_.num_outputs / J * nblocks;
     const Dim* outer = plan_.kept.data();
     const size_t nouter = plan_.kept.size() - 1;
     const int64_t R = plan_.reduce_size;
-
     auto task = [&](int64_t t, bool split_rows) {
       int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, J - j0);
       const T* p = base_ + offset_of(ko, outer, nouter) + j0;
-      int64_t o0 = ko * J + j0;
-      A1 zero1[B] = {}, acc1[B];
-      split_rows ? vertical_parallel<B>(op1, p, jn, zero1, acc1) : vertical_rows<B>(op1, p, 0, R, jn, zero1, acc1);
-      if constexpr (std::is_same_v<Op2, NoStage>) {
-        (void)op2, (void)mid;
-        for (int64_t b = 0; b < jn; ++b) store(o0 + b, acc1[b]);
-      } else {
-        A2 prm[B] = {}, acc2[B];
-        for (int64_t b = 0; b < jn; ++b) prm[b] = mid(acc1[b]);
-        split_rows ? vertical_parallel<B>(op2, p, jn, prm, acc2) : vertical_rows<B>(op2, p, 0, R, jn, prm, acc2);
-        for (int64_t b = 0; b < jn; ++b) store(o0 + b, acc1[b], acc2[b]);
-      }
+      A acc[B];
+      if (split_rows) vertical_parallel<B>(op, p, jn, acc);
+      else vertical_rows<B>(op, p, 0, R, jn, acc);
+      for (int64_t b = 0; b < jn; ++b) store(ko * J + j0 + b, acc[b]);
     };
     if (tasks >= max_threads() || R * J < 2 * kGrainSize) {
       parallel_for(tasks, std::max<int64_t>(1, kGrainSize / (R * B)), [&](int64_t b, int64_t e) {

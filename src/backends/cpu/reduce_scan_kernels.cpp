@@ -112,10 +112,10 @@ void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
     for (int64_t r = b; r < e; ++r) {
       const T* p = in + r * n;
       T* q = out + r * n;
-      const A m = contiguous_reduce(MaxOp<A>{}, p, n);
+      const A m = reduce_run(MaxOp<A>{}, p, n, 1);
       if constexpr (Log) {
         // (x - m) - log s: exact x - m first, as PyTorch does (m + log s would round at |m|).
-        const A log_sum = std::log(contiguous_reduce(ExpShiftOp<A>{}, p, n, m));
+        const A log_sum = std::log(reduce_run(ExpShiftOp<A>{}, p, n, 1, m));
 #pragma omp simd
         for (int64_t k = 0; k < n; ++k) q[k] = store_as<T>((load<A>(p + k) - m) - log_sum);
       } else {
@@ -124,7 +124,7 @@ void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
         else ex = buffer.data();
 #pragma omp simd
         for (int64_t k = 0; k < n; ++k) ex[k] = math::Exp{}(load<A>(p + k) - m);
-        const A inv = A(1) / contiguous_reduce(SumOp<A>{}, static_cast<const A*>(ex), n);
+        const A inv = A(1) / reduce_run(SumOp<A>{}, static_cast<const A*>(ex), n, 1);
 #pragma omp simd
         for (int64_t k = 0; k < n; ++k) q[k] = store_as<T>(ex[k] * inv);
       }

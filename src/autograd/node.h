@@ -1,0 +1,132 @@
+// The autograd graph: nodes, edges, saved tensors and per-tensor autograd metadata.
+//
+// Ownership: a tensor owns its grad_fn; a node owns the nodes of its inputs (next_edges) and
+// the tensors it saved. Saved OUTPUTS are kept without their grad_fn (which is the node itself)
+// to avoid a reference cycle; unpacking re-attaches it.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kiln/autograd.h"
+#include "kiln/op_table.h"
+
+namespace kiln::autograd {
+
+struct Node;
+
+struct Edge {
+  std::shared_ptr<Node> node;  // null: no gradient flows along this edge
+  uint32_t input_nr = 0;       // which gradient slot of `node` (= output_nr of the forward tensor)
+  bool valid() const { return node != nullptr; }
+};
+
+using TensorHook = std::function<Tensor(const Tensor&)>;
+
+// Metadata of a forward tensor that backward needs without keeping the tensor alive.
+struct TensorShape {
+  std::vector<int64_t> sizes;
+  DType dtype = DType::float32;
+  Device device;
+};
+
+struct AutogradMeta {
+  Tensor grad;
+  std::shared_ptr<Node> grad_fn;      // null for leaves
+  std::weak_ptr<Node> grad_accumulator;  // leaves: the AccumulateGrad node, created on demand
+  uint32_t output_nr = 0;
+  bool retains_grad = false;
+  bool is_view_of_grad_tensor = false;  // a view whose base requires grad (in-place on it is refused)
+  std::vector<TensorHook> hooks;        // leaves only; non-leaf hooks live on grad_fn
+  std::mutex mutex;                     // guards grad during accumulation
+};
+
+// A tensor saved for backward, with the version it had when saved.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  SavedTensor(const Tensor& t, bool is_output);
+  // The saved value; throws if it was modified in place since it was saved or was released.
+  Tensor unpack(const std::shared_ptr<Node>& owner) const;
+  // Frees the value; a later unpack of a slot that held one throws.
+  void release() {
+    if (!saved_) return;
+    data_ = Tensor();
+    released_ = true;
+  }
+
+ private:
+  Tensor data_;
+  uint64_t version_ = 0;
+  bool is_output_ = false;
+  bool saved_ = false;  // this slot holds a saved value (possibly an undefined optional input)
+  bool released_ = false;
+  uint32_t output_nr_ = 0;
+  bool requires_grad_ = false;
+};
+
+struct Node : std::enable_shared_from_this<Node> {
+  virtual ~Node() = default;
+  virtual std::string name() const = 0;
+  // Gradients of the forward outputs in, gradients of the forward inputs out (one per edge).
+  virtual TensorList apply(TensorList&& grads) = 0;
+  virtual void release_saved() {}
+  // The forward op, for anomaly reports ("" for AccumulateGrad).
+  virtual std::string forward_op() const { return ""; }
+
+  std::vector<Edge> next_edges;            // per forward input
+  std::vector<TensorShape> output_shapes;  // per forward output: zero grads for unused outputs
+  uint64_t sequence_nr = 0;
+  // Per output slot: hooks registered on the non-leaf tensor, and tensors retaining their grad.
+  std::vector<std::vector<TensorHook>> pre_hooks;
+  std::vector<std::weak_ptr<detail::TensorImpl>> retained;
+};
+
+// The node of one op-table call.
+struct OpNode final : Node {
+  const OpDef* op = nullptr;
+  std::vector<Attr> attrs;
+  std::vector<SavedTensor> saved_inputs;   // indexed like the op's inputs; empty where unsaved
+  std::vector<SavedTensor> saved_outputs;  // indexed like the op's outputs
+  std::vector<TensorShape> input_shapes;
+  std::vector<bool> input_defined;
+  bool released = false;
+
+  std::string name() const override;
+  TensorList apply(TensorList&& grads) override;
+  void release_saved() override;
+  std::string forward_op() const override { return op->name; }
+};
+
+// Accumulates into a leaf's .grad().
+struct AccumulateGrad final : Node {
+  std::shared_ptr<detail::TensorImpl> leaf;
+  std::string name() const override { return "AccumulateGrad"; }
+  TensorList apply(TensorList&& grads) override;
+};
+
+// The autograd metadata of t, created on first use.
+AutogradMeta& meta(const Tensor& t);
+AutogradMeta* meta_if_exists(const Tensor& t);
+// Where t's gradient goes: its grad_fn, or its leaf accumulator (or nothing).
+Edge gradient_edge(const Tensor& t);
+uint64_t next_sequence_nr();
+
+// Called by the dispatcher after an op ran (call_op) and before/after an in-place op
+// (call_op_out). `recording()` is the fast check.
+bool recording(std::span<const Tensor> inputs);
+void record(const OpDef& op, std::span<const Tensor> inputs, std::span<const Attr> attrs,
+            std::span<Tensor> outputs);
+// For in-place/out= calls: validates the targets and returns the inputs the node must save
+// (clones of inputs that alias an output, so their pre-write values survive).
+std::vector<Tensor> prepare_inplace(const OpDef& op, std::span<const Tensor> inputs,
+                                    std::span<const Tensor> outputs);
+
+// Reduces a broadcast gradient back to `sizes` (sum over expanded dims).
+Tensor sum_to(const Tensor& grad, IntArrayRef sizes);
+
+}  // namespace kiln::autograd
