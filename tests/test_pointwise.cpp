@@ -861,3 +861,30 @@ TEST(PointwiseTernary, MaskedFillWithScalarAndTensorValues) {
   EXPECT_THROW(masked_fill(x, mask, tensor<float>({1.0f})), ShapeError);
   EXPECT_THROW(masked_fill(x, tensor<bool>({true, false}), 0.0), ShapeError);
 }
+
+// ======================= devices and the op table =======================
+
+TEST(PointwiseOps, TensorsOnDifferentDevicesThrowDeviceError) {
+  if (!cuda::is_available()) GTEST_SKIP() << "needs a CUDA device";
+  Tensor a = full({2}, 1.0f);
+  Tensor b = a.to(cuda_device());
+  EXPECT_THROW(a + b, DeviceError);
+  EXPECT_THROW(where(tensor<bool>({true, false}), a, b), DeviceError);
+  EXPECT_THROW(clamp(a, full({2}, 0.0f).to(cuda_device()), Tensor()), DeviceError);
+}
+
+TEST(PointwiseOps, EveryOpIsATablePointwiseEntryWithASchema) {
+  for (const char* name :
+       {"neg", "abs", "exp", "log", "log1p", "expm1", "sin", "cos", "tan", "tanh", "sigmoid", "relu", "gelu", "silu",
+        "sqrt", "rsqrt", "reciprocal", "sign", "floor", "ceil", "round", "erf", "logical_not", "isnan", "isfinite",
+        "bitwise_not", "add", "sub", "mul", "div", "pow", "remainder", "maximum", "minimum", "atan2", "eq", "ne", "lt",
+        "le", "gt", "ge", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor",
+        "bitwise_left_shift", "bitwise_right_shift", "where", "clamp", "lerp", "addcmul", "addcdiv", "masked_fill"}) {
+    const OpDef* op = OpTable::instance().find(name);
+    ASSERT_NE(op, nullptr) << name;
+    EXPECT_TRUE(op->pointwise) << name;
+    EXPECT_EQ(op->lowering, "pointwise") << name;
+    EXPECT_EQ(op->schema.rfind(std::string(name) + "(", 0), 0u) << name;
+    EXPECT_TRUE(op->has_kernel(DeviceType::cpu)) << name;
+  }
+}

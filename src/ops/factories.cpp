@@ -31,8 +31,11 @@ const OpDef& kEmpty = register_op({
   return true;
 }();
 
+// The _like factories take dtype and device from `t` unless the options give them. The device
+// field has no "unset" state, so its default (the CPU) means "like t", as for rand_like.
 TensorOptions merge(const Tensor& t, TensorOptions o) {
   if (!o.dtype) o.dtype = t.dtype();
+  if (o.device == kCPU) o.device = t.device();
   return o;
 }
 
@@ -56,7 +59,8 @@ Tensor empty_like(const Tensor& t, TensorOptions o) { return empty(t.sizes(), me
 Tensor zeros_like(const Tensor& t, TensorOptions o) { return zeros(t.sizes(), merge(t, o)); }
 Tensor ones_like(const Tensor& t, TensorOptions o) { return ones(t.sizes(), merge(t, o)); }
 Tensor full_like(const Tensor& t, Scalar value, TensorOptions o) {
-  return finish(full(t.sizes(), value, TensorOptions(o.dtype.value_or(t.dtype()), o.device)), o);
+  o = merge(t, o);
+  return finish(full(t.sizes(), value, TensorOptions(o.dtype, o.device)), o);
 }
 Tensor scalar_tensor(Scalar value, TensorOptions o) {
   return finish(full({}, value, TensorOptions(o.dtype.value_or(value.dtype()), o.device)), o);

@@ -9,13 +9,14 @@
 //
 // float32 transcendentals (exp, log, tanh, sigmoid, erf, gelu, silu) use the branch-free
 // polynomial code in kiln::math::fast, so a `#pragma omp simd` loop over them vectorizes; they are
-// accurate to a few ulp and handle inf/nan/overflow/underflow like libm. float64 calls std::.
+// accurate to a few ulp (gelu's far left tail, where 1 + erf cancels, to 1e-7 absolute, as in
+// PyTorch) and handle inf/nan/overflow/underflow like libm. float64 calls std::. floor/ceil are
+// built on nearbyint for the same reason (std::floor is a libm call under -ftrapping-math).
 // Header-only on purpose: it depends on nothing but <cmath>, <cstdint> and kiln/half.h.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #include "kiln/half.h"
@@ -38,8 +39,8 @@ namespace kiln::math {
 // ---------------------------------------------------------------------------------------------
 namespace fast {
 
-inline constexpr float kInf = std::numeric_limits<float>::infinity();
-inline constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+inline constexpr float kInf = INFINITY;  // the <cmath> macros also work in CUDA device code
+inline constexpr float kNaN = NAN;
 
 KILN_HD KILN_MATH_INLINE float with_sign_of(float magnitude, float sign_source) {
   uint32_t m = ::kiln::detail::f32_bits(magnitude) & 0x7fffffffu;
@@ -294,7 +295,7 @@ struct Gelu {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     constexpr T kSqrtHalf = T(0.707106781186547524400844362104849039);
     T r = T(0.5) * a * (T(1) + Erf{}(a * kSqrtHalf));
-    return a == -std::numeric_limits<T>::infinity() ? T(-0.0) : r;
+    return a == -static_cast<T>(INFINITY) ? T(-0.0) : r;
   }
 };
 
@@ -306,7 +307,7 @@ struct GeluTanh {
     constexpr T kKappa = T(0.044715);
     T u = kBeta * (a + kKappa * a * a * a);
     T r = a / (T(1) + Exp{}(-(u + u)));
-    return a == -std::numeric_limits<T>::infinity() ? T(-0.0) : r;
+    return a == -static_cast<T>(INFINITY) ? T(-0.0) : r;
   }
 };
 
@@ -314,7 +315,7 @@ struct GeluTanh {
 struct Silu {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     T r = a / (T(1) + Exp{}(-a));
-    return a == -std::numeric_limits<T>::infinity() ? T(-0.0) : r;
+    return a == -static_cast<T>(INFINITY) ? T(-0.0) : r;
   }
 };
 
@@ -532,14 +533,14 @@ struct Pow {
 // NaN-propagating maximum and minimum (torch.maximum / torch.minimum).
 struct Maximum {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
-    if constexpr (util::is_float_v<T>) return a != a ? a : (b != b ? b : (a > b ? a : b));
+    if constexpr (util::is_float_v<T>) return (a > b || a != a) ? a : b;  // b when b is nan
     else return a > b ? a : b;
   }
 };
 
 struct Minimum {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const {
-    if constexpr (util::is_float_v<T>) return a != a ? a : (b != b ? b : (a < b ? a : b));
+    if constexpr (util::is_float_v<T>) return (a < b || a != a) ? a : b;
     else return a < b ? a : b;
   }
 };

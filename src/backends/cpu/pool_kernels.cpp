@@ -76,7 +76,9 @@ void for_each_output_row(const PoolGeometry& g, int64_t work_per_row, F&& f) {
 // "v > best" mispredict half the time). Per output, positions are visited in PyTorch's order
 // (row-major over the window) and only a strictly greater value or a NaN replaces the maximum,
 // so indices match PyTorch's, ties included.
-template <class T>
+// kStrideW > 0 fixes the column stride at compile time (1 and 2 cover nearly every network), so
+// the inner loop's strided loads vectorize.
+template <class T, int64_t kStrideW>
 void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window& win) {
   const PoolGeometry g = geometry(x, out);
   const T* in = x.data_ptr<T>();
@@ -84,7 +86,8 @@ void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window&
   using Acc = opmath_t<T>;
   const Acc lowest = std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
                                                             : std::numeric_limits<Acc>::lowest();
-  const int64_t sh = win.stride[0], sw = win.stride[1], dh = win.dilation[0], dw = win.dilation[1];
+  const int64_t sh = win.stride[0], sw = kStrideW > 0 ? kStrideW : win.stride[1];
+  const int64_t dh = win.dilation[0], dw = win.dilation[1];
   for_each_output_row(g, g.ow * win.kernel[0] * win.kernel[1], [&](int64_t p, int64_t oh) {
     constexpr int64_t kTile = 64;
     const T* plane = in + p * g.h * g.w;
@@ -124,6 +127,15 @@ void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window&
       if (indices) std::copy(best_index, best_index + n, indices + (p * g.oh + oh) * g.ow + ow0);
     }
   });
+}
+
+template <class T>
+void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window& win) {
+  switch (win.stride[1]) {
+    case 1: return max_pool_loop<T, 1>(x, out, indices, win);
+    case 2: return max_pool_loop<T, 2>(x, out, indices, win);
+    default: return max_pool_loop<T, 0>(x, out, indices, win);
+  }
 }
 
 template <class T>

@@ -91,6 +91,7 @@ void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices
             best[b] = take ? v : best[b];
             idx[b] = take ? r : idx[b];
           }
+          end_of_row();
         }
         int64_t o0 = ko * J + j0;
         for (int64_t b = 0; b < jn; ++b) {

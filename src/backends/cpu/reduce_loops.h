@@ -20,6 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -366,6 +367,11 @@ typename Op::acc_t elementwise_leaf(const Op& op, const T* p, int64_t n, int64_t
   return s == 1 ? contiguous_leaf(op, p, n, prm) : strided_leaf(op, p, n, s, prm);
 }
 
+// Call at the end of the body of a loop over rows whose inner loop runs along a row: a
+// compiler-only barrier that keeps GCC's -O3 unroll-and-jam from fusing pairs of rows, after which
+// it vectorizes across rows with gathers (several times slower) or not at all.
+inline void end_of_row() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
 // acc[b] = the reduction over r < nrows of rows[r][b], for b < jn (<= B); prm[b] is the param of
 // output b (null: none).
 template <int64_t B, class T, class Op>
@@ -375,21 +381,11 @@ void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, ty
   A zero[B] = {};
   if (!prm) prm = zero;
   for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
-  // (No unrolling over rows: GCC 12 would turn the second row's contiguous loads into gathers.)
-  if (jn == B) {
-#pragma GCC unroll 1
-    for (int64_t r = 0; r < nrows; ++r) {
-      const T* row = rows[r];
+  for (int64_t r = 0; r < nrows; ++r) {
+    const T* row = rows[r];
 #pragma omp simd
-      for (int64_t b = 0; b < B; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
-    }
-  } else {
-#pragma GCC unroll 1
-    for (int64_t r = 0; r < nrows; ++r) {
-      const T* row = rows[r];
-#pragma omp simd
-      for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
-    }
+    for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
+    end_of_row();
   }
 }
 

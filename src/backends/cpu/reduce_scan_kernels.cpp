@@ -74,6 +74,7 @@ void cumsum_impl(const Tensor& x, Tensor& out, int64_t dim) {
           acc[j] = add(acc[j], load<A>(p + j));
           q[j] = store_as<Out>(acc[j]);
         }
+        end_of_row();
       }
     }
   });
@@ -149,10 +150,12 @@ void softmax_columns(const T* in, T* out, const Around& g) {
       for (int64_t k = 0; k < g.size; ++k) {
 #pragma omp simd
         for (int64_t j = 0; j < jn; ++j) m[j] = nan_max(m[j], load<A>(p + k * g.inner + j));
+        end_of_row();
       }
       for (int64_t k = 0; k < g.size; ++k) {
 #pragma omp simd
         for (int64_t j = 0; j < jn; ++j) s[j] += static_cast<S>(math::Exp{}(load<A>(p + k * g.inner + j) - m[j]));
+        end_of_row();
       }
       for (int64_t j = 0; j < jn; ++j)
         shift[j] = static_cast<A>(Log ? std::log(s[j]) : S(1) / s[j]);
@@ -164,6 +167,7 @@ void softmax_columns(const T* in, T* out, const Around& g) {
           A v = load<A>(pk + j);
           qk[j] = store_as<T>(Log ? (v - m[j]) - shift[j] : math::Exp{}(v - m[j]) * shift[j]);
         }
+        end_of_row();
       }
     }
   });
