@@ -25,8 +25,8 @@ int64_t numel_of(const std::vector<int64_t>& sizes) {
   return n;
 }
 
-Tensor random_tensor(const std::vector<int64_t>& sizes, uint32_t seed, DType dtype = kFloat64, double lo = -1,
-                     double hi = 1) {
+Tensor random_tensor(const std::vector<int64_t>& sizes, uint32_t seed, DType dtype = kFloat64,
+                     double lo = -1, double hi = 1) {
   std::mt19937 gen(seed);
   std::uniform_real_distribution<double> dist(lo, hi);
   std::vector<double> v(static_cast<size_t>(numel_of(sizes)));
@@ -44,13 +44,18 @@ void assign(const Tensor& dst, const Tensor& src) {
 struct Image {
   std::vector<double> v;
   int64_t n, c, h, w;
-  double at(int64_t a, int64_t b, int64_t y, int64_t x) const { return v[((a * c + b) * h + y) * w + x]; }
+  double at(int64_t a, int64_t b, int64_t y, int64_t x) const {
+    return v[((a * c + b) * h + y) * w + x];
+  }
 };
 
-Image image_of(const Tensor& t) { return {values(t), t.size(0), t.size(1), t.size(2), t.size(3)}; }
+Image image_of(const Tensor& t) {
+  return {values(t), t.size(0), t.size(1), t.size(2), t.size(3)};
+}
 
 // Pads H by (top, bottom) and W by (left, right) with zeros / reflect / replicate / circular.
-Image pad_ref(const Image& in, int64_t top, int64_t bottom, int64_t left, int64_t right, const std::string& mode) {
+Image pad_ref(const Image& in, int64_t top, int64_t bottom, int64_t left, int64_t right,
+              const std::string& mode) {
   Image out{{}, in.n, in.c, in.h + top + bottom, in.w + left + right};
   out.v.resize(static_cast<size_t>(out.n * out.c * out.h * out.w));
   auto map = [&](int64_t i, int64_t size) -> int64_t {
@@ -65,13 +70,15 @@ Image pad_ref(const Image& in, int64_t top, int64_t bottom, int64_t left, int64_
       for (int64_t y = 0; y < out.h; ++y)
         for (int64_t x = 0; x < out.w; ++x) {
           const int64_t sy = map(y - top, in.h), sx = map(x - left, in.w);
-          out.v[((a * out.c + b) * out.h + y) * out.w + x] = (sy < 0 || sx < 0) ? 0.0 : in.at(a, b, sy, sx);
+          out.v[((a * out.c + b) * out.h + y) * out.w + x] =
+              (sy < 0 || sx < 0) ? 0.0 : in.at(a, b, sy, sx);
         }
   return out;
 }
 
-std::vector<double> conv_ref(const Image& x, const Tensor& weight, const Tensor& bias, int64_t sh, int64_t sw,
-                             int64_t dh, int64_t dw, int64_t groups, std::vector<int64_t>* out_sizes) {
+std::vector<double> conv_ref(const Image& x, const Tensor& weight, const Tensor& bias, int64_t sh,
+                             int64_t sw, int64_t dh, int64_t dw, int64_t groups,
+                             std::vector<int64_t>* out_sizes) {
   const auto wv = values(weight);
   const int64_t oc = weight.size(0), cpg = weight.size(1), kh = weight.size(2), kw = weight.size(3);
   const int64_t oh = (x.h - dh * (kh - 1) - 1) / sh + 1, ow = (x.w - dw * (kw - 1) - 1) / sw + 1;
@@ -86,7 +93,8 @@ std::vector<double> conv_ref(const Image& x, const Tensor& weight, const Tensor&
           for (int64_t ci = 0; ci < cpg; ++ci)
             for (int64_t i = 0; i < kh; ++i)
               for (int64_t j = 0; j < kw; ++j)
-                s += x.at(a, g * cpg + ci, y * sh + i * dh, z * sw + j * dw) * wv[((o * cpg + ci) * kh + i) * kw + j];
+                s += x.at(a, g * cpg + ci, y * sh + i * dh, z * sw + j * dw) *
+                     wv[((o * cpg + ci) * kh + i) * kw + j];
           out.push_back(s);
         }
     }
@@ -98,8 +106,8 @@ std::vector<double> conv_ref(const Image& x, const Tensor& weight, const Tensor&
 // q (B, L, E), k (B, S, E), v (B, S, Ev) as row-major values; mask(b, l, s) returns the additive
 // bias (-inf masks out). A row with every score -inf gives zeros.
 std::vector<double> attention_ref(const std::vector<double>& q, const std::vector<double>& k,
-                                  const std::vector<double>& v, int64_t B, int64_t L, int64_t S, int64_t E,
-                                  int64_t Ev, double scale,
+                                  const std::vector<double>& v, int64_t B, int64_t L, int64_t S,
+                                  int64_t E, int64_t Ev, double scale,
                                   const std::function<double(int64_t, int64_t, int64_t)>& bias,
                                   std::vector<double>* probs_out = nullptr) {
   std::vector<double> out(static_cast<size_t>(B * L * Ev), 0.0);
@@ -127,8 +135,9 @@ std::vector<double> attention_ref(const std::vector<double>& q, const std::vecto
 }
 
 // x @ W^T + b for rows of x (R, I), W (O, I) starting at row `row0` of the weight.
-std::vector<double> affine_ref(const std::vector<double>& x, int64_t R, int64_t I, const std::vector<double>& W,
-                               const std::vector<double>& b, int64_t row0, int64_t O) {
+std::vector<double> affine_ref(const std::vector<double>& x, int64_t R, int64_t I,
+                               const std::vector<double>& W, const std::vector<double>& b,
+                               int64_t row0, int64_t O) {
   std::vector<double> out(static_cast<size_t>(R * O));
   for (int64_t r = 0; r < R; ++r)
     for (int64_t o = 0; o < O; ++o) {
@@ -176,13 +185,19 @@ TEST(NnLinear, DefaultInitIsKaimingUniformWithinOneOverSqrtFanIn) {
 // ======================= Conv2d =======================
 
 TEST(NnConv2d, StridedDilatedGroupedConvMatchesLoops) {
-  nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 4, .out_channels = 6, .kernel_size = {3, 2}, .stride = 2,
-                                    .padding = {1, 0}, .dilation = {1, 2}, .groups = 2});
+  nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 4,
+                                    .out_channels = 6,
+                                    .kernel_size = {3, 2},
+                                    .stride = 2,
+                                    .padding = {1, 0},
+                                    .dilation = {1, 2},
+                                    .groups = 2});
   conv.to(kFloat64);
   EXPECT_EQ(conv.weight.sizes().vec(), (std::vector<int64_t>{6, 2, 3, 2}));
   Tensor x = random_tensor({2, 4, 5, 6}, 3);
   std::vector<int64_t> sizes;
-  auto ref = conv_ref(pad_ref(image_of(x), 1, 1, 0, 0, "zeros"), conv.weight, conv.bias, 2, 2, 1, 2, 2, &sizes);
+  auto ref = conv_ref(pad_ref(image_of(x), 1, 1, 0, 0, "zeros"), conv.weight, conv.bias, 2, 2, 1, 2,
+                      2, &sizes);
   EXPECT_TRUE(matches(conv.forward(x), sizes, ref));
   // Unbatched (C, H, W) input.
   Tensor y = conv.forward(x.select(0, 1));
@@ -191,17 +206,21 @@ TEST(NnConv2d, StridedDilatedGroupedConvMatchesLoops) {
 }
 
 TEST(NnConv2d, SamePaddingWithEvenKernelPadsBottomRightMore) {
-  nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 2, .out_channels = 3, .kernel_size = {4, 3}, .padding = "same"});
+  nn::Conv2d conv(nn::Conv2dOptions{
+      .in_channels = 2, .out_channels = 3, .kernel_size = {4, 3}, .padding = "same"});
   conv.to(kFloat64);
   Tensor x = random_tensor({1, 2, 5, 4}, 4);
   std::vector<int64_t> sizes;
   // total padding 3 (H) -> 1 top, 2 bottom; 2 (W) -> 1 left, 1 right.
-  auto ref = conv_ref(pad_ref(image_of(x), 1, 2, 1, 1, "zeros"), conv.weight, conv.bias, 1, 1, 1, 1, 1, &sizes);
+  auto ref = conv_ref(pad_ref(image_of(x), 1, 2, 1, 1, "zeros"), conv.weight, conv.bias, 1, 1, 1, 1,
+                      1, &sizes);
   EXPECT_EQ(sizes, (std::vector<int64_t>{1, 3, 5, 4}));
   EXPECT_TRUE(matches(conv.forward(x), sizes, ref));
 
-  nn::Conv2d valid(nn::Conv2dOptions{.in_channels = 2, .out_channels = 1, .kernel_size = 3, .padding = "valid"});
-  EXPECT_EQ(valid.forward(random_tensor({1, 2, 5, 4}, 5, kFloat32)).sizes().vec(), (std::vector<int64_t>{1, 1, 3, 2}));
+  nn::Conv2d valid(
+      nn::Conv2dOptions{.in_channels = 2, .out_channels = 1, .kernel_size = 3, .padding = "valid"});
+  EXPECT_EQ(valid.forward(random_tensor({1, 2, 5, 4}, 5, kFloat32)).sizes().vec(),
+            (std::vector<int64_t>{1, 1, 3, 2}));
 }
 
 TEST(NnConv2d, PaddingModesMatchExplicitPadding) {
@@ -216,32 +235,41 @@ TEST(NnConv2d, PaddingModesMatchExplicitPadding) {
                                    {"circular", nn::Conv2dPadding(1, 2), 1, 1, 2, 2},
                                    {"circular", "same", 1, 1, 0, 1}};
   for (const auto& c : cases) {
-    nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 2, .out_channels = 2, .kernel_size = {3, 2},
-                                      .padding = c.padding, .padding_mode = c.mode});
+    nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 2,
+                                      .out_channels = 2,
+                                      .kernel_size = {3, 2},
+                                      .padding = c.padding,
+                                      .padding_mode = c.mode});
     conv.to(kFloat64);
     std::vector<int64_t> sizes;
-    auto ref = conv_ref(pad_ref(image_of(x), c.top, c.bottom, c.left, c.right, c.mode), conv.weight, conv.bias, 1, 1,
-                        1, 1, 1, &sizes);
+    auto ref = conv_ref(pad_ref(image_of(x), c.top, c.bottom, c.left, c.right, c.mode), conv.weight,
+                        conv.bias, 1, 1, 1, 1, 1, &sizes);
     EXPECT_TRUE(matches(conv.forward(x), sizes, ref)) << c.mode;
   }
 }
 
 TEST(NnConv2d, DefaultInitAndBadOptions) {
-  nn::Conv2d conv(nn::Conv2dOptions{.in_channels = 4, .out_channels = 6, .kernel_size = 3, .groups = 2});
+  nn::Conv2d conv(
+      nn::Conv2dOptions{.in_channels = 4, .out_channels = 6, .kernel_size = 3, .groups = 2});
   const double bound = 1.0 / std::sqrt(2.0 * 9.0);  // fan_in = in / groups * kH * kW
   for (double w : values(conv.weight)) EXPECT_LE(std::abs(w), bound);
   for (double b : values(conv.bias)) EXPECT_LE(std::abs(b), bound);
-  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 3, .out_channels = 4, .kernel_size = 3, .groups = 2}),
+  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{
+                   .in_channels = 3, .out_channels = 4, .kernel_size = 3, .groups = 2}),
                ValueError);
-  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4, .kernel_size = 3, .stride = 2,
-                                            .padding = "same"}),
+  EXPECT_THROW(
+      nn::Conv2d(nn::Conv2dOptions{
+          .in_channels = 2, .out_channels = 4, .kernel_size = 3, .stride = 2, .padding = "same"}),
+      ValueError);
+  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{
+                   .in_channels = 2, .out_channels = 4, .kernel_size = 3, .padding = "full"}),
                ValueError);
-  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4, .kernel_size = 3, .padding = "full"}),
-               ValueError);
-  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4, .kernel_size = 3,
-                                            .padding_mode = "mirror"}),
-               ValueError);
-  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4}), ValueError);  // no kernel_size
+  EXPECT_THROW(
+      nn::Conv2d(nn::Conv2dOptions{
+          .in_channels = 2, .out_channels = 4, .kernel_size = 3, .padding_mode = "mirror"}),
+      ValueError);
+  EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4}),
+               ValueError);  // no kernel_size
   nn::Conv2d ok(2, 4, 3);
   EXPECT_THROW(ok.forward(random_tensor({1, 3, 5, 5}, 7, kFloat32)), ShapeError);
 }
@@ -269,8 +297,9 @@ ChannelStats channel_stats(const Tensor& x) {
   }
   return s;
 }
-std::vector<double> normalize_ref(const Tensor& x, const std::vector<double>& mean, const std::vector<double>& var,
-                                  const std::vector<double>& w, const std::vector<double>& b, double eps) {
+std::vector<double> normalize_ref(const Tensor& x, const std::vector<double>& mean,
+                                  const std::vector<double>& var, const std::vector<double>& w,
+                                  const std::vector<double>& b, double eps) {
   auto v = values(x);
   const int64_t n = x.size(0), c = x.size(1), plane = x.numel() / (n * c);
   for (int64_t i = 0; i < n; ++i)
@@ -293,7 +322,8 @@ TEST(NnBatchNorm, TrainingNormalizesWithBatchStatsAndUpdatesRunningStats) {
   Tensor x2 = random_tensor({4, 3, 2, 2}, 12, kFloat64, -1, 1);
   auto s1 = channel_stats(x1), s2 = channel_stats(x2);
 
-  EXPECT_TRUE(matches(bn.forward(x1), {4, 3, 2, 2}, normalize_ref(x1, s1.mean, s1.biased_var, w, b, 1e-5)));
+  EXPECT_TRUE(
+      matches(bn.forward(x1), {4, 3, 2, 2}, normalize_ref(x1, s1.mean, s1.biased_var, w, b, 1e-5)));
   std::vector<double> rm(3), rv(3);
   for (int c = 0; c < 3; ++c) {
     rm[c] = 0.9 * 0.0 + 0.1 * s1.mean[c];
@@ -322,7 +352,8 @@ TEST(NnBatchNorm, TrainingNormalizesWithBatchStatsAndUpdatesRunningStats) {
 TEST(NnBatchNorm, MomentumNoneKeepsACumulativeAverage) {
   nn::BatchNorm1d bn(nn::BatchNormOptions{.num_features = 2, .momentum = std::nullopt});
   bn.to(kFloat64);
-  Tensor x1 = random_tensor({5, 2}, 21), x2 = random_tensor({5, 2}, 22), x3 = random_tensor({5, 2}, 23);
+  Tensor x1 = random_tensor({5, 2}, 21), x2 = random_tensor({5, 2}, 22),
+         x3 = random_tensor({5, 2}, 23);
   auto s1 = channel_stats(x1), s2 = channel_stats(x2), s3 = channel_stats(x3);
   bn.forward(x1);
   bn.forward(x2);
@@ -343,25 +374,28 @@ TEST(NnBatchNorm, BatchNorm1dTakesNCAndNCLInput) {
   const std::vector<double> ones3(3, 1.0), zeros3(3, 0.0);
   Tensor x = random_tensor({4, 3, 5}, 24);
   auto s = channel_stats(x);
-  EXPECT_TRUE(matches(bn.forward(x), {4, 3, 5}, normalize_ref(x, s.mean, s.biased_var, ones3, zeros3, 1e-5)));
+  EXPECT_TRUE(matches(bn.forward(x), {4, 3, 5},
+                      normalize_ref(x, s.mean, s.biased_var, ones3, zeros3, 1e-5)));
   Tensor x2 = random_tensor({6, 3}, 25);
   auto s2 = channel_stats(x2);
-  EXPECT_TRUE(matches(bn.forward(x2), {6, 3}, normalize_ref(x2, s2.mean, s2.biased_var, ones3, zeros3, 1e-5)));
+  EXPECT_TRUE(matches(bn.forward(x2), {6, 3},
+                      normalize_ref(x2, s2.mean, s2.biased_var, ones3, zeros3, 1e-5)));
   EXPECT_THROW(bn.forward(random_tensor({2, 3, 4, 4}, 26)), ShapeError);
   nn::BatchNorm2d bn2(3);
   EXPECT_THROW(bn2.forward(random_tensor({2, 3, 4}, 27, kFloat32)), ShapeError);
 }
 
 TEST(NnBatchNorm, WithoutRunningStatsEvalUsesBatchStatistics) {
-  nn::BatchNorm2d bn(nn::BatchNormOptions{.num_features = 2, .affine = false, .track_running_stats = false});
+  nn::BatchNorm2d bn(
+      nn::BatchNormOptions{.num_features = 2, .affine = false, .track_running_stats = false});
   bn.to(kFloat64);
   EXPECT_FALSE(bn.running_mean.defined());
   EXPECT_FALSE(bn.num_batches_tracked.defined());
   bn.eval();
   Tensor x = random_tensor({3, 2, 2, 2}, 28);
   auto s = channel_stats(x);
-  EXPECT_TRUE(
-      matches(bn.forward(x), {3, 2, 2, 2}, normalize_ref(x, s.mean, s.biased_var, {1.0, 1.0}, {0.0, 0.0}, 1e-5)));
+  EXPECT_TRUE(matches(bn.forward(x), {3, 2, 2, 2},
+                      normalize_ref(x, s.mean, s.biased_var, {1.0, 1.0}, {0.0, 0.0}, 1e-5)));
 }
 
 TEST(NnBatchNorm, DefaultInitIsOnesAndZeros) {
@@ -388,7 +422,8 @@ TEST(NnLayerNorm, NormalizesTrailingDimsWithAffine) {
     double mean = 0, var = 0;
     for (int i = 0; i < 12; ++i) mean += xv[r * 12 + i] / 12.0;
     for (int i = 0; i < 12; ++i) var += std::pow(xv[r * 12 + i] - mean, 2) / 12.0;
-    for (int i = 0; i < 12; ++i) ref[r * 12 + i] = (xv[r * 12 + i] - mean) / std::sqrt(var + 1e-5) * wv[i] + bv[i];
+    for (int i = 0; i < 12; ++i)
+      ref[r * 12 + i] = (xv[r * 12 + i] - mean) / std::sqrt(var + 1e-5) * wv[i] + bv[i];
   }
   EXPECT_TRUE(matches(ln.forward(x), {2, 3, 4}, ref));
   nn::LayerNorm no_bias(4, 1e-5, true, false);
@@ -483,12 +518,15 @@ TEST(NnActivations, MatchTheirFormulas) {
   auto map = [&](const std::function<double(double)>& f) { return kiln::testing::map_ref(x, f); };
   EXPECT_TRUE(matches(nn::ReLU().forward(x), {7}, map([](double v) { return v > 0 ? v : 0; })));
   EXPECT_TRUE(matches(nn::Tanh().forward(x), {7}, map([](double v) { return std::tanh(v); })));
-  EXPECT_TRUE(matches(nn::Sigmoid().forward(x), {7}, map([](double v) { return 1 / (1 + std::exp(-v)); })));
-  EXPECT_TRUE(matches(nn::SiLU().forward(x), {7}, map([](double v) { return v / (1 + std::exp(-v)); })));
+  EXPECT_TRUE(
+      matches(nn::Sigmoid().forward(x), {7}, map([](double v) { return 1 / (1 + std::exp(-v)); })));
+  EXPECT_TRUE(
+      matches(nn::SiLU().forward(x), {7}, map([](double v) { return v / (1 + std::exp(-v)); })));
   EXPECT_TRUE(matches(nn::GELU().forward(x), {7},
                       map([](double v) { return 0.5 * v * (1 + std::erf(v / std::sqrt(2.0))); })));
   EXPECT_TRUE(matches(nn::GELU("tanh").forward(x), {7}, map([](double v) {
-                        return 0.5 * v * (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
+                        return 0.5 * v *
+                               (1 + std::tanh(std::sqrt(2 / M_PI) * (v + 0.044715 * v * v * v)));
                       })));
   EXPECT_THROW(nn::GELU("fast"), ValueError);
   Tensor s = nn::Softmax(0).forward(x);
@@ -590,7 +628,8 @@ TEST(NnSequential, ChainsChildrenInOrder) {
 TEST(NnFunctional, CircularPadWrapsAround) {
   Tensor x = tensor<double>({1, 2, 3, 4, 5, 6}, {1, 2, 3});
   // pad last dim by (2, 1): [.., 2, 3 | 1, 2, 3 | 1]
-  EXPECT_TRUE(matches(F::pad(x, {2, 1}, "circular"), {1, 2, 6}, {2, 3, 1, 2, 3, 1, 5, 6, 4, 5, 6, 4}));
+  EXPECT_TRUE(
+      matches(F::pad(x, {2, 1}, "circular"), {1, 2, 6}, {2, 3, 1, 2, 3, 1, 5, 6, 4, 5, 6, 4}));
   EXPECT_TRUE(matches(F::pad(x, {0, 0, 1, 0}, "circular"), {1, 3, 3}, {4, 5, 6, 1, 2, 3, 4, 5, 6}));
   EXPECT_THROW(F::pad(x, {4, 0}, "circular"), ValueError);
   EXPECT_TRUE(matches(F::pad(x, {1, 0}, "constant", 9.0), {1, 2, 4}, {9, 1, 2, 3, 9, 4, 5, 6}));
@@ -602,7 +641,8 @@ TEST(NnFunctional, LossesAndActivationsForwardToTheOps) {
   const double l0 = -std::log(std::exp(2.0) / (std::exp(1.0) + std::exp(2.0) + std::exp(0.5)));
   const double l1 = -std::log(std::exp(3.0) / (std::exp(-1.0) + std::exp(0.0) + std::exp(3.0)));
   EXPECT_TRUE(matches(F::cross_entropy(logits, target), {}, {(l0 + l1) / 2}));
-  EXPECT_TRUE(matches(F::cross_entropy(logits, target, {}, -100, nn::functional::Reduction::none), {2}, {l0, l1}));
+  EXPECT_TRUE(matches(F::cross_entropy(logits, target, {}, -100, nn::functional::Reduction::none),
+                      {2}, {l0, l1}));
   EXPECT_TRUE(matches(F::mse_loss(tensor<double>({1, 2}), tensor<double>({0, 4})), {}, {2.5}));
   EXPECT_TRUE(matches(F::one_hot(tensor<int64_t>({2, 0}), 3), {2, 3}, {0, 0, 1, 1, 0, 0}));
   EXPECT_TRUE(matches(F::relu(tensor<double>({-1, 2})), {2}, {0, 2}));
@@ -612,31 +652,39 @@ TEST(NnFunctional, LossesAndActivationsForwardToTheOps) {
 
 TEST(NnAttention, SdpaMatchesSoftmaxQKtV) {
   const int64_t B = 2, L = 3, S = 4, E = 5, Ev = 2;
-  Tensor q = random_tensor({B, L, E}, 71), k = random_tensor({B, S, E}, 72), v = random_tensor({B, S, Ev}, 73);
+  Tensor q = random_tensor({B, L, E}, 71), k = random_tensor({B, S, E}, 72),
+         v = random_tensor({B, S, Ev}, 73);
   auto none = [](int64_t, int64_t, int64_t) { return 0.0; };
-  auto ref = attention_ref(values(q), values(k), values(v), B, L, S, E, Ev, 1 / std::sqrt(5.0), none);
+  auto ref =
+      attention_ref(values(q), values(k), values(v), B, L, S, E, Ev, 1 / std::sqrt(5.0), none);
   EXPECT_TRUE(matches(F::scaled_dot_product_attention(q, k, v), {B, L, Ev}, ref));
   auto ref_scaled = attention_ref(values(q), values(k), values(v), B, L, S, E, Ev, 0.3, none);
-  EXPECT_TRUE(matches(F::scaled_dot_product_attention(q, k, v, {}, 0.0, false, 0.3), {B, L, Ev}, ref_scaled));
+  EXPECT_TRUE(matches(F::scaled_dot_product_attention(q, k, v, {}, 0.0, false, 0.3), {B, L, Ev},
+                      ref_scaled));
   // float32 with float32 tolerance.
-  auto ref32 = attention_ref(values(q.to(kFloat32)), values(k.to(kFloat32)), values(v.to(kFloat32)), B, L, S, E, Ev,
-                             1 / std::sqrt(5.0), none);
-  EXPECT_TRUE(matches(F::scaled_dot_product_attention(q.to(kFloat32), k.to(kFloat32), v.to(kFloat32)), {B, L, Ev},
-                      ref32, kiln::testing::Tolerance{1e-5, 1e-5}));
+  auto ref32 = attention_ref(values(q.to(kFloat32)), values(k.to(kFloat32)), values(v.to(kFloat32)),
+                             B, L, S, E, Ev, 1 / std::sqrt(5.0), none);
+  EXPECT_TRUE(
+      matches(F::scaled_dot_product_attention(q.to(kFloat32), k.to(kFloat32), v.to(kFloat32)),
+              {B, L, Ev}, ref32, kiln::testing::Tolerance{1e-5, 1e-5}));
 }
 
 TEST(NnAttention, SdpaCausalKeepsKeysUpToTheQuery) {
   const int64_t B = 1, L = 3, S = 4, E = 2;
-  Tensor q = random_tensor({B, L, E}, 74), k = random_tensor({B, S, E}, 75), v = random_tensor({B, S, E}, 76);
+  Tensor q = random_tensor({B, L, E}, 74), k = random_tensor({B, S, E}, 75),
+         v = random_tensor({B, S, E}, 76);
   auto causal = [](int64_t, int64_t l, int64_t s) { return s <= l ? 0.0 : -kInf; };
-  auto ref = attention_ref(values(q), values(k), values(v), B, L, S, E, E, 1 / std::sqrt(2.0), causal);
+  auto ref =
+      attention_ref(values(q), values(k), values(v), B, L, S, E, E, 1 / std::sqrt(2.0), causal);
   EXPECT_TRUE(matches(F::scaled_dot_product_attention(q, k, v, {}, 0.0, true), {B, L, E}, ref));
-  EXPECT_THROW(F::scaled_dot_product_attention(q, k, v, ones({L, S}, kBool), 0.0, true), ValueError);
+  EXPECT_THROW(F::scaled_dot_product_attention(q, k, v, ones({L, S}, kBool), 0.0, true),
+               ValueError);
 }
 
 TEST(NnAttention, SdpaBoolMaskKeepsTrueAndFloatMaskIsAdded) {
   const int64_t B = 2, L = 2, S = 3, E = 4;
-  Tensor q = random_tensor({B, L, E}, 77), k = random_tensor({B, S, E}, 78), v = random_tensor({B, S, E}, 79);
+  Tensor q = random_tensor({B, L, E}, 77), k = random_tensor({B, S, E}, 78),
+         v = random_tensor({B, S, E}, 79);
   // (L, S) bool mask broadcast over the batch; row 1 fully masked -> zeros.
   const std::vector<bool> keep{true, false, true, false, false, false};
   Tensor mask = tensor<int64_t>({1, 0, 1, 0, 0, 0}, {L, S}).to(kBool);
@@ -654,7 +702,8 @@ TEST(NnAttention, SdpaBoolMaskKeepsTrueAndFloatMaskIsAdded) {
 }
 
 TEST(NnAttention, SdpaBroadcastsBatchAndHeadDims) {
-  Tensor q = random_tensor({2, 3, 4, 8}, 81), k = random_tensor({2, 3, 5, 8}, 82), v = random_tensor({1, 3, 5, 6}, 83);
+  Tensor q = random_tensor({2, 3, 4, 8}, 81), k = random_tensor({2, 3, 5, 8}, 82),
+         v = random_tensor({1, 3, 5, 6}, 83);
   Tensor out = F::scaled_dot_product_attention(q, k, v);
   EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{2, 3, 4, 6}));
   auto vv = values(v.expand({2, 3, 5, 6}).contiguous());
@@ -664,7 +713,8 @@ TEST(NnAttention, SdpaBroadcastsBatchAndHeadDims) {
 }
 
 TEST(NnAttention, SdpaRejectsBadInputs) {
-  Tensor q = random_tensor({1, 2, 4}, 84), k = random_tensor({1, 3, 4}, 85), v = random_tensor({1, 3, 4}, 86);
+  Tensor q = random_tensor({1, 2, 4}, 84), k = random_tensor({1, 3, 4}, 85),
+         v = random_tensor({1, 3, 4}, 86);
   EXPECT_THROW(F::scaled_dot_product_attention(q, k.to(kFloat32), v), DTypeError);
   EXPECT_THROW(F::scaled_dot_product_attention(q, random_tensor({1, 3, 5}, 87), v), ShapeError);
   EXPECT_THROW(F::scaled_dot_product_attention(q, k, random_tensor({1, 2, 4}, 88)), ShapeError);
@@ -681,9 +731,11 @@ struct MhaRef {
   std::vector<double> out;      // (L, N, E)
   std::vector<double> weights;  // (N, H, L, S)
 };
-MhaRef mha_ref(const nn::MultiheadAttention& mha, const std::vector<double>& query, const std::vector<double>& key,
-               const std::vector<double>& value, int64_t L, int64_t S, int64_t N,
-               const std::function<double(int64_t, int64_t, int64_t, int64_t)>& bias /* (n, h, l, s) */) {
+MhaRef mha_ref(
+    const nn::MultiheadAttention& mha, const std::vector<double>& query,
+    const std::vector<double>& key, const std::vector<double>& value, int64_t L, int64_t S,
+    int64_t N,
+    const std::function<double(int64_t, int64_t, int64_t, int64_t)>& bias /* (n, h, l, s) */) {
   const int64_t E = mha.options.embed_dim, H = mha.options.num_heads, hd = E / H;
   const auto W = values(mha.in_proj_weight), b = values(mha.in_proj_bias);
   const auto Wo = values(mha.out_proj->weight), bo = values(mha.out_proj->bias);
@@ -705,8 +757,9 @@ MhaRef mha_ref(const nn::MultiheadAttention& mha, const std::vector<double>& que
           vh.push_back(vp[(s * N + n) * E + h * hd + d]);
         }
       std::vector<double> probs;
-      auto o = attention_ref(qh, kh, vh, 1, L, S, hd, hd, 1 / std::sqrt(static_cast<double>(hd)),
-                             [&](int64_t, int64_t l, int64_t s) { return bias(n, h, l, s); }, &probs);
+      auto o = attention_ref(
+          qh, kh, vh, 1, L, S, hd, hd, 1 / std::sqrt(static_cast<double>(hd)),
+          [&](int64_t, int64_t l, int64_t s) { return bias(n, h, l, s); }, &probs);
       for (int64_t l = 0; l < L; ++l) {
         for (int64_t s = 0; s < S; ++s) r.weights[((n * H + h) * L + l) * S + s] = probs[l * S + s];
         for (int64_t d = 0; d < hd; ++d) concat[(l * N + n) * E + h * hd + d] = o[l * hd + d];
@@ -716,39 +769,43 @@ MhaRef mha_ref(const nn::MultiheadAttention& mha, const std::vector<double>& que
   return r;
 }
 
-std::vector<double> average_heads(const std::vector<double>& w, int64_t N, int64_t H, int64_t L, int64_t S) {
+std::vector<double> average_heads(const std::vector<double>& w, int64_t N, int64_t H, int64_t L,
+                                  int64_t S) {
   std::vector<double> out(static_cast<size_t>(N * L * S), 0.0);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < L * S; ++i) out[n * L * S + i] += w[(n * H + h) * L * S + i] / static_cast<double>(H);
+      for (int64_t i = 0; i < L * S; ++i)
+        out[n * L * S + i] += w[(n * H + h) * L * S + i] / static_cast<double>(H);
   return out;
 }
 
 // Row-major values of x.transpose(0, 1) for a 3-D tensor.
-std::vector<double> swap01(const Tensor& x) { return values(x.transpose(0, 1).contiguous()); }
+std::vector<double> swap01(const Tensor& x) {
+  return values(x.transpose(0, 1).contiguous());
+}
 }  // namespace
 
 TEST(NnMultiheadAttention, ParametersHavePyTorchNamesShapesAndInit) {
   nn::MultiheadAttention mha(8, 2);
   std::vector<std::string> names;
   for (const auto& [n, p] : mha.named_parameters()) names.push_back(n + shape_str(p.sizes()));
-  EXPECT_EQ(names, (std::vector<std::string>{"in_proj_weight(24, 8)", "in_proj_bias(24)", "out_proj.weight(8, 8)",
-                                             "out_proj.bias(8)"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"in_proj_weight(24, 8)", "in_proj_bias(24)",
+                                             "out_proj.weight(8, 8)", "out_proj.bias(8)"}));
   const double xavier = std::sqrt(6.0 / (8 + 24));
   for (double w : values(mha.in_proj_weight)) EXPECT_LE(std::abs(w), xavier);
   EXPECT_TRUE(matches(mha.in_proj_bias, {24}, std::vector<double>(24, 0.0)));
   EXPECT_TRUE(matches(mha.out_proj->bias, {8}, std::vector<double>(8, 0.0)));
   EXPECT_EQ(mha.head_dim, 4);
 
-  nn::MultiheadAttention cross(nn::MultiheadAttentionOptions{.embed_dim = 4, .num_heads = 1, .bias = false,
-                                                             .kdim = 3, .vdim = 5});
+  nn::MultiheadAttention cross(nn::MultiheadAttentionOptions{
+      .embed_dim = 4, .num_heads = 1, .bias = false, .kdim = 3, .vdim = 5});
   names.clear();
   for (const auto& [n, p] : cross.named_parameters()) names.push_back(n + shape_str(p.sizes()));
-  EXPECT_EQ(names, (std::vector<std::string>{"q_proj_weight(4, 4)", "k_proj_weight(4, 3)", "v_proj_weight(4, 5)",
-                                             "out_proj.weight(4, 4)"}));
-  auto [cross_out, cross_w] = cross.forward(random_tensor({2, 1, 4}, 90, kFloat32),
-                                            random_tensor({3, 1, 3}, 91, kFloat32),
-                                            random_tensor({3, 1, 5}, 92, kFloat32));
+  EXPECT_EQ(names, (std::vector<std::string>{"q_proj_weight(4, 4)", "k_proj_weight(4, 3)",
+                                             "v_proj_weight(4, 5)", "out_proj.weight(4, 4)"}));
+  auto [cross_out, cross_w] =
+      cross.forward(random_tensor({2, 1, 4}, 90, kFloat32), random_tensor({3, 1, 3}, 91, kFloat32),
+                    random_tensor({3, 1, 5}, 92, kFloat32));
   EXPECT_EQ(cross_out.sizes().vec(), (std::vector<int64_t>{2, 1, 4}));
   EXPECT_EQ(cross_w.sizes().vec(), (std::vector<int64_t>{1, 2, 3}));
   EXPECT_THROW(nn::MultiheadAttention(6, 4), ValueError);
@@ -761,10 +818,10 @@ TEST(NnMultiheadAttention, OutputAndWeightsMatchHandComputation) {
   mha.to(kFloat64);
   assign(mha.in_proj_bias, random_tensor({3 * E}, 93));  // make the biases matter
   assign(mha.out_proj->bias, random_tensor({E}, 94));
-  Tensor q = random_tensor({L, N, E}, 95), k = random_tensor({S, N, E}, 96), v = random_tensor({S, N, E}, 97);
-  auto ref = mha_ref(mha, values(q), values(k), values(v), L, S, N, [](int64_t, int64_t, int64_t, int64_t) {
-    return 0.0;
-  });
+  Tensor q = random_tensor({L, N, E}, 95), k = random_tensor({S, N, E}, 96),
+         v = random_tensor({S, N, E}, 97);
+  auto ref = mha_ref(mha, values(q), values(k), values(v), L, S, N,
+                     [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   auto [out, w] = mha.forward(q, k, v);
   EXPECT_TRUE(matches(out, {L, N, E}, ref.out));
   EXPECT_TRUE(matches(w, {N, L, S}, average_heads(ref.weights, N, H, L, S)));
@@ -778,30 +835,29 @@ TEST(NnMultiheadAttention, OutputAndWeightsMatchHandComputation) {
   EXPECT_FALSE(w3.defined());
 
   // Self-attention through the one-tensor forward.
-  auto self_ref = mha_ref(mha, values(q), values(q), values(q), L, L, N, [](int64_t, int64_t, int64_t, int64_t) {
-    return 0.0;
-  });
+  auto self_ref = mha_ref(mha, values(q), values(q), values(q), L, L, N,
+                          [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   EXPECT_TRUE(matches(mha.forward(q), {L, N, E}, self_ref.out));
 }
 
 TEST(NnMultiheadAttention, BatchFirstAndUnbatchedInputs) {
   const int64_t E = 4, H = 2, L = 2, S = 3, N = 2;
-  nn::MultiheadAttention mha(nn::MultiheadAttentionOptions{.embed_dim = E, .num_heads = H, .batch_first = true});
+  nn::MultiheadAttention mha(
+      nn::MultiheadAttentionOptions{.embed_dim = E, .num_heads = H, .batch_first = true});
   mha.to(kFloat64);
   assign(mha.in_proj_bias, random_tensor({3 * E}, 98));
-  Tensor q = random_tensor({N, L, E}, 99), k = random_tensor({N, S, E}, 100), v = random_tensor({N, S, E}, 101);
-  auto ref = mha_ref(mha, swap01(q), swap01(k), swap01(v), L, S, N, [](int64_t, int64_t, int64_t, int64_t) {
-    return 0.0;
-  });
+  Tensor q = random_tensor({N, L, E}, 99), k = random_tensor({N, S, E}, 100),
+         v = random_tensor({N, S, E}, 101);
+  auto ref = mha_ref(mha, swap01(q), swap01(k), swap01(v), L, S, N,
+                     [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   auto [out, w] = mha.forward(q, k, v);
   EXPECT_TRUE(matches(out.transpose(0, 1), {L, N, E}, ref.out));
   EXPECT_TRUE(matches(w, {N, L, S}, average_heads(ref.weights, N, H, L, S)));
 
   // Unbatched (L, E): batch_first does not apply.
   Tensor q1 = q.select(0, 1), k1 = k.select(0, 1), v1 = v.select(0, 1);
-  auto ref1 = mha_ref(mha, values(q1), values(k1), values(v1), L, S, 1, [](int64_t, int64_t, int64_t, int64_t) {
-    return 0.0;
-  });
+  auto ref1 = mha_ref(mha, values(q1), values(k1), values(v1), L, S, 1,
+                      [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   auto [o1, w1] = mha.forward(q1, k1, v1);
   EXPECT_TRUE(matches(o1, {L, E}, ref1.out));
   EXPECT_TRUE(matches(w1, {L, S}, average_heads(ref1.weights, 1, H, L, S)));
@@ -811,7 +867,8 @@ TEST(NnMultiheadAttention, MasksMarkPositionsToIgnore) {
   const int64_t E = 4, H = 2, L = 3, S = 4, N = 2;
   nn::MultiheadAttention mha(E, H);
   mha.to(kFloat64);
-  Tensor q = random_tensor({L, N, E}, 102), k = random_tensor({S, N, E}, 103), v = random_tensor({S, N, E}, 104);
+  Tensor q = random_tensor({L, N, E}, 102), k = random_tensor({S, N, E}, 103),
+         v = random_tensor({S, N, E}, 104);
   // key_padding_mask: batch 0 ignores key 3, batch 1 ignores keys 0 and 1. attn_mask: query 0
   // may not see key 2.
   Tensor kpm = tensor<int64_t>({0, 0, 0, 1, 1, 1, 0, 0}, {N, S}).to(kBool);
@@ -838,8 +895,8 @@ TEST(NnMultiheadAttention, MasksMarkPositionsToIgnore) {
   Tensor x = random_tensor({L, N, E}, 106);
   auto cref = mha_ref(mha, values(x), values(x), values(x), L, L, N,
                       [](int64_t, int64_t, int64_t l, int64_t s) { return s <= l ? 0.0 : -kInf; });
-  EXPECT_TRUE(matches(std::get<0>(mha.forward(x, x, x, {}, false, {}, true, /*is_causal=*/true)), {L, N, E},
-                      cref.out));
+  EXPECT_TRUE(matches(std::get<0>(mha.forward(x, x, x, {}, false, {}, true, /*is_causal=*/true)),
+                      {L, N, E}, cref.out));
 }
 
 TEST(NnMultiheadAttention, RejectsMisshapedInputs) {

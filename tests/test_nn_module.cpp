@@ -29,10 +29,13 @@ struct DenseLayer : nn::Module {
   DenseLayer() {
     norm1 = register_module("norm1", std::make_shared<nn::BatchNorm2d>(2));
     relu1 = register_module("relu1", std::make_shared<nn::ReLU>(true));
-    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(nn::Conv2dOptions{
-                                         .in_channels = 2, .out_channels = 3, .kernel_size = 1, .bias = false}));
+    conv1 = register_module(
+        "conv1", std::make_shared<nn::Conv2d>(nn::Conv2dOptions{
+                     .in_channels = 2, .out_channels = 3, .kernel_size = 1, .bias = false}));
   }
-  Tensor forward(const Tensor& x) override { return conv1->forward(relu1->forward(norm1->forward(x))); }
+  Tensor forward(const Tensor& x) override {
+    return conv1->forward(relu1->forward(norm1->forward(x)));
+  }
   std::shared_ptr<nn::BatchNorm2d> norm1;
   std::shared_ptr<nn::ReLU> relu1;
   std::shared_ptr<nn::Conv2d> conv1;
@@ -42,7 +45,8 @@ struct Net : nn::Module {
   Net() {
     auto block = std::make_shared<nn::Sequential>();
     block->register_module("denselayer1", std::make_shared<DenseLayer>());
-    features = register_module("features", std::make_shared<nn::Sequential>(nn::NamedModules{{"denseblock1", block}}));
+    features = register_module(
+        "features", std::make_shared<nn::Sequential>(nn::NamedModules{{"denseblock1", block}}));
     classifier = register_module("classifier", std::make_shared<nn::Linear>(3, 2));
   }
   Tensor forward(const Tensor& x) override {
@@ -59,16 +63,19 @@ struct NoForward : nn::Module {};
 TEST(NnModule, ParameterNamesAreDottedLikePyTorch) {
   auto net = std::make_shared<Net>();
   EXPECT_EQ(keys_of(net->named_parameters()),
-            (Names{"features.denseblock1.denselayer1.norm1.weight", "features.denseblock1.denselayer1.norm1.bias",
-                   "features.denseblock1.denselayer1.conv1.weight", "classifier.weight", "classifier.bias"}));
+            (Names{"features.denseblock1.denselayer1.norm1.weight",
+                   "features.denseblock1.denselayer1.norm1.bias",
+                   "features.denseblock1.denselayer1.conv1.weight", "classifier.weight",
+                   "classifier.bias"}));
   EXPECT_EQ(keys_of(net->named_buffers()),
             (Names{"features.denseblock1.denselayer1.norm1.running_mean",
                    "features.denseblock1.denselayer1.norm1.running_var",
                    "features.denseblock1.denselayer1.norm1.num_batches_tracked"}));
-  EXPECT_EQ(keys_of(net->named_modules()),
-            (Names{"", "features", "features.denseblock1", "features.denseblock1.denselayer1",
-                   "features.denseblock1.denselayer1.norm1", "features.denseblock1.denselayer1.relu1",
-                   "features.denseblock1.denselayer1.conv1", "classifier"}));
+  EXPECT_EQ(
+      keys_of(net->named_modules()),
+      (Names{"", "features", "features.denseblock1", "features.denseblock1.denselayer1",
+             "features.denseblock1.denselayer1.norm1", "features.denseblock1.denselayer1.relu1",
+             "features.denseblock1.denselayer1.conv1", "classifier"}));
   EXPECT_EQ(keys_of(net->named_children()), (Names{"features", "classifier"}));
   EXPECT_EQ(keys_of(net->classifier->named_parameters()), (Names{"weight", "bias"}));
   EXPECT_EQ(keys_of(net->named_parameters(/*recurse=*/false)), Names{});
@@ -111,7 +118,8 @@ TEST(NnModule, AbsentOptionalParameterIsSkippedEverywhere) {
   EXPECT_FALSE(fc.bias.defined());
   EXPECT_EQ(keys_of(fc.named_parameters()), Names{"weight"});
   EXPECT_EQ(keys_of(fc.state_dict()), Names{"weight"});
-  nn::BatchNorm2d bn(nn::BatchNormOptions{.num_features = 3, .affine = false, .track_running_stats = false});
+  nn::BatchNorm2d bn(
+      nn::BatchNormOptions{.num_features = 3, .affine = false, .track_running_stats = false});
   EXPECT_TRUE(bn.named_parameters().empty());
   EXPECT_TRUE(bn.state_dict().empty());
 }
@@ -188,12 +196,13 @@ TEST(NnModule, ToDtypeConvertsInPlaceAndKeepsMemberHandles) {
 TEST(NnModule, StateDictKeysValuesAndAliasing) {
   auto net = std::make_shared<Net>();
   NamedTensors sd = net->state_dict();
-  EXPECT_EQ(keys_of(sd),
-            (Names{"features.denseblock1.denselayer1.norm1.weight", "features.denseblock1.denselayer1.norm1.bias",
-                   "features.denseblock1.denselayer1.norm1.running_mean",
-                   "features.denseblock1.denselayer1.norm1.running_var",
-                   "features.denseblock1.denselayer1.norm1.num_batches_tracked",
-                   "features.denseblock1.denselayer1.conv1.weight", "classifier.weight", "classifier.bias"}));
+  EXPECT_EQ(keys_of(sd), (Names{"features.denseblock1.denselayer1.norm1.weight",
+                                "features.denseblock1.denselayer1.norm1.bias",
+                                "features.denseblock1.denselayer1.norm1.running_mean",
+                                "features.denseblock1.denselayer1.norm1.running_var",
+                                "features.denseblock1.denselayer1.norm1.num_batches_tracked",
+                                "features.denseblock1.denselayer1.conv1.weight",
+                                "classifier.weight", "classifier.bias"}));
   for (const auto& [k, t] : sd) EXPECT_FALSE(t.requires_grad()) << k;
   EXPECT_TRUE(sd[6].second.is_alias_of(net->classifier->weight));
   EXPECT_EQ(sd[4].second.dtype(), kInt64);
@@ -223,13 +232,16 @@ TEST(NnModule, LoadStateDictCopiesValuesIntoExistingTensors) {
   EXPECT_TRUE(handle.same(dst->classifier->weight));
   EXPECT_TRUE(matches(handle, {2, 3}, {1, 2, 3, 4, 5, 6}));
   EXPECT_TRUE(handle.requires_grad());
-  EXPECT_EQ(dst->get_buffer("features.denseblock1.denselayer1.norm1.num_batches_tracked").item<int64_t>(), 7);
+  EXPECT_EQ(
+      dst->get_buffer("features.denseblock1.denselayer1.norm1.num_batches_tracked").item<int64_t>(),
+      7);
   EXPECT_FALSE(handle.is_alias_of(src->classifier->weight));
 }
 
 TEST(NnModule, LoadStateDictConvertsDtype) {
   nn::Linear fc(2, 1);
-  NamedTensors sd{{"weight", tensor<double>({0.25, -0.5}).view({1, 2})}, {"bias", tensor<double>({2.0})}};
+  NamedTensors sd{{"weight", tensor<double>({0.25, -0.5}).view({1, 2})},
+                  {"bias", tensor<double>({2.0})}};
   fc.load_state_dict(sd);
   EXPECT_EQ(fc.weight.dtype(), kFloat32);
   EXPECT_TRUE(matches(fc.weight, {1, 2}, {0.25, -0.5}));
@@ -244,9 +256,13 @@ TEST(NnModule, LoadStateDictNamesMissingAndUnexpectedKeys) {
     FAIL() << "expected ValueError";
   } catch (const ValueError& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find("[kiln::load_state_dict] Error(s) in loading state_dict for Linear:"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[kiln::load_state_dict] Error(s) in loading state_dict for Linear:"),
+              std::string::npos)
+        << msg;
     EXPECT_NE(msg.find("Missing key(s) in state_dict: \"bias\"."), std::string::npos) << msg;
-    EXPECT_NE(msg.find("Unexpected key(s) in state_dict: \"extra\", \"bias.x\"."), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Unexpected key(s) in state_dict: \"extra\", \"bias.x\"."),
+              std::string::npos)
+        << msg;
   }
   // Nothing was loaded: the checks come before any copy.
   EXPECT_GT(fc->weight.abs().sum().item<float>(), 0.0f);
@@ -264,8 +280,9 @@ TEST(NnModule, LoadStateDictSizeMismatchUsesPyTorchWording) {
       m->load_state_dict(sd, strict);
       FAIL() << "expected ShapeError";
     } catch (const ShapeError& e) {
-      EXPECT_NE(std::string(e.what()).find("size mismatch for fc.weight: copying a param with shape (4, 3) from "
-                                           "checkpoint, the shape in current model is (5, 3)."),
+      EXPECT_NE(std::string(e.what()).find(
+                    "size mismatch for fc.weight: copying a param with shape (4, 3) from "
+                    "checkpoint, the shape in current model is (5, 3)."),
                 std::string::npos)
           << e.what();
     }
@@ -322,7 +339,8 @@ TEST(NnModule, ApplyVisitsChildrenBeforeParent) {
   auto net = std::make_shared<Net>();
   Names order;
   net->apply([&](nn::Module& m) { order.push_back(m.name()); });
-  EXPECT_EQ(order, (Names{"BatchNorm2d", "ReLU", "Conv2d", "DenseLayer", "Sequential", "Sequential", "Linear", "Net"}));
+  EXPECT_EQ(order, (Names{"BatchNorm2d", "ReLU", "Conv2d", "DenseLayer", "Sequential", "Sequential",
+                          "Linear", "Net"}));
   int linears = 0;
   net->apply([&](nn::Module& m) {
     if (auto* fc = m.as<nn::Linear>()) {
@@ -351,7 +369,8 @@ TEST(NnModule, MissingForwardThrowsNamingTheModule) {
     (*m)(ones({1}));
     FAIL() << "expected kiln::Error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("Module [NoForward] is missing the required \"forward\" function"),
+    EXPECT_NE(std::string(e.what()).find(
+                  "Module [NoForward] is missing the required \"forward\" function"),
               std::string::npos)
         << e.what();
   }
@@ -406,9 +425,10 @@ TEST(NnModulePrinting, SequentialMatchesPyTorchRepr) {
   auto model = std::make_shared<nn::Sequential>(
       std::make_shared<nn::Conv2d>(nn::Conv2dOptions{
           .in_channels = 3, .out_channels = 8, .kernel_size = 3, .padding = 1, .bias = false}),
-      std::make_shared<nn::BatchNorm2d>(8), std::make_shared<nn::ReLU>(true), std::make_shared<nn::MaxPool2d>(2),
-      std::make_shared<nn::AdaptiveAvgPool2d>(nn::Size2(1, 1)), std::make_shared<nn::Flatten>(),
-      std::make_shared<nn::Linear>(8, 4), std::make_shared<nn::Dropout>(0.1));
+      std::make_shared<nn::BatchNorm2d>(8), std::make_shared<nn::ReLU>(true),
+      std::make_shared<nn::MaxPool2d>(2), std::make_shared<nn::AdaptiveAvgPool2d>(nn::Size2(1, 1)),
+      std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(8, 4),
+      std::make_shared<nn::Dropout>(0.1));
   // >>> print(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
   // ...   nn.ReLU(inplace=True), nn.MaxPool2d(2), nn.AdaptiveAvgPool2d((1, 1)), nn.Flatten(),
   // ...   nn.Linear(8, 4), nn.Dropout(0.1)))
@@ -432,8 +452,9 @@ TEST(NnModulePrinting, SequentialMatchesPyTorchRepr) {
 TEST(NnModulePrinting, NestedModulesIndentLikePyTorch) {
   struct Tiny : nn::Module {
     Tiny() {
-      register_module("features", std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(3, 4),
-                                                                    std::make_shared<nn::GELU>("tanh")));
+      register_module("features",
+                      std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(3, 4),
+                                                       std::make_shared<nn::GELU>("tanh")));
       register_module("norm", std::make_shared<nn::LayerNorm>(4));
       register_module("fc", std::make_shared<nn::Linear>(4, 2, false));
     }
@@ -450,15 +471,20 @@ TEST(NnModulePrinting, NestedModulesIndentLikePyTorch) {
 }
 
 TEST(NnModulePrinting, LeafLayersMatchPyTorchRepr) {
-  EXPECT_EQ(nn::Conv2d(nn::Conv2dOptions{.in_channels = 4, .out_channels = 4, .kernel_size = 3, .padding = "same",
+  EXPECT_EQ(nn::Conv2d(nn::Conv2dOptions{.in_channels = 4,
+                                         .out_channels = 4,
+                                         .kernel_size = 3,
+                                         .padding = "same",
                                          .groups = 2})
                 .str(),
             "Conv2d(4, 4, kernel_size=(3, 3), stride=(1, 1), padding=same, groups=2)");
-  EXPECT_EQ(nn::Conv2d(2, 4, nn::Size2(3, 1), 2, nn::Conv2dPadding(1, 0), 2, 1, true, "reflect").str(),
-            "Conv2d(2, 4, kernel_size=(3, 1), stride=(2, 2), padding=(1, 0), dilation=(2, 2), "
-            "padding_mode=reflect)");
-  EXPECT_EQ(nn::BatchNorm1d(nn::BatchNormOptions{.num_features = 4, .eps = 1e-3, .momentum = std::nullopt,
-                                                 .affine = false})
+  EXPECT_EQ(
+      nn::Conv2d(2, 4, nn::Size2(3, 1), 2, nn::Conv2dPadding(1, 0), 2, 1, true, "reflect").str(),
+      "Conv2d(2, 4, kernel_size=(3, 1), stride=(2, 2), padding=(1, 0), dilation=(2, 2), "
+      "padding_mode=reflect)");
+  EXPECT_EQ(nn::BatchNorm1d(
+                nn::BatchNormOptions{
+                    .num_features = 4, .eps = 1e-3, .momentum = std::nullopt, .affine = false})
                 .str(),
             "BatchNorm1d(4, eps=0.001, momentum=None, affine=False, track_running_stats=True)");
   EXPECT_EQ(nn::GroupNorm(2, 4).str(), "GroupNorm(2, 4, eps=1e-05, affine=True)");
@@ -467,7 +493,8 @@ TEST(NnModulePrinting, LeafLayersMatchPyTorchRepr) {
   EXPECT_EQ(nn::Embedding(10, 3, 0).str(), "Embedding(10, 3, padding_idx=0)");
   EXPECT_EQ(nn::Embedding(10, 3).str(), "Embedding(10, 3)");
   EXPECT_EQ(nn::AvgPool2d(2).str(), "AvgPool2d(kernel_size=2, stride=2, padding=0)");
-  EXPECT_EQ(nn::MaxPool2d(nn::MaxPool2dOptions{.kernel_size = {3, 2}, .stride = 1, .padding = 1, .ceil_mode = true})
+  EXPECT_EQ(nn::MaxPool2d(nn::MaxPool2dOptions{
+                              .kernel_size = {3, 2}, .stride = 1, .padding = 1, .ceil_mode = true})
                 .str(),
             "MaxPool2d(kernel_size=(3, 2), stride=1, padding=1, dilation=1, ceil_mode=True)");
   EXPECT_EQ(nn::AdaptiveAvgPool2d(7).str(), "AdaptiveAvgPool2d(output_size=7)");
@@ -479,10 +506,11 @@ TEST(NnModulePrinting, LeafLayersMatchPyTorchRepr) {
   EXPECT_EQ(nn::Softmax(-1).str(), "Softmax(dim=-1)");
   EXPECT_EQ(nn::GELU().str(), "GELU(approximate='none')");
   EXPECT_EQ(nn::Dropout().str(), "Dropout(p=0.5, inplace=False)");
-  EXPECT_EQ(nn::MultiheadAttention(8, 2).str(),
-            "MultiheadAttention(\n"
-            "  (out_proj): NonDynamicallyQuantizableLinear(in_features=8, out_features=8, bias=True)\n"
-            ")");
+  EXPECT_EQ(
+      nn::MultiheadAttention(8, 2).str(),
+      "MultiheadAttention(\n"
+      "  (out_proj): NonDynamicallyQuantizableLinear(in_features=8, out_features=8, bias=True)\n"
+      ")");
 }
 
 TEST(NnModulePrinting, ModuleListFoldsRepeatedChildren) {
@@ -521,11 +549,15 @@ TEST(NnModule, DocsExampleRunsAndNamesMatch) {
   struct DocNet : nn::Module {
     DocNet() {
       features = register_module(
-          "features", std::make_shared<nn::Sequential>(
-                          std::make_shared<nn::Conv2d>(nn::Conv2dOptions{
-                              .in_channels = 3, .out_channels = 16, .kernel_size = 3, .padding = 1, .bias = false}),
-                          std::make_shared<nn::BatchNorm2d>(16), std::make_shared<nn::ReLU>(true),
-                          std::make_shared<nn::AdaptiveAvgPool2d>(1), std::make_shared<nn::Flatten>()));
+          "features",
+          std::make_shared<nn::Sequential>(
+              std::make_shared<nn::Conv2d>(nn::Conv2dOptions{.in_channels = 3,
+                                                             .out_channels = 16,
+                                                             .kernel_size = 3,
+                                                             .padding = 1,
+                                                             .bias = false}),
+              std::make_shared<nn::BatchNorm2d>(16), std::make_shared<nn::ReLU>(true),
+              std::make_shared<nn::AdaptiveAvgPool2d>(1), std::make_shared<nn::Flatten>()));
       fc = register_module("fc", std::make_shared<nn::Linear>(16, 10));
     }
     Tensor forward(const Tensor& x) override { return fc->forward(features->forward(x)); }
@@ -537,6 +569,6 @@ TEST(NnModule, DocsExampleRunsAndNamesMatch) {
   EXPECT_EQ(logits.sizes().vec(), (std::vector<int64_t>{4, 10}));
   Tensor loss = nn::functional::cross_entropy(logits, randint(10, {4}));
   EXPECT_EQ(loss.dim(), 0);
-  EXPECT_EQ(keys_of(model->named_parameters()),
-            (Names{"features.0.weight", "features.1.weight", "features.1.bias", "fc.weight", "fc.bias"}));
+  EXPECT_EQ(keys_of(model->named_parameters()), (Names{"features.0.weight", "features.1.weight",
+                                                       "features.1.bias", "fc.weight", "fc.bias"}));
 }

@@ -145,3 +145,18 @@ TEST(TypePromotion, PromoteTypesTable) {
   EXPECT_FALSE(can_cast(kInt64, kBool));
   EXPECT_TRUE(can_cast(kInt64, kFloat16));
 }
+
+TEST(TensorCore, LargeCpuBlocksAreCachedAndReused) {
+  detail::empty_cpu_cache();
+  void* first = nullptr;
+  {
+    Tensor big = empty({1 << 16});  // 256 KiB
+    first = big.raw_data_ptr();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 64, 0u);
+  }
+  EXPECT_GE(detail::cpu_cached_bytes(), 256 * 1024);
+  Tensor again = empty({1 << 16});
+  EXPECT_EQ(again.raw_data_ptr(), first);
+  detail::empty_cpu_cache();
+  EXPECT_EQ(detail::cpu_cached_bytes(), 0);
+}

@@ -121,6 +121,9 @@ struct OpDef {
   // Elementwise: output i depends only on element i of each (broadcast) input, so a kernel may
   // write into an input that it reads at the same position.
   bool pointwise = false;
+  // The kernel is correct when output 0 is input 0 itself (same memory and layout), e.g.
+  // scatter_ or index_put_ updating self in place; call_op_out then skips the temporary.
+  bool out_may_alias_input0 = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
   // The derivative (autograd) and the compiler's lowering; `kiln ops` shows both.

@@ -104,6 +104,13 @@ void run_kernel(const Kernel& kernel, const OpCall& call, std::span<Tensor> outp
   kernel(call, outputs);
 }
 
+// Same memory, element for element.
+bool same_layout(const Tensor& a, const Tensor& b) {
+  return a.defined() && b.defined() && a.impl().storage == b.impl().storage &&
+         a.storage_offset() == b.storage_offset() && a.dtype() == b.dtype() && a.sizes() == b.sizes() &&
+         a.strides() == b.strides();
+}
+
 void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace
@@ -158,7 +165,9 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
                         " but the inputs are on " + m.device.str() + ". Move them to one device.");
     }
     if (m.dtype != out.dtype()) need_temp = true;
-    for (const Tensor& in : inputs) {
+    for (size_t k = 0; k < inputs.size(); ++k) {
+      const Tensor& in = inputs[k];
+      if (k == 0 && i == 0 && op.out_may_alias_input0 && same_layout(in, out)) continue;
       if (!op.pointwise ? detail::may_overlap(in, out) : !same_elementwise_layout(in, out)) need_temp = true;
     }
   }

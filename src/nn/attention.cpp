@@ -14,25 +14,27 @@ namespace F = functional;
 
 namespace {
 const char* const kTag = "[kiln::nn::MultiheadAttention] ";
-std::string dim_str(const Tensor& t) { return std::to_string(t.dim()) + "-D"; }
+std::string dim_str(const Tensor& t) {
+  return std::to_string(t.dim()) + "-D";
+}
 }  // namespace
 
 MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& opts) : options(opts) {
   const int64_t E = options.embed_dim, H = options.num_heads;
   KILN_CHECK(E > 0 && H > 0, ValueError,
-             std::string(kTag) + "embed_dim and num_heads must be greater than 0, got embed_dim=" + std::to_string(E) +
-                 " and num_heads=" + std::to_string(H) + " instead.");
+             std::string(kTag) + "embed_dim and num_heads must be greater than 0, got embed_dim=" +
+                 std::to_string(E) + " and num_heads=" + std::to_string(H) + " instead.");
   head_dim = E / H;
   KILN_CHECK(head_dim * H == E, ValueError,
-             std::string(kTag) + "embed_dim must be divisible by num_heads (embed_dim=" + std::to_string(E) +
-                 ", num_heads=" + std::to_string(H) + ").");
+             std::string(kTag) + "embed_dim must be divisible by num_heads (embed_dim=" +
+                 std::to_string(E) + ", num_heads=" + std::to_string(H) + ").");
   KILN_CHECK(options.dropout >= 0.0 && options.dropout <= 1.0, ValueError,
              std::string(kTag) + "dropout probability has to be between 0 and 1, but got " +
                  python_float_repr(options.dropout) + ".");
   const int64_t kdim = options.kdim.value_or(E), vdim = options.vdim.value_or(E);
   KILN_CHECK(kdim > 0 && vdim > 0, ValueError,
-             std::string(kTag) + "kdim and vdim must be positive, got kdim=" + std::to_string(kdim) +
-                 " and vdim=" + std::to_string(vdim) + ".");
+             std::string(kTag) + "kdim and vdim must be positive, got kdim=" +
+                 std::to_string(kdim) + " and vdim=" + std::to_string(vdim) + ".");
   if (kdim == E && vdim == E) {
     in_proj_weight = register_parameter("in_proj_weight", empty({3 * E, E}));
     q_proj_weight = register_parameter("q_proj_weight", Tensor());
@@ -45,11 +47,13 @@ MultiheadAttention::MultiheadAttention(const MultiheadAttentionOptions& opts) : 
     in_proj_weight = register_parameter("in_proj_weight", Tensor());
   }
   in_proj_bias = register_parameter("in_proj_bias", options.bias ? empty({3 * E}) : Tensor());
-  out_proj = register_module("out_proj", std::make_shared<NonDynamicallyQuantizableLinear>(E, E, options.bias));
+  out_proj = register_module("out_proj",
+                             std::make_shared<NonDynamicallyQuantizableLinear>(E, E, options.bias));
   reset_parameters();
 }
 
-MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, double dropout, bool bias)
+MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, double dropout,
+                                       bool bias)
     : MultiheadAttention(MultiheadAttentionOptions{embed_dim, num_heads, dropout, bias}) {}
 
 void MultiheadAttention::reset_parameters() {
@@ -70,10 +74,11 @@ Tensor MultiheadAttention::forward(const Tensor& input) {
   return std::get<0>(forward(input, input, input, Tensor(), /*need_weights=*/false));
 }
 
-std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key, const Tensor& value,
-                                                       const Tensor& key_padding_mask, bool need_weights,
-                                                       const Tensor& attn_mask, bool average_attn_weights,
-                                                       bool is_causal) {
+std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, const Tensor& key,
+                                                       const Tensor& value,
+                                                       const Tensor& key_padding_mask,
+                                                       bool need_weights, const Tensor& attn_mask,
+                                                       bool average_attn_weights, bool is_causal) {
   const std::string tag = kTag;
   const int64_t E = options.embed_dim, H = options.num_heads, hd = head_dim;
   const Tensor& kpm_in = key_padding_mask;
@@ -81,26 +86,35 @@ std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, cons
   const bool batched = query.dim() == 3;
   if (batched) {
     KILN_CHECK(key.dim() == 3 && value.dim() == 3, ShapeError,
-               tag + "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found " + dim_str(key) +
-                   " and " + dim_str(value) + " tensors respectively.");
+               tag + "For batched (3-D) `query`, expected `key` and `value` to be 3-D but found " +
+                   dim_str(key) + " and " + dim_str(value) + " tensors respectively.");
     KILN_CHECK(!kpm_in.defined() || kpm_in.dim() == 2, ShapeError,
-               tag + "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but found " +
+               tag +
+                   "For batched (3-D) `query`, expected `key_padding_mask` to be `None` or 2-D but "
+                   "found " +
                    dim_str(kpm_in) + " tensor instead.");
-    KILN_CHECK(!attn_mask.defined() || attn_mask.dim() == 2 || attn_mask.dim() == 3, ShapeError,
-               tag + "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found " +
-                   dim_str(attn_mask) + " tensor instead.");
+    KILN_CHECK(
+        !attn_mask.defined() || attn_mask.dim() == 2 || attn_mask.dim() == 3, ShapeError,
+        tag +
+            "For batched (3-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found " +
+            dim_str(attn_mask) + " tensor instead.");
   } else {
     KILN_CHECK(query.dim() == 2, ShapeError,
-               tag + "query should be unbatched 2D or batched 3D tensor but received " + dim_str(query) +
-                   " query tensor.");
+               tag + "query should be unbatched 2D or batched 3D tensor but received " +
+                   dim_str(query) + " query tensor.");
     KILN_CHECK(key.dim() == 2 && value.dim() == 2, ShapeError,
-               tag + "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found " + dim_str(key) +
-                   " and " + dim_str(value) + " tensors respectively.");
+               tag +
+                   "For unbatched (2-D) `query`, expected `key` and `value` to be 2-D but found " +
+                   dim_str(key) + " and " + dim_str(value) + " tensors respectively.");
     KILN_CHECK(!kpm_in.defined() || kpm_in.dim() == 1, ShapeError,
-               tag + "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D but found " +
+               tag +
+                   "For unbatched (2-D) `query`, expected `key_padding_mask` to be `None` or 1-D "
+                   "but found " +
                    dim_str(kpm_in) + " tensor instead.");
     KILN_CHECK(!attn_mask.defined() || attn_mask.dim() == 2 || attn_mask.dim() == 3, ShapeError,
-               tag + "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but found " +
+               tag +
+                   "For unbatched (2-D) `query`, expected `attn_mask` to be `None`, 2-D or 3-D but "
+                   "found " +
                    dim_str(attn_mask) + " tensor instead.");
   }
 
@@ -127,22 +141,24 @@ std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, cons
                    shape_str(value.sizes()) + ".");
   } else {
     KILN_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1), ShapeError,
-               tag + "key's sequence and batch dims " + shape_str(key.sizes()) + " do not match value's " +
-                   shape_str(value.sizes()) + ".");
+               tag + "key's sequence and batch dims " + shape_str(key.sizes()) +
+                   " do not match value's " + shape_str(value.sizes()) + ".");
   }
   KILN_CHECK(k.size(1) == N, ShapeError,
-             tag + "key batch size " + std::to_string(k.size(1)) + " does not match query batch size " +
-                 std::to_string(N) + ".");
+             tag + "key batch size " + std::to_string(k.size(1)) +
+                 " does not match query batch size " + std::to_string(N) + ".");
   const int64_t kdim = options.kdim.value_or(E), vdim = options.vdim.value_or(E);
   KILN_CHECK(k.size(2) == kdim && v.size(2) == vdim, ShapeError,
-             tag + "expected key features " + std::to_string(kdim) + " and value features " + std::to_string(vdim) +
-                 ", but got key " + shape_str(key.sizes()) + " and value " + shape_str(value.sizes()) + ".");
+             tag + "expected key features " + std::to_string(kdim) + " and value features " +
+                 std::to_string(vdim) + ", but got key " + shape_str(key.sizes()) + " and value " +
+                 shape_str(value.sizes()) + ".");
 
   // ---- masks: bool (true = masked out) becomes a float mask with -inf ----
   const double neg_inf = -std::numeric_limits<double>::infinity();
   auto canonical = [&](const Tensor& m, const char* what) -> Tensor {
     if (!m.defined()) return m;
-    if (m.dtype() == kBool) return zeros(m.sizes(), TensorOptions(q.dtype(), q.device())).masked_fill(m, neg_inf);
+    if (m.dtype() == kBool)
+      return zeros(m.sizes(), TensorOptions(q.dtype(), q.device())).masked_fill(m, neg_inf);
     KILN_CHECK(is_floating_point(m.dtype()), DTypeError,
                tag + "only bool and floating types of " + what + " are supported, but got " +
                    std::string(dtype_name(m.dtype())) + ".");
@@ -157,20 +173,24 @@ std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, cons
   if (mask.defined()) {
     if (mask.dim() == 2) {
       KILN_CHECK(mask.size(0) == L && mask.size(1) == S, ShapeError,
-                 tag + "The shape of the 2D attn_mask is " + shape_str(mask.sizes()) + ", but should be " +
-                     shape_str(std::vector<int64_t>{L, S}) + ".");
+                 tag + "The shape of the 2D attn_mask is " + shape_str(mask.sizes()) +
+                     ", but should be " + shape_str(std::vector<int64_t>{L, S}) + ".");
       mask = mask.unsqueeze(0);
     } else {
       KILN_CHECK(mask.size(0) == N * H && mask.size(1) == L && mask.size(2) == S, ShapeError,
-                 tag + "The shape of the 3D attn_mask is " + shape_str(mask.sizes()) + ", but should be " +
-                     shape_str(std::vector<int64_t>{N * H, L, S}) + ".");
+                 tag + "The shape of the 3D attn_mask is " + shape_str(mask.sizes()) +
+                     ", but should be " + shape_str(std::vector<int64_t>{N * H, L, S}) + ".");
     }
   }
   if (kpm.defined()) {
     KILN_CHECK(kpm.size(0) == N && kpm.size(1) == S, ShapeError,
-               tag + "expecting key_padding_mask shape of " + shape_str(std::vector<int64_t>{N, S}) + ", but got " +
-                   shape_str(kpm.sizes()) + ".");
-    Tensor kpm_f = canonical(kpm, "key_padding_mask").view({N, 1, 1, S}).expand({N, H, 1, S}).reshape({N * H, 1, S});
+               tag + "expecting key_padding_mask shape of " +
+                   shape_str(std::vector<int64_t>{N, S}) + ", but got " + shape_str(kpm.sizes()) +
+                   ".");
+    Tensor kpm_f = canonical(kpm, "key_padding_mask")
+                       .view({N, 1, 1, S})
+                       .expand({N, H, 1, S})
+                       .reshape({N * H, 1, S});
     mask = mask.defined() ? mask + kpm_f : kpm_f;
   }
 
@@ -185,7 +205,8 @@ std::tuple<Tensor, Tensor> MultiheadAttention::forward(const Tensor& query, cons
     auto w = in_proj_weight.chunk(3);
     qp = F::linear(q, w[0], bq), kp = F::linear(k, w[1], bk), vp = F::linear(v, w[2], bv);
   } else {
-    qp = F::linear(q, q_proj_weight, bq), kp = F::linear(k, k_proj_weight, bk), vp = F::linear(v, v_proj_weight, bv);
+    qp = F::linear(q, q_proj_weight, bq), kp = F::linear(k, k_proj_weight, bk),
+    vp = F::linear(v, v_proj_weight, bv);
   }
   Tensor qh = qp.reshape({L, N * H, hd}).transpose(0, 1);
   Tensor kh = kp.reshape({S, N * H, hd}).transpose(0, 1);

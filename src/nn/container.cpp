@@ -9,8 +9,8 @@ size_t checked_index(int64_t index, size_t size, const char* container) {
   const int64_t n = static_cast<int64_t>(size);
   const int64_t i = index < 0 ? index + n : index;
   KILN_CHECK(i >= 0 && i < n, IndexError,
-             std::string("[kiln::nn::") + container + "] index " + std::to_string(index) + " is out of range for " +
-                 std::to_string(n) + " modules.");
+             std::string("[kiln::nn::") + container + "] index " + std::to_string(index) +
+                 " is out of range for " + std::to_string(n) + " modules.");
   return static_cast<size_t>(i);
 }
 
@@ -28,7 +28,9 @@ std::string indent2(const std::string& s) {
 
 // ---------------- Sequential ----------------
 
-Sequential::Sequential(const std::vector<ModulePtr>& modules) { extend(modules); }
+Sequential::Sequential(const std::vector<ModulePtr>& modules) {
+  extend(modules);
+}
 
 Sequential::Sequential(const NamedModules& named_modules) {
   for (const auto& [name, module] : named_modules) register_module(name, module);
@@ -57,7 +59,9 @@ void Sequential::throw_wrong_type(int64_t index) const {
 
 // ---------------- ModuleList ----------------
 
-ModuleList::ModuleList(const std::vector<ModulePtr>& modules) { extend(modules); }
+ModuleList::ModuleList(const std::vector<ModulePtr>& modules) {
+  extend(modules);
+}
 
 void ModuleList::extend(const std::vector<ModulePtr>& modules) {
   for (const auto& m : modules) push_back(m);
@@ -110,7 +114,9 @@ std::string ModuleList::str() const {
 
 // ---------------- ModuleDict ----------------
 
-ModuleDict::ModuleDict(const NamedModules& modules) { update(modules); }
+ModuleDict::ModuleDict(const NamedModules& modules) {
+  update(modules);
+}
 
 void ModuleDict::update(const NamedModules& modules) {
   for (const auto& [key, module] : modules) register_module(key, module);
@@ -148,8 +154,8 @@ NamedModules ModuleDict::items() const {
 
 void ModuleDict::throw_wrong_type(const std::string& key) const {
   const ModulePtr m = (*this)[key];
-  throw ValueError("[kiln::nn::ModuleDict] module '" + key + "' is a " + (m ? m->name() : std::string("None")) +
-                   ", not the requested type.");
+  throw ValueError("[kiln::nn::ModuleDict] module '" + key + "' is a " +
+                   (m ? m->name() : std::string("None")) + ", not the requested type.");
 }
 
 }  // namespace kiln::nn

@@ -18,13 +18,15 @@ std::string num_str(double v) {
 }
 
 void check_defined(const Tensor& t, const char* fn) {
-  KILN_CHECK(t.defined(), ValueError,
-             std::string("[kiln::nn::init::") + fn + "] the tensor is undefined (an absent parameter?).");
+  KILN_CHECK(
+      t.defined(), ValueError,
+      std::string("[kiln::nn::init::") + fn + "] the tensor is undefined (an absent parameter?).");
 }
 
 double fan_for(const Tensor& t, const std::string& mode, const char* fn) {
   KILN_CHECK(mode == "fan_in" || mode == "fan_out", ValueError,
-             std::string("[kiln::nn::init::") + fn + "] Mode " + mode + " not supported, please use one of fan_in, fan_out.");
+             std::string("[kiln::nn::init::") + fn + "] Mode " + mode +
+                 " not supported, please use one of fan_in, fan_out.");
   auto [fan_in, fan_out] = calculate_fan_in_and_fan_out(t);
   return static_cast<double>(mode == "fan_in" ? fan_in : fan_out);
 }
@@ -67,13 +69,16 @@ double erfinv(double y) {
   return x;
 }
 
-double norm_cdf(double x) { return (1.0 + std::erf(x / std::sqrt(2.0))) / 2.0; }
+double norm_cdf(double x) {
+  return (1.0 + std::erf(x / std::sqrt(2.0))) / 2.0;
+}
 
 }  // namespace
 
 double calculate_gain(const std::string& nonlinearity, std::optional<double> param) {
-  static const char* const kLinear[] = {"linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
-                                        "conv_transpose2d", "conv_transpose3d", "sigmoid"};
+  static const char* const kLinear[] = {"linear",           "conv1d",           "conv2d",
+                                        "conv3d",           "conv_transpose1d", "conv_transpose2d",
+                                        "conv_transpose3d", "sigmoid"};
   for (const char* n : kLinear)
     if (nonlinearity == n) return 1.0;
   if (nonlinearity == "tanh") return 5.0 / 3.0;
@@ -84,14 +89,17 @@ double calculate_gain(const std::string& nonlinearity, std::optional<double> par
   }
   if (nonlinearity == "selu") return 3.0 / 4.0;
   throw ValueError("[kiln::nn::init::calculate_gain] Unsupported nonlinearity " + nonlinearity +
-                   ". Use linear, conv1d/2d/3d, conv_transpose1d/2d/3d, sigmoid, tanh, relu, leaky_relu or selu.");
+                   ". Use linear, conv1d/2d/3d, conv_transpose1d/2d/3d, sigmoid, tanh, relu, "
+                   "leaky_relu or selu.");
 }
 
 std::pair<int64_t, int64_t> calculate_fan_in_and_fan_out(const Tensor& tensor) {
   check_defined(tensor, "calculate_fan_in_and_fan_out");
   KILN_CHECK(tensor.dim() >= 2, ShapeError,
-             "[kiln::nn::init] Fan in and fan out can not be computed for tensor with fewer than 2 dimensions "
-             "(got shape " + shape_str(tensor.sizes()) + ").");
+             "[kiln::nn::init] Fan in and fan out can not be computed for tensor with fewer than 2 "
+             "dimensions "
+             "(got shape " +
+                 shape_str(tensor.sizes()) + ").");
   int64_t receptive_field = 1;
   for (int64_t d = 2; d < tensor.dim(); ++d) receptive_field *= tensor.size(d);
   return {tensor.size(1) * receptive_field, tensor.size(0) * receptive_field};
@@ -118,8 +126,12 @@ Tensor constant_(Tensor tensor, double value) {
   return tensor;
 }
 
-Tensor ones_(Tensor tensor) { return constant_(std::move(tensor), 1.0); }
-Tensor zeros_(Tensor tensor) { return constant_(std::move(tensor), 0.0); }
+Tensor ones_(Tensor tensor) {
+  return constant_(std::move(tensor), 1.0);
+}
+Tensor zeros_(Tensor tensor) {
+  return constant_(std::move(tensor), 0.0);
+}
 
 Tensor eye_(Tensor tensor) {
   check_defined(tensor, "eye_");
@@ -144,16 +156,19 @@ Tensor xavier_normal_(Tensor tensor, double gain) {
   return normal_(std::move(tensor), 0.0, std);
 }
 
-Tensor kaiming_uniform_(Tensor tensor, double a, const std::string& mode, const std::string& nonlinearity) {
+Tensor kaiming_uniform_(Tensor tensor, double a, const std::string& mode,
+                        const std::string& nonlinearity) {
   check_defined(tensor, "kaiming_uniform_");
-  if (tensor.numel() == 0) return tensor;  // PyTorch warns "Initializing zero-element tensors is a no-op"
+  if (tensor.numel() == 0)
+    return tensor;  // PyTorch warns "Initializing zero-element tensors is a no-op"
   const double fan = fan_for(tensor, mode, "kaiming_uniform_");
   const double std = calculate_gain(nonlinearity, a) / std::sqrt(fan);
   const double bound = std::sqrt(3.0) * std;
   return uniform_(std::move(tensor), -bound, bound);
 }
 
-Tensor kaiming_normal_(Tensor tensor, double a, const std::string& mode, const std::string& nonlinearity) {
+Tensor kaiming_normal_(Tensor tensor, double a, const std::string& mode,
+                       const std::string& nonlinearity) {
   check_defined(tensor, "kaiming_normal_");
   if (tensor.numel() == 0) return tensor;
   const double fan = fan_for(tensor, mode, "kaiming_normal_");
@@ -164,8 +179,8 @@ Tensor kaiming_normal_(Tensor tensor, double a, const std::string& mode, const s
 Tensor trunc_normal_(Tensor tensor, double mean, double std, double a, double b) {
   check_defined(tensor, "trunc_normal_");
   KILN_CHECK(std > 0 && a < b, ValueError,
-             "[kiln::nn::init::trunc_normal_] need std > 0 and a < b, but got std=" + num_str(std) + ", a=" +
-                 num_str(a) + ", b=" + num_str(b) + ".");
+             "[kiln::nn::init::trunc_normal_] need std > 0 and a < b, but got std=" + num_str(std) +
+                 ", a=" + num_str(a) + ", b=" + num_str(b) + ".");
   NoGradGuard no_grad;
   // Inverse-CDF sampling: u ~ U(2l - 1, 2u - 1), x = mean + std * sqrt(2) * erfinv(u), clamped.
   const double lo = norm_cdf((a - mean) / std), hi = norm_cdf((b - mean) / std);

@@ -24,17 +24,23 @@ namespace {
 // Structure stamps come from one process-wide counter, so a change anywhere gives the changed
 // module a stamp larger than every existing one, and the tree's maximum stamp strictly grows.
 std::atomic<uint64_t> g_structure_epoch{0};
-uint64_t next_stamp() { return g_structure_epoch.fetch_add(1, std::memory_order_relaxed) + 1; }
+uint64_t next_stamp() {
+  return g_structure_epoch.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
-// "kiln::nn::Linear" -> "Linear", "(anonymous namespace)::Net" -> "Net", "ns::Box<ns::T>" -> "Box<ns::T>".
+// "kiln::nn::Linear" -> "Linear", "(anonymous namespace)::Net" -> "Net", "ns::Box<ns::T>" ->
+// "Box<ns::T>".
 std::string unqualified(const std::string& name) {
   int depth = 0;
   size_t start = 0;
   for (size_t i = 0; i < name.size(); ++i) {
     char c = name[i];
-    if (c == '<' || c == '(') ++depth;
-    else if (c == '>' || c == ')') --depth;
-    else if (depth == 0 && c == ':' && i + 1 < name.size() && name[i + 1] == ':') start = i + 2;
+    if (c == '<' || c == '(')
+      ++depth;
+    else if (c == '>' || c == ')')
+      --depth;
+    else if (depth == 0 && c == ':' && i + 1 < name.size() && name[i + 1] == ':')
+      start = i + 2;
   }
   return name.substr(start);
 }
@@ -123,7 +129,9 @@ std::string python_float_repr(double v) {
 Module::Module() : structure_stamp_(next_stamp()) {}
 Module::~Module() = default;
 
-std::string Module::name() const { return unqualified(demangle(typeid(*this).name())); }
+std::string Module::name() const {
+  return unqualified(demangle(typeid(*this).name()));
+}
 
 Tensor Module::forward(const Tensor&) {
   throw Error("[kiln::nn::Module] Module [" + name() +
@@ -131,7 +139,9 @@ Tensor Module::forward(const Tensor&) {
               "Tensor forward(const Tensor&), or call the module's own forward overload.");
 }
 
-void Module::mark_structure_changed() { structure_stamp_ = next_stamp(); }
+void Module::mark_structure_changed() {
+  structure_stamp_ = next_stamp();
+}
 
 ModulePtr Module::self_ptr() const {
   auto* self = const_cast<Module*>(this);
@@ -174,7 +184,8 @@ Tensor& Module::register_parameter(std::string name, Tensor tensor, bool require
       return p->tensor;
     }
   }
-  parameters_.push_back(std::make_unique<TensorSlot>(TensorSlot{std::move(name), std::move(tensor), true}));
+  parameters_.push_back(
+      std::make_unique<TensorSlot>(TensorSlot{std::move(name), std::move(tensor), true}));
   return parameters_.back()->tensor;
 }
 
@@ -188,14 +199,16 @@ Tensor& Module::register_buffer(std::string name, Tensor tensor, bool persistent
       return b->tensor;
     }
   }
-  buffers_.push_back(std::make_unique<TensorSlot>(TensorSlot{std::move(name), std::move(tensor), persistent}));
+  buffers_.push_back(
+      std::make_unique<TensorSlot>(TensorSlot{std::move(name), std::move(tensor), persistent}));
   return buffers_.back()->tensor;
 }
 
 void Module::register_module_impl(std::string name, ModulePtr module) {
   check_new_name(name, "module", "register_module");
-  KILN_CHECK(module.get() != this, ValueError,
-             "[kiln::nn::Module::register_module] a module cannot be its own submodule ('" + name + "').");
+  KILN_CHECK(
+      module.get() != this, ValueError,
+      "[kiln::nn::Module::register_module] a module cannot be its own submodule ('" + name + "').");
   mark_structure_changed();
   for (auto& c : children_) {
     if (c.name == name) {
@@ -211,7 +224,8 @@ void Module::register_module_impl(std::string name, ModulePtr module) {
 NamedModules Module::named_modules(const std::string& prefix) const {
   NamedModules out;
   std::unordered_set<const Module*> seen;
-  std::function<void(const Module&, const std::string&)> visit = [&](const Module& m, const std::string& p) {
+  std::function<void(const Module&, const std::string&)> visit = [&](const Module& m,
+                                                                     const std::string& p) {
     if (!seen.insert(&m).second) return;
     out.emplace_back(p, m.self_ptr());
     for (const auto& c : m.children_) {
@@ -298,13 +312,15 @@ ModulePtr Module::get_submodule(const std::string& target) const {
   size_t start = 0;
   while (true) {
     const size_t dot = target.find('.', start);
-    const std::string item = target.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+    const std::string item =
+        target.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
     ModulePtr next;
     for (const auto& c : m->children_)
       if (c.name == item) next = c.module;
     KILN_CHECK(next != nullptr, IndexError,
-               "[kiln::nn::Module::get_submodule] " + m->name() + (path.empty() ? "" : " '" + path + "'") +
-                   " has no submodule `" + item + "` (looking up '" + target + "').");
+               "[kiln::nn::Module::get_submodule] " + m->name() +
+                   (path.empty() ? "" : " '" + path + "'") + " has no submodule `" + item +
+                   "` (looking up '" + target + "').");
     path += (path.empty() ? "" : ".") + item;
     m = next;
     if (dot == std::string::npos) return m;
@@ -318,8 +334,8 @@ Tensor& Module::get_parameter(const std::string& target) {
   const std::string leaf = dot == std::string::npos ? target : target.substr(dot + 1);
   for (auto& p : owner->parameters_)
     if (p->name == leaf) return p->tensor;
-  throw IndexError("[kiln::nn::Module::get_parameter] " + owner->name() + " has no parameter `" + leaf +
-                   "` (looking up '" + target + "').");
+  throw IndexError("[kiln::nn::Module::get_parameter] " + owner->name() + " has no parameter `" +
+                   leaf + "` (looking up '" + target + "').");
 }
 
 Tensor& Module::get_buffer(const std::string& target) {
@@ -420,7 +436,8 @@ void Module::append_state(const std::string& prefix, NamedTensors& out) const {
   for (const auto& p : parameters_)
     if (p->tensor.defined()) out.emplace_back(prefix + p->name, p->tensor.detach());
   for (const auto& b : buffers_)
-    if (b->tensor.defined() && b->persistent) out.emplace_back(prefix + b->name, b->tensor.detach());
+    if (b->tensor.defined() && b->persistent)
+      out.emplace_back(prefix + b->name, b->tensor.detach());
   for (const auto& c : children_)
     if (c.module) c.module->append_state(prefix + c.name + ".", out);
 }
@@ -431,7 +448,8 @@ NamedTensors Module::state_dict() const {
   return out;
 }
 
-void Module::collect_state_slots(const std::string& prefix, std::vector<std::pair<std::string, Tensor*>>& out) {
+void Module::collect_state_slots(const std::string& prefix,
+                                 std::vector<std::pair<std::string, Tensor*>>& out) {
   for (auto& p : parameters_)
     if (p->tensor.defined()) out.emplace_back(prefix + p->name, &p->tensor);
   for (auto& b : buffers_)
@@ -468,8 +486,9 @@ IncompatibleKeys Module::load_state_dict(const NamedTensors& state_dict, bool st
     // PyTorch loads a 1-element 1-D value into a 0-dim entry (old checkpoints' scalars).
     if (slot->dim() == 0 && src.dim() == 1 && src.numel() == 1) src = src.reshape({});
     if (src.sizes() != slot->sizes()) {
-      size_errors.push_back("size mismatch for " + key + ": copying a param with shape " + shape_str(src.sizes()) +
-                            " from checkpoint, the shape in current model is " + shape_str(slot->sizes()) + ".");
+      size_errors.push_back(
+          "size mismatch for " + key + ": copying a param with shape " + shape_str(src.sizes()) +
+          " from checkpoint, the shape in current model is " + shape_str(slot->sizes()) + ".");
       continue;
     }
     copies.emplace_back(slot, src);
@@ -505,7 +524,9 @@ IncompatibleKeys Module::load_state_dict(const NamedTensors& state_dict, bool st
 
 // ---------------- printing and structure ----------------
 
-std::string Module::extra_repr() const { return ""; }
+std::string Module::extra_repr() const {
+  return "";
+}
 
 std::string Module::str() const {
   std::vector<std::string> lines;
@@ -530,7 +551,9 @@ std::string Module::str() const {
   return out + ")";
 }
 
-std::ostream& operator<<(std::ostream& os, const Module& module) { return os << module.str(); }
+std::ostream& operator<<(std::ostream& os, const Module& module) {
+  return os << module.str();
+}
 
 // A plain recursive walk without allocation: compile() calls this on every guarded call. A shared
 // submodule is visited once per path, which only repeats a max.

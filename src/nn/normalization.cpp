@@ -31,7 +31,8 @@ BatchNormBase::BatchNormBase(const BatchNormOptions& opts) : options(opts) {
   const bool track = options.track_running_stats;
   running_mean = register_buffer("running_mean", track ? zeros({c}) : Tensor());
   running_var = register_buffer("running_var", track ? ones({c}) : Tensor());
-  num_batches_tracked = register_buffer("num_batches_tracked", track ? zeros({}, kInt64) : Tensor());
+  num_batches_tracked =
+      register_buffer("num_batches_tracked", track ? zeros({}, kInt64) : Tensor());
   reset_parameters();
 }
 
@@ -64,25 +65,29 @@ Tensor BatchNormBase::forward(const Tensor& input) {
   }
   const bool use_batch_stats = is_training() || (!running_mean.defined() && !running_var.defined());
   const bool pass_running = !is_training() || options.track_running_stats;
-  return F::batch_norm(input, pass_running ? running_mean : Tensor(), pass_running ? running_var : Tensor(), weight,
-                       bias, use_batch_stats, factor, options.eps);
+  return F::batch_norm(input, pass_running ? running_mean : Tensor(),
+                       pass_running ? running_var : Tensor(), weight, bias, use_batch_stats, factor,
+                       options.eps);
 }
 
 std::string BatchNormBase::extra_repr() const {
   return std::to_string(options.num_features) + ", eps=" + python_float_repr(options.eps) +
-         ", momentum=" + (options.momentum ? python_float_repr(*options.momentum) : std::string("None")) +
-         ", affine=" + python_bool_repr(options.affine) + ", track_running_stats=" +
-         python_bool_repr(options.track_running_stats);
+         ", momentum=" +
+         (options.momentum ? python_float_repr(*options.momentum) : std::string("None")) +
+         ", affine=" + python_bool_repr(options.affine) +
+         ", track_running_stats=" + python_bool_repr(options.track_running_stats);
 }
 
 void BatchNorm1d::check_input_dim(const Tensor& input) const {
   KILN_CHECK(input.dim() == 2 || input.dim() == 3, ShapeError,
-             "[kiln::nn::BatchNorm1d] expected 2D or 3D input (got " + std::to_string(input.dim()) + "D input).");
+             "[kiln::nn::BatchNorm1d] expected 2D or 3D input (got " + std::to_string(input.dim()) +
+                 "D input).");
 }
 
 void BatchNorm2d::check_input_dim(const Tensor& input) const {
   KILN_CHECK(input.dim() == 4, ShapeError,
-             "[kiln::nn::BatchNorm2d] expected 4D input (got " + std::to_string(input.dim()) + "D input).");
+             "[kiln::nn::BatchNorm2d] expected 4D input (got " + std::to_string(input.dim()) +
+                 "D input).");
 }
 
 // ---------------- LayerNorm ----------------
@@ -94,11 +99,13 @@ LayerNorm::LayerNorm(const LayerNormOptions& opts) : options(opts) {
                    tuple_repr(options.normalized_shape) + ".");
   const bool affine = options.elementwise_affine;
   weight = register_parameter("weight", affine ? kiln::empty(options.normalized_shape) : Tensor());
-  bias = register_parameter("bias", affine && options.bias ? kiln::empty(options.normalized_shape) : Tensor());
+  bias = register_parameter(
+      "bias", affine && options.bias ? kiln::empty(options.normalized_shape) : Tensor());
   reset_parameters();
 }
 
-LayerNorm::LayerNorm(std::vector<int64_t> normalized_shape, double eps, bool elementwise_affine, bool bias)
+LayerNorm::LayerNorm(std::vector<int64_t> normalized_shape, double eps, bool elementwise_affine,
+                     bool bias)
     : LayerNorm(LayerNormOptions{std::move(normalized_shape), eps, elementwise_affine, bias}) {}
 
 LayerNorm::LayerNorm(int64_t normalized_size, double eps, bool elementwise_affine, bool bias)
@@ -122,10 +129,12 @@ std::string LayerNorm::extra_repr() const {
 
 GroupNorm::GroupNorm(const GroupNormOptions& opts) : options(opts) {
   KILN_CHECK(options.num_groups > 0, ValueError,
-             "[kiln::nn::GroupNorm] num_groups must be positive, but got " + std::to_string(options.num_groups) + ".");
+             "[kiln::nn::GroupNorm] num_groups must be positive, but got " +
+                 std::to_string(options.num_groups) + ".");
   KILN_CHECK(options.num_channels % options.num_groups == 0, ValueError,
              "[kiln::nn::GroupNorm] num_channels must be divisible by num_groups (num_channels=" +
-                 std::to_string(options.num_channels) + ", num_groups=" + std::to_string(options.num_groups) + ").");
+                 std::to_string(options.num_channels) +
+                 ", num_groups=" + std::to_string(options.num_groups) + ").");
   weight = register_parameter("weight", options.affine ? empty({options.num_channels}) : Tensor());
   bias = register_parameter("bias", options.affine ? empty({options.num_channels}) : Tensor());
   reset_parameters();

@@ -1,5 +1,10 @@
 // Indexing ops: index_select, gather, scatter (src / value), scatter_add, index (advanced
-// indexing), index_put, embedding, one_hot.
+// indexing), index_put, embedding, one_hot; and embedding_dense_backward, the derivative of
+// embedding.
+//
+// Derivatives follow PyTorch's derivatives.yaml and are written with these ops, so that they are
+// themselves differentiable: index_select and index go back through index_put(accumulate=True)
+// into zeros, gather through scatter_add, scatter/scatter_add's src through gather.
 //
 // Index values are data, so meta checks index dtypes, ranks and shapes, and the kernels check
 // every index value (IndexError, before any write). Bool/uint8 masks are turned into int64
@@ -11,6 +16,7 @@
 
 #include "core/shape.h"
 #include "core/tensor_factory.h"
+#include "kiln/autograd.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
 
@@ -29,6 +35,28 @@ using detail::wrap_dim;
 
 namespace {
 
+// The most index tensors an index / index_put derivative saves (one per dim of self).
+constexpr int kMaxIndexTensors = 64;
+
+// The ops' entries, for derivatives that use ops defined further down.
+const OpDef& gather_op();
+const OpDef& scatter_value_op();
+const OpDef& scatter_add_op();
+const OpDef& index_op();
+const OpDef& index_put_op();
+const OpDef& embedding_op();
+const OpDef& embedding_backward_op();
+
+// Inputs that a derivative may save by position: index's and index_put's index tensors (at most
+// one per dim of self). Positions past the op's inputs are ignored when saving.
+std::vector<int> index_slots(int first) {
+  std::vector<int> v;
+  for (int i = first; i < first + kMaxIndexTensors; ++i) v.push_back(i);
+  return v;
+}
+
+TensorOptions options_of(const Tensor& t) { return TensorOptions(t.dtype(), t.device()); }
+
 std::string list_str(IntArrayRef v) {
   std::string s = "[";
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
@@ -45,6 +73,28 @@ void check_device(const Tensor& self, const Tensor& other, const std::string& op
 
 int64_t nonempty_dim(const Tensor& t) { return std::max<int64_t>(t.dim(), 1); }
 int64_t nonempty_size(const Tensor& t, int64_t d) { return t.dim() == 0 ? 1 : t.sizes()[d]; }
+
+// grad.gather(dim, index), zero-padded up to `sizes`: the gradient of the src of scatter /
+// scatter_add, whose src may be larger than index (its extra elements get zero gradient).
+Tensor gather_to(const Tensor& grad, int64_t dim, const Tensor& index, IntArrayRef sizes) {
+  if (index.numel() == 0) return zeros(sizes, options_of(grad));
+  Tensor g = call_op1(gather_op(), {grad, index}, {dim});
+  if (g.sizes() == sizes) return g;
+  // A 0-dim index or src stands for one element of size-1 dim (PyTorch's ensure_nonempty_dim).
+  if (g.dim() != static_cast<int64_t>(sizes.size())) g = g.reshape(sizes.empty() ? IntArrayRef{} : IntArrayRef{1});
+  if (g.sizes() == sizes) return g;
+  std::vector<int64_t> widths;
+  for (int64_t d = g.dim() - 1; d >= 0; --d) {
+    widths.push_back(0);
+    widths.push_back(sizes[d] - g.sizes()[d]);
+  }
+  return pad(g, widths);
+}
+
+// scatter(grad, dim, index, 0): the gradient of the positions scatter overwrote is zero.
+Tensor zero_scattered(const Tensor& grad, int64_t dim, const Tensor& index) {
+  return call_op1(scatter_value_op(), {grad, index}, {dim, Scalar(0)});
+}
 
 // ---------------- index_select ----------------
 
@@ -72,6 +122,18 @@ const OpDef& kIndexSelect = register_op({
       }
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: zeros(self.sizes()).index_add(dim, index, grad)  "
+                              "(as index_put(zeros, [None] * dim + [index], grad, accumulate=True))",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const std::vector<int64_t>& sizes = c.input_info[0].sizes;
+                     if (sizes.empty()) return {c.grad().reshape({})};
+                     int64_t dim = wrap_dim(c.int_attr(0), static_cast<int64_t>(sizes.size()), "index_select");
+                     std::vector<Tensor> inputs{zeros(sizes, options_of(c.grad())), c.grad()};
+                     for (int64_t d = 0; d < dim; ++d) inputs.emplace_back();
+                     inputs.push_back(c.input(1).reshape({-1}));
+                     return {call_op1(index_put_op(), std::move(inputs), {true})};
+                   }},
     .lowering = "index",
 });
 
@@ -106,6 +168,12 @@ const OpDef& kGather = register_op({
       }
       return {TensorMeta{index.sizes().vec(), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: zeros(self.sizes()).scatter_add(dim, index, grad)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     Tensor z = zeros(c.input_info[0].sizes, options_of(c.grad()));
+                     return {call_op1(scatter_add_op(), {z, c.input(1), c.grad()}, {c.int_attr(0)})};
+                   }},
     .lowering = "index",
 });
 
@@ -148,6 +216,15 @@ const OpDef& kScatter = register_op({
     .name = "scatter",
     .schema = "scatter.src(Tensor self, int dim, Tensor index, Tensor src) -> Tensor",
     .meta = [](const OpCall& c) { return scatter_meta(c, "scatter", c.input(2)); },
+    .derivative = {.formula = "self: grad.scatter(dim, index, 0); src: grad.gather(dim, index)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     int64_t dim = c.int_attr(0);
+                     TensorList out(3);
+                     if (c.needs_grad(0)) out[0] = zero_scattered(c.grad(), dim, c.input(1));
+                     if (c.needs_grad(2)) out[2] = gather_to(c.grad(), dim, c.input(1), c.input_info[2].sizes);
+                     return out;
+                   }},
     .lowering = "index",
 });
 
@@ -155,6 +232,11 @@ const OpDef& kScatterValue = register_op({
     .name = "scatter.value",
     .schema = "scatter.value(Tensor self, int dim, Tensor index, Scalar value) -> Tensor",
     .meta = [](const OpCall& c) { return scatter_meta(c, "scatter", Tensor()); },
+    .derivative = {.formula = "self: grad.scatter(dim, index, 0)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {zero_scattered(c.grad(), c.int_attr(0), c.input(1))};
+                   }},
     .lowering = "index",
 });
 
@@ -162,6 +244,14 @@ const OpDef& kScatterAdd = register_op({
     .name = "scatter_add",
     .schema = "scatter_add(Tensor self, int dim, Tensor index, Tensor src) -> Tensor",
     .meta = [](const OpCall& c) { return scatter_meta(c, "scatter_add", c.input(2)); },
+    .derivative = {.formula = "self: grad; src: grad.gather(dim, index)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     TensorList out(3);
+                     if (c.needs_grad(0)) out[0] = c.grad();
+                     if (c.needs_grad(2)) out[2] = gather_to(c.grad(), c.int_attr(0), c.input(1), c.input_info[2].sizes);
+                     return out;
+                   }},
     .lowering = "index",
 });
 
@@ -238,19 +328,31 @@ const OpDef& kIndex = register_op({
       auto sizes = index_result_sizes(x, c.inputs.subspan(1), "index");
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: index_put(zeros(self.sizes()), indices, grad, accumulate=True)",
+                   .save_inputs = index_slots(1),
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     KILN_CHECK(c.inputs.size() <= 1 + kMaxIndexTensors, Error,
+                                "[kiln::index] the derivative supports at most " + std::to_string(kMaxIndexTensors) +
+                                    " index tensors.");
+                     std::vector<Tensor> inputs{zeros(c.input_info[0].sizes, options_of(c.grad())), c.grad()};
+                     for (size_t i = 1; i < c.inputs.size(); ++i) inputs.push_back(c.input(i));
+                     return {call_op1(index_put_op(), std::move(inputs), {true})};
+                   }},
     .lowering = "index",
 });
 
-// Inputs: self, the indices, values (last).
+// Inputs: self, values, then the indices (one per leading dim of self, undefined = all of it).
+// values comes before the variable-length indices (aten puts it after them) so that the
+// derivative can save the indices by position without keeping values alive.
 const OpDef& kIndexPut = register_op({
     .name = "index_put",
-    .schema = "index_put(Tensor self, Tensor?[] indices, Tensor values, bool accumulate=False) -> Tensor",
+    .schema = "index_put(Tensor self, Tensor values, Tensor?[] indices, bool accumulate=False) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
-      KILN_CHECK(c.inputs.size() >= 2, ValueError, "[kiln::index_put] expected self, indices and values.");
-      const Tensor& values = c.inputs.back();
+      KILN_CHECK(c.inputs.size() >= 2, ValueError, "[kiln::index_put] expected self, values and indices.");
+      const Tensor& values = c.input(1);
       KILN_CHECK(values.defined(), ValueError, "[kiln::index_put] values is undefined.");
-      auto indices = c.inputs.subspan(1, c.inputs.size() - 2);
+      auto indices = c.inputs.subspan(2);
       auto sizes = index_result_sizes(x, indices, "index_put");
       KILN_CHECK(values.dtype() == x.dtype(), DTypeError,
                  "[kiln::index_put] Index put requires the source and destination dtypes match, got " +
@@ -268,6 +370,31 @@ const OpDef& kIndexPut = register_op({
                      " cannot be broadcast to indexing result of shape " + list_str(sizes) + ".");
       return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: accumulate ? grad : grad.index_put(indices, 0, false); "
+                              "values: grad.index(indices) (summed to values' shape)",
+                   .save_inputs = index_slots(2),
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     KILN_CHECK(c.inputs.size() <= 2 + kMaxIndexTensors, Error,
+                                "[kiln::index_put] the derivative supports at most " + std::to_string(kMaxIndexTensors) +
+                                    " index tensors.");
+                     TensorList out(c.input_info.size());
+                     std::vector<Tensor> indices(c.inputs.begin() + 2, c.inputs.end());
+                     if (c.needs_grad(0)) {
+                       if (c.bool_attr(0)) {
+                         out[0] = c.grad();
+                       } else {
+                         std::vector<Tensor> inputs{c.grad(), zeros({}, options_of(c.grad()))};
+                         inputs.insert(inputs.end(), indices.begin(), indices.end());
+                         out[0] = call_op1(index_put_op(), std::move(inputs), {false});
+                       }
+                     }
+                     if (c.needs_grad(1)) {
+                       std::vector<Tensor> inputs{c.grad()};
+                       inputs.insert(inputs.end(), indices.begin(), indices.end());
+                       out[1] = call_op1(index_op(), std::move(inputs));  // the engine sums it to values' shape
+                     }
+                     return out;
+                   }},
     .lowering = "index",
 });
 
@@ -290,7 +417,64 @@ const OpDef& kEmbedding = register_op({
       sizes.push_back(weight.sizes()[1]);
       return {TensorMeta{std::move(sizes), {}, weight.dtype(), weight.device()}};
     },
+    .derivative = {.formula = "weight: embedding_dense_backward(grad, indices, weight.size(0), padding_idx, "
+                              "scale_grad_by_freq)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     KILN_CHECK(!c.bool_attr(2), Error,
+                                "[kiln::embedding] sparse gradients are not supported; use sparse=False.");
+                     return {call_op1(embedding_backward_op(), {c.grad(), c.input(1)},
+                                      {c.input_info[0].sizes[0], c.int_attr(0), c.bool_attr(1)})};
+                   }},
     .lowering = "index",
+});
+
+// The gradient of embedding's weight: grad_output rows summed into the rows their indices name
+// (divided by each index's count with scale_grad_by_freq); the padding_idx row (-1: none) gets
+// no gradient.
+const OpDef& kEmbeddingBackward = register_op({
+    .name = "embedding_dense_backward",
+    .schema = "embedding_dense_backward(Tensor grad_output, Tensor indices, SymInt num_weights, SymInt padding_idx, "
+              "bool scale_grad_by_freq) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& grad = c.input(0);
+      const Tensor& indices = c.input(1);
+      const int64_t rows = c.int_attr(0);
+      KILN_CHECK(is_floating_point(grad.dtype()), DTypeError,
+                 "[kiln::embedding_dense_backward] expected a floating-point grad_output, got " +
+                     name_of(grad.dtype()) + ".");
+      KILN_CHECK(indices.dtype() == kInt64 || indices.dtype() == kInt32, DTypeError,
+                 "[kiln::embedding_dense_backward] expected indices of dtype int64 or int32, got " +
+                     name_of(indices.dtype()) + ".");
+      check_device(grad, indices, "embedding_dense_backward", "indices");
+      KILN_CHECK(rows >= 0, ValueError,
+                 "[kiln::embedding_dense_backward] num_weights must be non-negative, got " + std::to_string(rows) + ".");
+      bool ok = grad.dim() == indices.dim() + 1;
+      for (int64_t d = 0; ok && d < indices.dim(); ++d) ok = grad.sizes()[d] == indices.sizes()[d];
+      KILN_CHECK(ok, ShapeError,
+                 "[kiln::embedding_dense_backward] grad_output of shape " + list_str(grad.sizes()) +
+                     " does not match indices of shape " + list_str(indices.sizes()) +
+                     " (expected the indices' shape plus the embedding dim).");
+      return {TensorMeta{{rows, grad.sizes().back()}, {}, grad.dtype(), grad.device()}};
+    },
+    .derivative = {.formula = "grad_output: embedding(grad, indices) with padding_idx positions zeroed "
+                              "(divided by the index counts with scale_grad_by_freq)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Tensor& indices = c.input(1);
+                     Tensor g = call_op1(embedding_op(), {c.grad(), indices}, {int64_t{-1}, false, false});
+                     const int64_t pad = c.int_attr(1);
+                     if (pad >= 0) g = where(eq(indices, pad).unsqueeze(-1), zeros({}, options_of(g)), g);
+                     if (c.bool_attr(2)) {
+                       std::vector<int64_t> one_col = indices.sizes().vec();
+                       one_col.push_back(1);
+                       Tensor counts = call_op1(embedding_backward_op(), {ones(one_col, options_of(g)), indices},
+                                                {c.int_attr(0), int64_t{-1}, false});
+                       g = g / call_op1(embedding_op(), {counts, indices}, {int64_t{-1}, false, false});
+                     }
+                     return {g};
+                   }},
+    .lowering = "extern",
 });
 
 const OpDef& kOneHot = register_op({
@@ -311,6 +495,14 @@ const OpDef& kOneHot = register_op({
     },
     .lowering = "index",
 });
+
+const OpDef& gather_op() { return kGather; }
+const OpDef& scatter_value_op() { return kScatterValue; }
+const OpDef& scatter_add_op() { return kScatterAdd; }
+const OpDef& index_op() { return kIndex; }
+const OpDef& index_put_op() { return kIndexPut; }
+const OpDef& embedding_op() { return kEmbedding; }
+const OpDef& embedding_backward_op() { return kEmbeddingBackward; }
 
 bool is_mask(const Tensor& t) { return t.defined() && (t.dtype() == kBool || t.dtype() == kUInt8); }
 
@@ -414,13 +606,16 @@ std::vector<Tensor> expand_index_masks(const Tensor& self, const std::vector<Ten
 
 // self[indices] = values (or += with accumulate), in place through call_op_out.
 Tensor& index_put_inplace(Tensor& self, const std::vector<Tensor>& indices, const Tensor& values, bool accumulate) {
-  if (!accumulate) {
+  // Recorded for autograd: write into self itself (not a view of it with merged dims, whose new
+  // history would not reach self), and keep values' gradient (masked_fill takes a number).
+  const bool recorded = is_grad_enabled() && (self.requires_grad() || values.requires_grad());
+  if (!accumulate && !(values.requires_grad() && is_grad_enabled())) {
     if (Tensor mask = masked_fill_mask(self, indices, values); mask.defined()) return self.masked_fill_(mask, values.item());
   }
-  PreparedIndex p = prepare_index(self, indices);
-  std::vector<Tensor> inputs{p.self};
+  PreparedIndex p = recorded ? PreparedIndex{self, detail::expand_index_masks(self, indices), false}
+                             : prepare_index(self, indices);
+  std::vector<Tensor> inputs{p.self, values};
   for (Tensor& t : p.indices) inputs.push_back(std::move(t));
-  inputs.push_back(values);
   Tensor out[1] = {p.self};  // self, or a view of it with merged dims
   call_op_out(kIndexPut, std::move(inputs), {accumulate}, out);
   return self;
@@ -452,13 +647,13 @@ Tensor index(const Tensor& x, const std::vector<Tensor>& indices) {
 }
 
 Tensor index_put(const Tensor& x, const std::vector<Tensor>& indices, const Tensor& values, bool accumulate) {
-  if (!accumulate) {
+  // masked_fill takes a number: not when values needs a gradient.
+  if (!accumulate && !(values.requires_grad() && is_grad_enabled())) {
     if (Tensor mask = masked_fill_mask(x, indices, values); mask.defined()) return masked_fill(x, mask, values.item());
   }
   PreparedIndex p = prepare_index(x, indices);
-  std::vector<Tensor> inputs{p.self};
+  std::vector<Tensor> inputs{p.self, values};
   for (Tensor& t : p.indices) inputs.push_back(std::move(t));
-  inputs.push_back(values);
   Tensor out = call_op1(kIndexPut, std::move(inputs), {accumulate});
   return p.merged ? out.view(x.sizes()) : out;
 }

@@ -1,6 +1,7 @@
-// Losses. nll_loss_forward is a table op with a kernel; cross_entropy, mse_loss and
+// Losses. nll_loss_forward is a table op with a kernel, and so is its derivative,
+// nll_loss_backward (each is the other's derivative); cross_entropy, mse_loss and
 // binary_cross_entropy_with_logits are composites of public ops written with PyTorch's exact
-// formulas (aten/src/ATen/native/LossNLL.cpp and Loss.cpp).
+// formulas (aten/src/ATen/native/LossNLL.cpp and Loss.cpp), differentiable through those ops.
 //
 // Reductions follow PyTorch's enum: 0 none, 1 mean, 2 sum.
 #include <cmath>
@@ -22,6 +23,8 @@ std::string list_str(IntArrayRef v) {
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s + "]";
 }
+
+const OpDef& nll_loss_backward_op();
 
 void check_weight(const Tensor& weight, int64_t classes, DType dtype, Device device, const std::string& op) {
   if (!weight.defined()) return;
@@ -84,8 +87,79 @@ const OpDef& kNllLoss = register_op({
       std::vector<int64_t> out_sizes = reduction == 0 ? target.sizes().vec() : std::vector<int64_t>{};
       return {TensorMeta{std::move(out_sizes), {}, x.dtype(), x.device()}, TensorMeta{{}, {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: nll_loss_backward(grad, self.sizes(), target, weight, reduction, ignore_index, "
+                              "total_weight); total_weight: not differentiable",
+                   .save_inputs = {1, 2},
+                   .save_outputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     KILN_CHECK(!c.needs_grad(2), Error,
+                                "[kiln::nll_loss] the derivative for 'weight' is not implemented (as in PyTorch). "
+                                "Detach the class weights.");
+                     if (!c.needs_grad(0)) return {};
+                     return {call_op1(nll_loss_backward_op(), {c.grad(0), c.input(1), c.input(2), c.output(1)},
+                                      {c.input_info[0].sizes, c.attrs[0], c.attrs[1]})};
+                   }},
     .lowering = "reduction",
 });
+
+// nll_loss_backward(grad_output, target, weight, total_weight, self_size, reduction, ignore_index):
+// the gradient of nll_loss_forward's input: -weight[t] * grad_output (divided by total_weight for
+// the mean) at each (sample, target class, position) whose target is not ignore_index, zero
+// elsewhere. aten passes self; Kiln passes its sizes, so the forward node need not save it.
+const OpDef& kNllLossBackward = register_op({
+    .name = "nll_loss_backward",
+    .schema = "nll_loss_backward(Tensor grad_output, Tensor target, Tensor? weight, Tensor total_weight, "
+              "SymInt[] self_size, int reduction, SymInt ignore_index) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& grad = c.input(0);
+      const Tensor& target = c.input(1);
+      const Tensor& weight = c.input(2);
+      const Tensor& total_weight = c.input(3);
+      IntArrayRef self_size = c.ints_attr(0);
+      const int64_t reduction = c.int_attr(1);
+      KILN_CHECK(reduction >= 0 && reduction <= 2, ValueError,
+                 "[kiln::nll_loss_backward] reduction must be 0 (none), 1 (mean) or 2 (sum), got " +
+                     std::to_string(reduction) + ".");
+      KILN_CHECK(is_floating_point(grad.dtype()), DTypeError,
+                 "[kiln::nll_loss_backward] expected a floating-point grad_output, got " + name_of(grad.dtype()) + ".");
+      KILN_CHECK(target.dtype() == kInt64, DTypeError,
+                 "[kiln::nll_loss_backward] expected target of dtype int64 (class indices) but found " +
+                     name_of(target.dtype()) + ".");
+      KILN_CHECK(target.device() == grad.device() && total_weight.device() == grad.device(), DeviceError,
+                 "[kiln::nll_loss_backward] expected grad_output, target and total_weight on one device.");
+      KILN_CHECK(!self_size.empty(), ShapeError, "[kiln::nll_loss_backward] Expected 1 or more dimensions (got 0).");
+      detail::check_sizes_nonnegative(self_size, "nll_loss_backward");
+      std::vector<int64_t> want;
+      if (self_size.size() >= 2) {
+        want.push_back(self_size[0]);
+        want.insert(want.end(), self_size.begin() + 2, self_size.end());
+      }
+      KILN_CHECK(target.sizes() == IntArrayRef(want), ShapeError,
+                 "[kiln::nll_loss_backward] Expected target size " + list_str(want) + " for an input of shape " +
+                     list_str(self_size) + ", got " + list_str(target.sizes()) + ".");
+      KILN_CHECK(total_weight.numel() == 1, ShapeError,
+                 "[kiln::nll_loss_backward] expected total_weight to be a single element tensor, got " +
+                     list_str(total_weight.sizes()) + ".");
+      const IntArrayRef expected = reduction == 0 ? target.sizes() : IntArrayRef{};
+      KILN_CHECK(reduction == 0 ? grad.sizes() == expected : grad.numel() == 1, ShapeError,
+                 "[kiln::nll_loss_backward] grad_output of shape " + list_str(grad.sizes()) +
+                     " does not match the loss's shape " + list_str(expected) + ".");
+      const int64_t classes = self_size.size() == 1 ? self_size[0] : self_size[1];
+      check_weight(weight, classes, grad.dtype(), grad.device(), "nll_loss_backward");
+      return {TensorMeta{self_size.vec(), {}, grad.dtype(), grad.device()}};
+    },
+    .derivative = {.formula = "grad_output: nll_loss(grad, target, weight, reduction, ignore_index)",
+                   .save_inputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     TensorList out(4);
+                     if (c.needs_grad(0))
+                       out[0] = call_op(kNllLoss, {c.grad(), c.input(1), c.input(2)}, {c.attrs[1], c.attrs[2]})[0];
+                     return out;
+                   }},
+    .lowering = "extern",
+});
+
+const OpDef& nll_loss_backward_op() { return kNllLossBackward; }
 
 Tensor reduce(const Tensor& loss, Reduction reduction) {
   switch (reduction) {

@@ -4,6 +4,10 @@
 // silu, ...) promote integer and bool inputs to the default float dtype; abs, neg, sign, floor,
 // ceil, round and relu keep integer dtypes; logical_not, isnan and isfinite return bool;
 // bitwise_not takes integers and bool only.
+//
+// Derivatives follow PyTorch's derivatives.yaml, written in Kiln ops so that a create_graph
+// backward records them; bool-valued ops have none (their outputs are not differentiable).
+#include <cmath>
 #include <string>
 
 #include "kiln/op_table.h"
@@ -42,7 +46,7 @@ DType unary_dtype(const std::string& name, UnaryRule rule, DType in) {
   return in;
 }
 
-OpDef unary_def(std::string name, UnaryRule rule) {
+OpDef unary_def(std::string name, UnaryRule rule, Derivative derivative = {}) {
   std::string schema = name + "(Tensor self) -> Tensor";
   return OpDef{
       .name = name,
@@ -52,9 +56,61 @@ OpDef unary_def(std::string name, UnaryRule rule) {
         return {TensorMeta{x.sizes().vec(), {}, unary_dtype(name, rule, x.dtype()), x.device()}};
       },
       .pointwise = true,
+      .derivative = std::move(derivative),
       .lowering = "pointwise",
   };
 }
+
+// ---- derivatives ----
+
+// Multi-step formulas run float16/bfloat16 values in float32, as PyTorch's fused backward
+// kernels do; the engine casts the gradient back to the input's dtype.
+Tensor opmath(const Tensor& t) {
+  return t.dtype() == kFloat16 || t.dtype() == kBFloat16 ? t.to(kFloat32) : t;
+}
+
+// A derivative reading saved input 0 (`self`).
+Derivative of_input(std::string formula, Tensor (*fn)(const Tensor& grad, const Tensor& self)) {
+  return {.formula = std::move(formula),
+          .save_inputs = {0},
+          .fn = [fn](const BackwardContext& c) -> TensorList { return {fn(c.grad(), c.input(0))}; }};
+}
+
+// A derivative reading saved output 0 (`result`).
+Derivative of_result(std::string formula, Tensor (*fn)(const Tensor& grad, const Tensor& result)) {
+  return {.formula = std::move(formula),
+          .save_outputs = {0},
+          .fn = [fn](const BackwardContext& c) -> TensorList { return {fn(c.grad(), c.output(0))}; }};
+}
+
+// floor, ceil, round, sign: piecewise constant, so zero gradient (PyTorch's convention).
+Derivative zero_gradient() {
+  return {.formula = "self: zeros_like(grad)",
+          .fn = [](const BackwardContext& c) -> TensorList { return {zeros_like(c.grad())}; }};
+}
+
+// gelu_backward (PyTorch's formulas for approximate = 'none' and 'tanh').
+Tensor gelu_backward(const Tensor& grad, const Tensor& self, const std::string& approximate) {
+  Tensor x = opmath(self), g = opmath(grad);
+  if (approximate == "tanh") {
+    const double kBeta = M_SQRT2 * M_2_SQRTPI * 0.5, kKappa = 0.044715;
+    Tensor x_sq = x * x;
+    Tensor inner = kBeta * (x + kKappa * (x_sq * x));
+    Tensor tanh_inner = tanh(inner);
+    Tensor left = 0.5 * x;
+    Tensor left_derivative = 0.5 * (1 + tanh_inner);
+    Tensor tanh_derivative = 1 - tanh_inner * tanh_inner;
+    Tensor inner_derivative = kBeta * (1 + (3 * kKappa) * x_sq);
+    return g * (left_derivative + left * tanh_derivative * inner_derivative);
+  }
+  const double kAlpha = M_SQRT1_2, kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5;
+  Tensor cdf = 0.5 * (1 + erf(x * kAlpha));
+  Tensor pdf = kBeta * exp(-0.5 * (x * x));
+  return g * (cdf + x * pdf);
+}
+
+Derivative kNegDerivative{.formula = "self: -grad",
+                          .fn = [](const BackwardContext& c) -> TensorList { return {neg(c.grad())}; }};
 
 const OpDef& kNeg = register_op(OpDef{
     .name = "neg",
@@ -67,6 +123,7 @@ const OpDef& kNeg = register_op(OpDef{
       return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}};
     },
     .pointwise = true,
+    .derivative = kNegDerivative,
     .lowering = "pointwise",
 });
 
@@ -81,29 +138,76 @@ const OpDef& kGelu = register_op(OpDef{
       return {TensorMeta{x.sizes().vec(), {}, unary_dtype("gelu", UnaryRule::floating, x.dtype()), x.device()}};
     },
     .pointwise = true,
+    .derivative = {.formula = "self: gelu_backward(grad, self, approximate)",
+                   .save_inputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {gelu_backward(c.grad(), c.input(0), c.string_attr(0))};
+                   }},
     .lowering = "pointwise",
 });
 
-const OpDef& kAbs = register_op(unary_def("abs", UnaryRule::keep_numeric));
-const OpDef& kExp = register_op(unary_def("exp", UnaryRule::floating));
-const OpDef& kLog = register_op(unary_def("log", UnaryRule::floating));
-const OpDef& kLog1p = register_op(unary_def("log1p", UnaryRule::floating));
-const OpDef& kExpm1 = register_op(unary_def("expm1", UnaryRule::floating));
-const OpDef& kSin = register_op(unary_def("sin", UnaryRule::floating));
-const OpDef& kCos = register_op(unary_def("cos", UnaryRule::floating));
-const OpDef& kTan = register_op(unary_def("tan", UnaryRule::floating));
-const OpDef& kTanh = register_op(unary_def("tanh", UnaryRule::floating));
-const OpDef& kSigmoid = register_op(unary_def("sigmoid", UnaryRule::floating));
-const OpDef& kRelu = register_op(unary_def("relu", UnaryRule::keep_numeric));
-const OpDef& kSilu = register_op(unary_def("silu", UnaryRule::floating));
-const OpDef& kSqrt = register_op(unary_def("sqrt", UnaryRule::floating));
-const OpDef& kRsqrt = register_op(unary_def("rsqrt", UnaryRule::floating));
-const OpDef& kReciprocal = register_op(unary_def("reciprocal", UnaryRule::floating));
-const OpDef& kSign = register_op(unary_def("sign", UnaryRule::keep_all));
-const OpDef& kFloor = register_op(unary_def("floor", UnaryRule::keep_numeric));
-const OpDef& kCeil = register_op(unary_def("ceil", UnaryRule::keep_numeric));
-const OpDef& kRound = register_op(unary_def("round", UnaryRule::keep_numeric));
-const OpDef& kErf = register_op(unary_def("erf", UnaryRule::floating));
+const OpDef& kAbs = register_op(unary_def(
+    "abs", UnaryRule::keep_numeric,
+    of_input("self: grad * self.sign()", [](const Tensor& g, const Tensor& x) { return g * sign(x); })));
+const OpDef& kExp = register_op(unary_def(
+    "exp", UnaryRule::floating, of_result("self: grad * result", [](const Tensor& g, const Tensor& y) { return g * y; })));
+const OpDef& kLog = register_op(unary_def(
+    "log", UnaryRule::floating, of_input("self: grad / self", [](const Tensor& g, const Tensor& x) { return g / x; })));
+const OpDef& kLog1p = register_op(unary_def(
+    "log1p", UnaryRule::floating,
+    of_input("self: grad / (self + 1)", [](const Tensor& g, const Tensor& x) { return g / (x + 1); })));
+const OpDef& kExpm1 = register_op(unary_def(
+    "expm1", UnaryRule::floating,
+    of_result("self: grad * (result + 1)", [](const Tensor& g, const Tensor& y) { return g * (y + 1); })));
+const OpDef& kSin = register_op(unary_def(
+    "sin", UnaryRule::floating,
+    of_input("self: grad * self.cos()", [](const Tensor& g, const Tensor& x) { return g * cos(x); })));
+const OpDef& kCos = register_op(unary_def(
+    "cos", UnaryRule::floating,
+    of_input("self: grad * -self.sin()", [](const Tensor& g, const Tensor& x) { return g * neg(sin(x)); })));
+const OpDef& kTan = register_op(unary_def(
+    "tan", UnaryRule::floating,
+    of_result("self: grad * (1 + result.pow(2))", [](const Tensor& g, const Tensor& y) { return g * (1 + y * y); })));
+const OpDef& kTanh = register_op(unary_def(
+    "tanh", UnaryRule::floating,
+    of_result("self: tanh_backward(grad, result) = grad * (1 - result * result)",
+              [](const Tensor& g, const Tensor& y) { return g * (1 - y * y); })));
+const OpDef& kSigmoid = register_op(unary_def(
+    "sigmoid", UnaryRule::floating,
+    of_result("self: sigmoid_backward(grad, result) = grad * (1 - result) * result",
+              [](const Tensor& g, const Tensor& y) { return g * (1 - y) * y; })));
+const OpDef& kRelu = register_op(unary_def(
+    "relu", UnaryRule::keep_numeric,
+    of_result("self: threshold_backward(grad, result, 0) = where(result <= 0, 0, grad)",
+              [](const Tensor& g, const Tensor& y) { return where(le(y, 0), 0, g); })));
+const OpDef& kSilu = register_op(unary_def(
+    "silu", UnaryRule::floating,
+    of_input("self: silu_backward(grad, self) = grad * sigmoid(self) * (1 + self * (1 - sigmoid(self)))",
+             [](const Tensor& g, const Tensor& self) {
+               Tensor x = opmath(self);
+               Tensor s = sigmoid(x);
+               return opmath(g) * s * (1 + x * (1 - s));
+             })));
+const OpDef& kSqrt = register_op(unary_def(
+    "sqrt", UnaryRule::floating,
+    of_result("self: grad / (2 * result)", [](const Tensor& g, const Tensor& y) { return g / (2 * y); })));
+const OpDef& kRsqrt = register_op(unary_def(
+    "rsqrt", UnaryRule::floating,
+    of_result("self: -0.5 * grad * result.pow(3)",
+              [](const Tensor& g, const Tensor& y) { return -0.5 * g * (y * y * y); })));
+const OpDef& kReciprocal = register_op(unary_def(
+    "reciprocal", UnaryRule::floating,
+    of_result("self: -grad * (result * result)", [](const Tensor& g, const Tensor& y) { return neg(g) * (y * y); })));
+const OpDef& kSign = register_op(unary_def("sign", UnaryRule::keep_all, zero_gradient()));
+const OpDef& kFloor = register_op(unary_def("floor", UnaryRule::keep_numeric, zero_gradient()));
+const OpDef& kCeil = register_op(unary_def("ceil", UnaryRule::keep_numeric, zero_gradient()));
+const OpDef& kRound = register_op(unary_def("round", UnaryRule::keep_numeric, zero_gradient()));
+const OpDef& kErf = register_op(unary_def(
+    "erf", UnaryRule::floating,
+    of_input("self: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad", [](const Tensor& g, const Tensor& self) {
+      Tensor x = opmath(self);
+      return M_2_SQRTPI * exp(neg(x * x)) * opmath(g);
+    })));
 const OpDef& kLogicalNot = register_op(unary_def("logical_not", UnaryRule::to_bool));
 const OpDef& kIsNan = register_op(unary_def("isnan", UnaryRule::to_bool));
 const OpDef& kIsFinite = register_op(unary_def("isfinite", UnaryRule::to_bool));

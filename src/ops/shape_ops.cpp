@@ -1,7 +1,10 @@
 // Shape ops that copy: cat and padding (table ops), and the composites built from them and from
 // views: stack (unsqueeze + cat), split / chunk (narrow views), pad (dispatches on the mode).
 //
-// Table ops: cat, constant_pad_nd, reflection_pad{1,2,3}d, replication_pad{1,2,3}d.
+// Table ops: cat, constant_pad_nd, reflection_pad{1,2,3}d, replication_pad{1,2,3}d, and the
+// derivatives of the mode pads, reflection_pad{1,2,3}d_backward / replication_pad{1,2,3}d_backward
+// (each the other's derivative). cat's gradient is narrowed per input, constant_pad_nd's is
+// constant_pad_nd with the pads negated.
 #include <algorithm>
 #include <numeric>
 
@@ -86,8 +89,35 @@ const OpDef& kCat = register_op({
     .name = "cat",
     .schema = "cat(Tensor[] tensors, int dim=0) -> Tensor",
     .meta = cat_meta,
+    .derivative = {.formula = "tensors: grad.narrow(dim, offset_i, tensors[i].size(dim)) for each input",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const size_t n = c.input_info.size();
+                     auto skipped = [&](size_t i) {
+                       const auto& s = c.input_info[i].sizes;
+                       return s.size() == 1 && s[0] == 0;
+                     };
+                     TensorList out(n);
+                     size_t ref = 0;
+                     while (ref < n && skipped(ref)) ++ref;
+                     const int64_t ndim = ref < n ? static_cast<int64_t>(c.input_info[ref].sizes.size()) : 1;
+                     const int64_t dim = ref < n ? wrap_dim(c.int_attr(0), ndim, "cat") : 0;
+                     int64_t offset = 0;
+                     for (size_t i = 0; i < n; ++i) {
+                       if (skipped(i)) {
+                         // A legacy empty input took no part: its gradient is empty too.
+                         if (c.needs_grad(i)) out[i] = zeros({0}, TensorOptions(c.grad().dtype(), c.grad().device()));
+                         continue;
+                       }
+                       const int64_t len = c.input_info[i].sizes[dim];
+                       if (c.needs_grad(i)) out[i] = c.grad().narrow(dim, offset, len);
+                       offset += len;
+                     }
+                     return out;
+                   }},
     .lowering = "index",
 });
+
+const OpDef& constant_pad_op();
 
 // constant_pad_nd(self, pad, value): pad pairs from the last dim backwards; negative pads crop.
 const OpDef& kConstantPad = register_op({
@@ -118,8 +148,16 @@ const OpDef& kConstantPad = register_op({
       detail::checked_numel(sizes, "constant_pad_nd");
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: constant_pad_nd(grad, -pad, 0)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     std::vector<int64_t> neg = c.ints_attr(0).vec();
+                     for (int64_t& p : neg) p = -p;
+                     return {call_op1(constant_pad_op(), {c.grad()}, {std::move(neg), Scalar(0)})};
+                   }},
     .lowering = "index",
 });
+
+const OpDef& constant_pad_op() { return kConstantPad; }
 
 // reflection_pad{k}d / replication_pad{k}d: the last k dims padded, input of k+1 or k+2 dims.
 std::vector<TensorMeta> mode_pad_meta(const OpCall& c, int64_t k, bool reflect) {
@@ -160,12 +198,64 @@ std::vector<TensorMeta> mode_pad_meta(const OpCall& c, int64_t k, bool reflect) 
   return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
 }
 
+// The forward op's derivative calls its backward op and the backward op's calls the forward
+// op; both entries are looked up by name (the table's references stay valid).
 OpDef mode_pad_def(const std::string& name, int64_t k, bool reflect) {
+  const OpDef* backward = &OpTable::instance().entry(name + "_backward");
   return OpDef{
       .name = name,
       .schema = name + "(Tensor self, SymInt[" + std::to_string(2 * k) + "] padding) -> Tensor",
       .meta = [k, reflect](const OpCall& c) { return mode_pad_meta(c, k, reflect); },
+      .derivative = {.formula = "self: " + name + "_backward(grad, self.sizes(), padding)",
+                     .fn = [backward](const BackwardContext& c) -> TensorList {
+                       return {call_op1(*backward, {c.grad()}, {c.input_info[0].sizes, c.attrs[0]})};
+                     }},
       .lowering = "index",
+  };
+}
+
+// {reflection,replication}_pad{k}d_backward(grad_output, input_size, padding): the gradient of
+// the input, each grad_output element added to the input element it was copied from. Takes the
+// input's sizes rather than the input itself, so the forward node saves nothing.
+OpDef mode_pad_backward_def(const std::string& forward_name, int64_t k, bool reflect) {
+  const std::string name = forward_name + "_backward";
+  const OpDef* forward = &OpTable::instance().entry(forward_name);
+  return OpDef{
+      .name = name,
+      .schema = name + "(Tensor grad_output, SymInt[] input_size, SymInt[" + std::to_string(2 * k) +
+                "] padding) -> Tensor",
+      .meta = [k, reflect, name](const OpCall& c) -> std::vector<TensorMeta> {
+        const Tensor& grad = c.input(0);
+        IntArrayRef in = c.ints_attr(0), pad = c.ints_attr(1);
+        KILN_CHECK(is_floating_point(grad.dtype()), DTypeError,
+                   "[kiln::" + name + "] expected a floating-point grad_output, got " +
+                       std::string(dtype_name(grad.dtype())) + ".");
+        KILN_CHECK(static_cast<int64_t>(pad.size()) == 2 * k, ValueError,
+                   "[kiln::" + name + "] padding size is expected to be " + std::to_string(2 * k) + ", but got: " +
+                       std::to_string(pad.size()) + ".");
+        const int64_t nd = static_cast<int64_t>(in.size());
+        KILN_CHECK(nd == k + 1 || nd == k + 2, ShapeError,
+                   "[kiln::" + name + "] expected an input_size of " + std::to_string(k + 1) + " or " +
+                       std::to_string(k + 2) + " dims, got " + list_str(in) + ".");
+        detail::check_sizes_nonnegative(in, name);
+        std::vector<int64_t> expected = in.vec();
+        for (int64_t i = 0; i < k; ++i) {
+          const int64_t d = nd - 1 - i, n = in[d], l = pad[2 * i], r = pad[2 * i + 1];
+          KILN_CHECK(n > 0 && (!reflect || (l < n && r < n)) && n + l + r >= 1, ValueError,
+                     "[kiln::" + name + "] padding (" + std::to_string(l) + ", " + std::to_string(r) +
+                         ") is invalid for dimension " + std::to_string(d) + " of size " + std::to_string(n) + ".");
+          expected[d] = n + l + r;
+        }
+        KILN_CHECK(grad.sizes() == IntArrayRef(expected), ShapeError,
+                   "[kiln::" + name + "] grad_output of shape " + list_str(grad.sizes()) +
+                       " does not match the padded input's shape " + list_str(expected) + ".");
+        return {TensorMeta{in.vec(), {}, grad.dtype(), grad.device()}};
+      },
+      .derivative = {.formula = "grad_output: " + forward_name + "(grad, padding)",
+                     .fn = [forward](const BackwardContext& c) -> TensorList {
+                       return {call_op1(*forward, {c.grad()}, {c.attrs[1]})};
+                     }},
+      .lowering = "extern",
   };
 }
 
@@ -175,6 +265,13 @@ const OpDef* const kReflectionPad[3] = {&register_op(mode_pad_def("reflection_pa
 const OpDef* const kReplicationPad[3] = {&register_op(mode_pad_def("replication_pad1d", 1, false)),
                                          &register_op(mode_pad_def("replication_pad2d", 2, false)),
                                          &register_op(mode_pad_def("replication_pad3d", 3, false))};
+[[maybe_unused]] const OpDef* const kModePadBackward[6] = {
+    &register_op(mode_pad_backward_def("reflection_pad1d", 1, true)),
+    &register_op(mode_pad_backward_def("reflection_pad2d", 2, true)),
+    &register_op(mode_pad_backward_def("reflection_pad3d", 3, true)),
+    &register_op(mode_pad_backward_def("replication_pad1d", 1, false)),
+    &register_op(mode_pad_backward_def("replication_pad2d", 2, false)),
+    &register_op(mode_pad_backward_def("replication_pad3d", 3, false))};
 
 }  // namespace
 

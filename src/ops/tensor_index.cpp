@@ -26,6 +26,7 @@ struct Sliced {
   Tensor view;
   std::vector<Tensor> tensor_indices;
   bool has_tensor = false;
+  bool sliced = false;  // a basic index changed the view (otherwise it covers self as is)
 };
 
 Sliced apply_slicing(const Tensor& self, const std::vector<TensorIndex>& indices) {
@@ -112,7 +113,8 @@ Sliced apply_slicing(const Tensor& self, const std::vector<TensorIndex>& indices
       }
     }
   }
-  s.view = result.same(self) ? view(self, self.sizes()) : result;
+  s.sliced = !result.same(self);
+  s.view = s.sliced ? result : view(self, self.sizes());
   return s;
 }
 
@@ -137,23 +139,27 @@ Tensor Tensor::index(const std::vector<TensorIndex>& indices) const {
   return kiln::index(s.view, s.tensor_indices);
 }
 
+// Writes go into self itself when no basic index narrowed it, so that autograd records them on
+// self (an in-place op on a view does not reach its base's history).
 Tensor& Tensor::index_put_(const std::vector<TensorIndex>& indices, const Tensor& value) {
   Sliced s = apply_slicing(*this, indices);
+  Tensor& target = s.sliced ? s.view : *this;
   Tensor v = strip_leading_ones(value);
   if (!s.has_tensor) {
-    s.view.copy_(v);
+    target.copy_(v);
   } else {
-    detail::index_put_inplace(s.view, s.tensor_indices, v, false);
+    detail::index_put_inplace(target, s.tensor_indices, v, false);
   }
   return *this;
 }
 
 Tensor& Tensor::index_put_(const std::vector<TensorIndex>& indices, Scalar value) {
   Sliced s = apply_slicing(*this, indices);
+  Tensor& target = s.sliced ? s.view : *this;
   if (!s.has_tensor) {
-    s.view.fill_(value);
+    target.fill_(value);
   } else {
-    detail::index_put_inplace(s.view, s.tensor_indices, detail::wrap_scalar(value, dtype(), device()), false);
+    detail::index_put_inplace(target, s.tensor_indices, detail::wrap_scalar(value, dtype(), device()), false);
   }
   return *this;
 }

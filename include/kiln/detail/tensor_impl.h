@@ -43,8 +43,13 @@ struct Storage {
   }
 };
 
-// Allocates `nbytes` on `device` (64-byte aligned on the CPU). Throws on failure.
+// Allocates `nbytes` on `device` (64-byte aligned on the CPU). Throws on failure. CPU blocks of
+// 64 KiB and more come from a cache of freed blocks (see allocator.cpp; disable with
+// KILN_CPU_CACHING_ALLOCATOR=0).
 std::shared_ptr<Storage> allocate_storage(int64_t nbytes, Device device);
+// Frees the cached CPU blocks / reports their total size.
+void empty_cpu_cache();
+int64_t cpu_cached_bytes();
 
 struct TensorImpl {
   std::shared_ptr<Storage> storage;

@@ -17,9 +17,9 @@ class NonDynamicallyQuantizableLinear : public Linear {
 
 struct MultiheadAttentionOptions {
   int64_t embed_dim = 0;
-  int64_t num_heads = 0;  // must divide embed_dim
-  double dropout = 0.0;   // on the attention weights, in training mode
-  bool bias = true;       // in_proj_bias and out_proj.bias
+  int64_t num_heads = 0;        // must divide embed_dim
+  double dropout = 0.0;         // on the attention weights, in training mode
+  bool bias = true;             // in_proj_bias and out_proj.bias
   std::optional<int64_t> kdim;  // key features (default embed_dim)
   std::optional<int64_t> vdim;  // value features (default embed_dim)
   bool batch_first = false;     // (N, L, E) instead of (L, N, E)
@@ -46,18 +46,18 @@ class MultiheadAttention : public Module {
   //    attn_mask is not given (PyTorch requires it).
   // Weights are returned after dropout, as in PyTorch.
   std::tuple<Tensor, Tensor> forward(const Tensor& query, const Tensor& key, const Tensor& value,
-                                     const Tensor& key_padding_mask = Tensor(), bool need_weights = true,
-                                     const Tensor& attn_mask = Tensor(), bool average_attn_weights = true,
-                                     bool is_causal = false);
+                                     const Tensor& key_padding_mask = Tensor(),
+                                     bool need_weights = true, const Tensor& attn_mask = Tensor(),
+                                     bool average_attn_weights = true, bool is_causal = false);
   // Self-attention output only: forward(x, x, x, {}, false) (a Kiln convenience).
   Tensor forward(const Tensor& input) override;
   void reset_parameters();
 
   MultiheadAttentionOptions options;
   int64_t head_dim;
-  Tensor in_proj_weight;                              // undefined when kdim/vdim differ
+  Tensor in_proj_weight;                               // undefined when kdim/vdim differ
   Tensor q_proj_weight, k_proj_weight, v_proj_weight;  // defined only when kdim/vdim differ
-  Tensor in_proj_bias;                                // undefined without bias
+  Tensor in_proj_bias;                                 // undefined without bias
   std::shared_ptr<NonDynamicallyQuantizableLinear> out_proj;
 };
 

@@ -32,8 +32,9 @@ class ChildIterator {
 class Sequential : public Module {
  public:
   Sequential() = default;
-  template <class... Ms,
-            std::enable_if_t<(sizeof...(Ms) > 0) && (std::is_base_of_v<Module, Ms> && ...), int> = 0>
+  template <
+      class... Ms,
+      std::enable_if_t<(sizeof...(Ms) > 0) && (std::is_base_of_v<Module, Ms> && ...), int> = 0>
   explicit Sequential(std::shared_ptr<Ms>... modules) {
     (push_back(std::move(modules)), ...);
   }
@@ -43,7 +44,8 @@ class Sequential : public Module {
   Tensor forward(const Tensor& input) override;
 
   // Appends a module named by its position.
-  template <class M> std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
+  template <class M>
+  std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
     return register_module(std::to_string(size()), std::move(module));
   }
   void extend(const std::vector<ModulePtr>& modules);
@@ -52,7 +54,8 @@ class Sequential : public Module {
   // Negative indices count from the end; IndexError when out of range.
   ModulePtr operator[](int64_t index) const;
   // The child at `index` as M (ValueError when it is another type).
-  template <class M> std::shared_ptr<M> at(int64_t index) const {
+  template <class M>
+  std::shared_ptr<M> at(int64_t index) const {
     auto m = std::dynamic_pointer_cast<M>((*this)[index]);
     if (!m) throw_wrong_type(index);
     return m;
@@ -70,14 +73,16 @@ class ModuleList : public Module {
   ModuleList() = default;
   explicit ModuleList(const std::vector<ModulePtr>& modules);
 
-  template <class M> std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
+  template <class M>
+  std::shared_ptr<M> push_back(std::shared_ptr<M> module) {
     return register_module(std::to_string(size()), std::move(module));
   }
   void extend(const std::vector<ModulePtr>& modules);
   size_t size() const { return child_slots().size(); }
   bool empty() const { return size() == 0; }
   ModulePtr operator[](int64_t index) const;
-  template <class M> std::shared_ptr<M> at(int64_t index) const {
+  template <class M>
+  std::shared_ptr<M> at(int64_t index) const {
     auto m = std::dynamic_pointer_cast<M>((*this)[index]);
     if (!m) throw_wrong_type(index);
     return m;
@@ -99,7 +104,8 @@ class ModuleDict : public Module {
   explicit ModuleDict(const NamedModules& modules);
 
   // Adds or replaces (keeping its position) the module under `key`.
-  template <class M> std::shared_ptr<M> insert(const std::string& key, std::shared_ptr<M> module) {
+  template <class M>
+  std::shared_ptr<M> insert(const std::string& key, std::shared_ptr<M> module) {
     return register_module(key, std::move(module));
   }
   void update(const NamedModules& modules);
@@ -108,7 +114,8 @@ class ModuleDict : public Module {
   bool contains(const std::string& key) const;
   // IndexError naming the key when absent.
   ModulePtr operator[](const std::string& key) const;
-  template <class M> std::shared_ptr<M> at(const std::string& key) const {
+  template <class M>
+  std::shared_ptr<M> at(const std::string& key) const {
     auto m = std::dynamic_pointer_cast<M>((*this)[key]);
     if (!m) throw_wrong_type(key);
     return m;

@@ -35,7 +35,8 @@ class Conv2dPadding {
  public:
   Conv2dPadding(int64_t v) : size_(v) {}  // NOLINT: implicit on purpose
   Conv2dPadding(int64_t h, int64_t w) : size_(h, w) {}
-  template <class String, std::enable_if_t<std::is_convertible_v<const String&, std::string_view>, int> = 0>
+  template <class String,
+            std::enable_if_t<std::is_convertible_v<const String&, std::string_view>, int> = 0>
   Conv2dPadding(const String& mode) : size_(0), mode_(std::string_view(mode)) {}  // NOLINT
   bool is_mode() const { return !mode_.empty(); }
   const std::string& mode() const { return mode_; }  // "same", "valid", or "" for sizes
@@ -65,8 +66,9 @@ struct Conv2dOptions {
 class Conv2d : public Module {
  public:
   explicit Conv2d(const Conv2dOptions& options);
-  Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Size2 stride = 1, Conv2dPadding padding = 0,
-         Size2 dilation = 1, int64_t groups = 1, bool bias = true, std::string padding_mode = "zeros");
+  Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size, Size2 stride = 1,
+         Conv2dPadding padding = 0, Size2 dilation = 1, int64_t groups = 1, bool bias = true,
+         std::string padding_mode = "zeros");
   Tensor forward(const Tensor& input) override;
   std::string extra_repr() const override;
   void reset_parameters();
@@ -90,7 +92,8 @@ struct MaxPool2dOptions {
 class MaxPool2d : public Module {
  public:
   explicit MaxPool2d(const MaxPool2dOptions& options);
-  MaxPool2d(Size2 kernel_size, std::optional<Size2> stride = std::nullopt, Size2 padding = 0, Size2 dilation = 1);
+  MaxPool2d(Size2 kernel_size, std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+            Size2 dilation = 1);
   Tensor forward(const Tensor& input) override;
   // (output, indices into each flattened H * W plane), PyTorch's return_indices=True.
   std::tuple<Tensor, Tensor> forward_with_indices(const Tensor& input);

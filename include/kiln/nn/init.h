@@ -43,6 +43,7 @@ Tensor kaiming_uniform_(Tensor tensor, double a = 0.0, const std::string& mode =
 Tensor kaiming_normal_(Tensor tensor, double a = 0.0, const std::string& mode = "fan_in",
                        const std::string& nonlinearity = "leaky_relu");
 // N(mean, std^2) truncated to [a, b] (inverse-CDF sampling, like PyTorch's).
-Tensor trunc_normal_(Tensor tensor, double mean = 0.0, double std = 1.0, double a = -2.0, double b = 2.0);
+Tensor trunc_normal_(Tensor tensor, double mean = 0.0, double std = 1.0, double a = -2.0,
+                     double b = 2.0);
 
 }  // namespace kiln::nn::init

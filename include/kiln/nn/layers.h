@@ -45,10 +45,12 @@ struct EmbeddingOptions {
 class Embedding : public Module {
  public:
   explicit Embedding(const EmbeddingOptions& options);
-  Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx = std::nullopt);
+  Embedding(int64_t num_embeddings, int64_t embedding_dim,
+            std::optional<int64_t> padding_idx = std::nullopt);
   // An Embedding holding `embeddings` (2-D; shared, not copied); freeze: requires_grad = false.
-  static std::shared_ptr<Embedding> from_pretrained(const Tensor& embeddings, bool freeze = true,
-                                                    std::optional<int64_t> padding_idx = std::nullopt);
+  static std::shared_ptr<Embedding> from_pretrained(
+      const Tensor& embeddings, bool freeze = true,
+      std::optional<int64_t> padding_idx = std::nullopt);
   Tensor forward(const Tensor& input) override;
   std::string extra_repr() const override;
   void reset_parameters();

@@ -71,7 +71,8 @@ class Module : public std::enable_shared_from_this<Module> {
   // Registers (or replaces, keeping its position) a submodule; null registers an absent one.
   template <class M>
   std::shared_ptr<M> register_module(std::string name, std::shared_ptr<M> module) {
-    static_assert(std::is_base_of_v<Module, M>, "register_module: M must derive from kiln::nn::Module");
+    static_assert(std::is_base_of_v<Module, M>,
+                  "register_module: M must derive from kiln::nn::Module");
     register_module_impl(std::move(name), module);
     return module;
   }
@@ -95,8 +96,14 @@ class Module : public std::enable_shared_from_this<Module> {
   ModulePtr get_submodule(const std::string& target) const;
 
   // Downcast: `if (auto* conv = m.as<nn::Conv2d>()) ...` (null when the type differs).
-  template <class M> M* as() { return dynamic_cast<M*>(this); }
-  template <class M> const M* as() const { return dynamic_cast<const M*>(this); }
+  template <class M>
+  M* as() {
+    return dynamic_cast<M*>(this);
+  }
+  template <class M>
+  const M* as() const {
+    return dynamic_cast<const M*>(this);
+  }
 
   // ---- mode ----
   // Sets the training flag of this module and every descendant (Dropout and BatchNorm read it).
@@ -164,7 +171,8 @@ class Module : public std::enable_shared_from_this<Module> {
   void register_module_impl(std::string name, ModulePtr module);
   void check_new_name(const std::string& name, const char* kind, const char* caller) const;
   void append_state(const std::string& prefix, NamedTensors& out) const;
-  void collect_state_slots(const std::string& prefix, std::vector<std::pair<std::string, Tensor*>>& out);
+  void collect_state_slots(const std::string& prefix,
+                           std::vector<std::pair<std::string, Tensor*>>& out);
   void convert(std::optional<Device> device, std::optional<DType> dtype);
   ModulePtr self_ptr() const;
 
@@ -179,8 +187,11 @@ class Module : public std::enable_shared_from_this<Module> {
 std::ostream& operator<<(std::ostream& os, const Module& module);
 
 // Helpers for extra_repr(), which prints values the way Python does:
-// python_float_repr(1e-5) == "1e-05", python_float_repr(1.0) == "1.0"; python_bool_repr -> "True"/"False".
+// python_float_repr(1e-5) == "1e-05", python_float_repr(1.0) == "1.0"; python_bool_repr ->
+// "True"/"False".
 std::string python_float_repr(double v);
-inline const char* python_bool_repr(bool b) { return b ? "True" : "False"; }
+inline const char* python_bool_repr(bool b) {
+  return b ? "True" : "False";
+}
 
 }  // namespace kiln::nn

@@ -32,7 +32,7 @@ class BatchNormBase : public Module {
   void reset_parameters();
 
   BatchNormOptions options;
-  Tensor weight, bias;                                     // undefined without affine
+  Tensor weight, bias;                                    // undefined without affine
   Tensor running_mean, running_var, num_batches_tracked;  // undefined without track_running_stats
 
  protected:
@@ -43,8 +43,9 @@ class BatchNormBase : public Module {
 class BatchNorm1d : public BatchNormBase {
  public:
   explicit BatchNorm1d(const BatchNormOptions& options) : BatchNormBase(options) {}
-  explicit BatchNorm1d(int64_t num_features, double eps = 1e-5, std::optional<double> momentum = 0.1,
-                       bool affine = true, bool track_running_stats = true)
+  explicit BatchNorm1d(int64_t num_features, double eps = 1e-5,
+                       std::optional<double> momentum = 0.1, bool affine = true,
+                       bool track_running_stats = true)
       : BatchNormBase({num_features, eps, momentum, affine, track_running_stats}) {}
 
  protected:
@@ -55,8 +56,9 @@ class BatchNorm1d : public BatchNormBase {
 class BatchNorm2d : public BatchNormBase {
  public:
   explicit BatchNorm2d(const BatchNormOptions& options) : BatchNormBase(options) {}
-  explicit BatchNorm2d(int64_t num_features, double eps = 1e-5, std::optional<double> momentum = 0.1,
-                       bool affine = true, bool track_running_stats = true)
+  explicit BatchNorm2d(int64_t num_features, double eps = 1e-5,
+                       std::optional<double> momentum = 0.1, bool affine = true,
+                       bool track_running_stats = true)
       : BatchNormBase({num_features, eps, momentum, affine, track_running_stats}) {}
 
  protected:
@@ -73,9 +75,10 @@ struct LayerNormOptions {
 class LayerNorm : public Module {
  public:
   explicit LayerNorm(const LayerNormOptions& options);
-  explicit LayerNorm(std::vector<int64_t> normalized_shape, double eps = 1e-5, bool elementwise_affine = true,
+  explicit LayerNorm(std::vector<int64_t> normalized_shape, double eps = 1e-5,
+                     bool elementwise_affine = true, bool bias = true);
+  explicit LayerNorm(int64_t normalized_size, double eps = 1e-5, bool elementwise_affine = true,
                      bool bias = true);
-  explicit LayerNorm(int64_t normalized_size, double eps = 1e-5, bool elementwise_affine = true, bool bias = true);
   Tensor forward(const Tensor& input) override;
   std::string extra_repr() const override;
   void reset_parameters();

@@ -18,6 +18,10 @@
 
 namespace kiln::cpu {
 
+// Defined in index_backward_kernels.cpp.
+void accumulate_rows(Tensor& out, const Tensor& values, int64_t dim, const Tensor& idx, bool zero_init,
+                     int64_t skip, bool scale_by_freq);
+
 namespace {
 
 constexpr int64_t kCopyGrainBytes = 1 << 16;
@@ -459,6 +463,12 @@ void put_rows(Tensor& out, int64_t dim, const Tensor& idx, const Tensor& values,
       }
     });
   };
+  if (accumulate && is_floating_point(out.dtype())) {
+    // Bucketed by target row: parallel over rows however few outer rows there are (the
+    // embedding / index backward pattern, outer == 1).
+    accumulate_rows(out, values, dim, idx, /*zero_init=*/false, /*skip=*/-1, /*scale_by_freq=*/false);
+    return;
+  }
   if (accumulate) {
     KILN_DISPATCH_ALL(out.dtype(), "index_put", [&] {
       using T = scalar_t;
@@ -476,10 +486,10 @@ void put_rows(Tensor& out, int64_t dim, const Tensor& idx, const Tensor& values,
 
 void index_put_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& self = call.input(0);
-  const Tensor& values = call.inputs.back();
+  const Tensor& values = call.input(1);  // inputs: self, values, indices...
   const bool accumulate = call.bool_attr(0);
   Tensor& out = outs[0];
-  IndexPlan plan = plan_index(self, call.inputs.subspan(1, call.inputs.size() - 2), "index_put");
+  IndexPlan plan = plan_index(self, call.inputs.subspan(2), "index_put");
   if (!out.same(self)) out.copy_(self);
   const char* vbase = static_cast<const char*>(values.impl().data());
   char* obase = static_cast<char*>(out.impl().data());

@@ -305,7 +305,7 @@ inline constexpr int64_t kChunk = 4096;   // elements per leaf (per output)
 inline constexpr int64_t kLeafRows = 64;  // rows per leaf (vertical)
 
 template <class A> constexpr int64_t lanes() { return sizeof(A) >= 4 ? 128 / sizeof(A) : 64; }
-template <class A> constexpr int64_t block() { return sizeof(A) >= 8 ? 32 : 64; }
+template <class A> constexpr int64_t block() { return std::max<int64_t>(64, 1024 / sizeof(A)); }
 
 // n contiguous elements: lanes<A>() accumulators, four groups of them in the main loop so that
 // ops with long dependency chains (the NaN-propagating max) keep enough loads in flight; the lanes

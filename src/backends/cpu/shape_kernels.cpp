@@ -1,4 +1,4 @@
-// CPU kernels for cat and the padding ops.
+// CPU kernels for cat, the padding ops and the mode pads' backward ops.
 //
 // cat writes each input into its slice of the output. When the output and an input are
 // contiguous and share a dtype, the slice is one block of bytes per outer row: those blocks are
@@ -197,6 +197,85 @@ void mode_pad_kernel(const OpCall& call, std::span<Tensor> outs, bool reflect) {
   if (!out.same(result)) result.copy_(out);
 }
 
+// {reflection,replication}_pad{k}d_backward. Each output position of the forward copied one
+// input position (per padded dim: map[j]), so each input row of the gradient gathers the
+// grad_output rows that map to it (an inverse map per outer padded dim) and, along the last dim,
+// adds grad_output[j] into acc[map[j]]. Threads own input rows: no races, no atomics; every
+// grad_output element is read once; sums run in a fixed order, in opmath precision.
+template <class T>
+void mode_pad_backward_typed(const Tensor& go, Tensor& gi, const std::vector<std::vector<int64_t>>& maps) {
+  using acc_t = opmath_t<T>;
+  const int64_t ndim = gi.dim();
+  const int64_t k = static_cast<int64_t>(maps.size());
+  const int64_t nb = ndim - k;
+  // Inverse maps (CSR) of the padded dims: input index i -> the output indices copied from it.
+  std::vector<std::vector<int64_t>> inv_start(k), inv(k);
+  for (int64_t p = 0; p < k; ++p) {
+    const int64_t in = gi.sizes()[nb + p];
+    inv_start[p].assign(static_cast<size_t>(in + 1), 0);
+    for (int64_t src : maps[p]) ++inv_start[p][src + 1];
+    for (int64_t i = 0; i < in; ++i) inv_start[p][i + 1] += inv_start[p][i];
+    inv[p].resize(maps[p].size());
+    std::vector<int64_t> fill(inv_start[p].begin(), inv_start[p].end() - 1);
+    for (int64_t j = 0; j < static_cast<int64_t>(maps[p].size()); ++j) inv[p][fill[maps[p][j]]++] = j;
+  }
+  const int64_t w_in = gi.sizes()[ndim - 1];
+  const int64_t w_out = go.sizes()[ndim - 1];
+  const int64_t go_last = go.strides()[ndim - 1];
+  const std::vector<int64_t>& last_map = maps[k - 1];
+  const int64_t rows = gi.numel() / std::max<int64_t>(w_in, 1);
+  const T* src = static_cast<const T*>(go.impl().data());
+  T* dst = static_cast<T*>(gi.impl().data());
+  const int64_t per_row = std::max<int64_t>(1, go.numel() / std::max<int64_t>(rows, 1));
+  parallel_for(rows, std::max<int64_t>(1, kGrainSize / per_row), [&](int64_t b, int64_t e) {
+    std::vector<acc_t> acc(static_cast<size_t>(w_in));
+    std::vector<int64_t> coord(static_cast<size_t>(ndim - 1));
+    std::vector<int64_t> bases, next;
+    for (int64_t row = b; row < e; ++row) {
+      int64_t rem = row;
+      for (int64_t d = ndim - 2; d >= 0; --d) {
+        coord[d] = rem % gi.sizes()[d];
+        rem /= gi.sizes()[d];
+      }
+      // grad_output offsets of the rows that map to this input row.
+      int64_t base = 0;
+      for (int64_t d = 0; d < nb; ++d) base += coord[d] * go.strides()[d];
+      bases.assign(1, base);
+      for (int64_t p = 0; p + 1 < k; ++p) {
+        const int64_t d = nb + p, i = coord[d];
+        next.clear();
+        for (int64_t bo : bases)
+          for (int64_t q = inv_start[p][i]; q < inv_start[p][i + 1]; ++q) next.push_back(bo + inv[p][q] * go.strides()[d]);
+        bases.swap(next);
+      }
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t bo : bases) {
+        const T* s = src + bo;
+        for (int64_t j = 0; j < w_out; ++j) acc[last_map[j]] += static_cast<acc_t>(s[j * go_last]);
+      }
+      T* o = dst + row * w_in;
+      for (int64_t i = 0; i < w_in; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+void mode_pad_backward_kernel(const OpCall& call, std::span<Tensor> outs, bool reflect) {
+  Tensor& result = outs[0];
+  const Tensor& go = call.input(0);
+  IntArrayRef in_sizes = call.ints_attr(0), pad = call.ints_attr(1);
+  if (result.numel() == 0) return;
+  const int64_t k = static_cast<int64_t>(pad.size()) / 2;
+  const int64_t nd = static_cast<int64_t>(in_sizes.size());
+  std::vector<std::vector<int64_t>> maps(k);  // in dim order (outermost padded dim first)
+  for (int64_t i = 0; i < k; ++i) {
+    int64_t d = nd - 1 - i;
+    maps[k - 1 - i] = pad_source_index(in_sizes[d], pad[2 * i], pad[2 * i + 1], reflect);
+  }
+  Tensor gi = result.is_contiguous() ? result : detail::make_empty(result.sizes().vec(), result.dtype(), result.device());
+  KILN_DISPATCH_FLOATING(go.dtype(), call.name().c_str(), [&] { mode_pad_backward_typed<scalar_t>(go, gi, maps); });
+  if (!gi.same(result)) result.copy_(gi);
+}
+
 [[maybe_unused]] const bool registered = [] {
   register_kernel("cat", DeviceType::cpu, cat_kernel);
   register_kernel("constant_pad_nd", DeviceType::cpu, constant_pad_kernel);
@@ -204,6 +283,12 @@ void mode_pad_kernel(const OpCall& call, std::span<Tensor> outs, bool reflect) {
     register_kernel(name, DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) { mode_pad_kernel(c, o, true); });
   for (const char* name : {"replication_pad1d", "replication_pad2d", "replication_pad3d"})
     register_kernel(name, DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) { mode_pad_kernel(c, o, false); });
+  for (const char* name : {"reflection_pad1d_backward", "reflection_pad2d_backward", "reflection_pad3d_backward"})
+    register_kernel(name, DeviceType::cpu,
+                    [](const OpCall& c, std::span<Tensor> o) { mode_pad_backward_kernel(c, o, true); });
+  for (const char* name : {"replication_pad1d_backward", "replication_pad2d_backward", "replication_pad3d_backward"})
+    register_kernel(name, DeviceType::cpu,
+                    [](const OpCall& c, std::span<Tensor> o) { mode_pad_backward_kernel(c, o, false); });
   return true;
 }();
 
