@@ -6,6 +6,7 @@
 #include "kiln/dtype.h"
 #include "kiln/error.h"
 #include "kiln/io.h"
+#include "kiln/models.h"
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/optim.h"

@@ -5,6 +5,11 @@
 // wrapped scalars included). Host scalars become 0-dim "wrapped numbers": floating ones are
 // wrapped as float64 so that a float64 tensor sees the exact value; promotion still treats them
 // as the default float dtype.
+//
+// Derivatives follow PyTorch's derivatives.yaml, written in Kiln ops so that a create_graph
+// backward records them. Comparison, logical and bitwise ops have none: their outputs are bool
+// or integer, which autograd never differentiates.
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -58,9 +63,9 @@ MetaFn binary_meta(DTypeRule rule) {
   };
 }
 
-OpDef binary_def(const char* name, const char* schema, DTypeRule rule) {
+OpDef binary_def(const char* name, const char* schema, DTypeRule rule, Derivative derivative = {}) {
   return OpDef{.name = name, .schema = schema, .meta = binary_meta(rule), .pointwise = true,
-               .lowering = "pointwise"};
+               .derivative = std::move(derivative), .lowering = "pointwise"};
 }
 
 DType keep(const OpCall&, DType common) { return common; }
@@ -140,19 +145,152 @@ DType shift_rule(const OpCall& c, DType common) {
   return common;
 }
 
+// ---- derivatives ----
+
+bool is_wrapped(const Tensor& t) { return t.defined() && t.impl().is_wrapped_number; }
+
+// grad * alpha (or * -alpha), skipping the multiply for alpha == 1.
+Tensor times_alpha(const Tensor& grad, const BackwardContext& c, bool negate) {
+  Scalar alpha = c.has_attr(0) ? c.scalar_attr(0) : Scalar(1);
+  if (alpha.to_double() == 1.0) return negate ? neg(grad) : grad;
+  if (!negate) return mul(grad, alpha);
+  return mul(grad, alpha.is_floating_point() ? Scalar(-alpha.to_double()) : Scalar(-alpha.to_int()));
+}
+
+Derivative add_derivative() {
+  return {.formula = "self: grad; other: grad * alpha",
+          .fn = [](const BackwardContext& c) -> TensorList {
+            return {c.grad(), c.needs_grad(1) ? times_alpha(c.grad(), c, false) : Tensor()};
+          }};
+}
+
+Derivative sub_derivative() {
+  return {.formula = "self: grad; other: -grad * alpha",
+          .fn = [](const BackwardContext& c) -> TensorList {
+            return {c.grad(), c.needs_grad(1) ? times_alpha(c.grad(), c, true) : Tensor()};
+          }};
+}
+
+Derivative mul_derivative() {
+  return {.formula = "self: grad * other; other: grad * self",
+          .save_inputs = {0, 1},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            const Tensor &self = c.input(0), &other = c.input(1);
+            return {c.needs_grad(0) ? c.grad() * other : Tensor(), c.needs_grad(1) ? c.grad() * self : Tensor()};
+          }};
+}
+
+// True division only; with a rounding mode the result is piecewise constant (zero gradient).
+Derivative div_derivative() {
+  return {.formula = "self: grad / other; other: -grad * ((self / other) / other)  (rounding_mode: zeros)",
+          .save_inputs = {0, 1},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            if (c.has_attr(0)) {
+              TensorList zero(2);
+              for (size_t i = 0; i < 2; ++i)
+                if (c.needs_grad(i)) zero[i] = zeros_like(c.grad());
+              return zero;
+            }
+            const Tensor &self = c.input(0), &other = c.input(1);
+            return {c.needs_grad(0) ? c.grad() / other : Tensor(),
+                    c.needs_grad(1) ? neg(c.grad()) * ((self / other) / other) : Tensor()};
+          }};
+}
+
+// pow_backward_self: where(exponent == 0, 0, grad * exponent * self^(exponent - 1)), with a host
+// exponent for wrapped scalars; pow_backward_exponent: grad * result * log(self), zero where
+// self == 0 and exponent >= 0 (PyTorch's convention, avoiding 0 * -inf).
+Tensor pow_backward_self(const Tensor& grad, const Tensor& self, const Tensor& exponent) {
+  if (is_wrapped(exponent)) {
+    double e = exponent.item().to_double();
+    if (e == 0.0) return zeros_like(grad);
+    return grad * (e * pow(self, e - 1.0));
+  }
+  return where(eq(exponent, 0), 0, grad * (exponent * pow(self, exponent - 1)));
+}
+
+Tensor pow_backward_exponent(const Tensor& grad, const Tensor& self, const Tensor& exponent) {
+  if (is_wrapped(self)) {
+    double base = self.item().to_double();
+    Tensor result = pow(self, exponent);
+    if (base == 0.0) return grad * where(ge(exponent, 0), 0, result * std::log(base));
+    return grad * (result * std::log(base));
+  }
+  DType promoted = result_type({self, exponent});
+  Tensor base = self.dtype() == promoted ? self : self.to(promoted);
+  Tensor result = pow(base, exponent);
+  return grad * where(logical_and(eq(base, 0), ge(exponent, 0)), 0, result * log(base));
+}
+
+Derivative pow_derivative() {
+  return {.formula = "self: where(exponent == 0, 0, grad * exponent * self.pow(exponent - 1)); "
+                     "exponent: grad * where(self == 0 & exponent >= 0, 0, result * self.log())",
+          .save_inputs = {0, 1},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            const Tensor &self = c.input(0), &exponent = c.input(1);
+            return {c.needs_grad(0) ? pow_backward_self(c.grad(), self, exponent) : Tensor(),
+                    c.needs_grad(1) ? pow_backward_exponent(c.grad(), self, exponent) : Tensor()};
+          }};
+}
+
+Derivative remainder_derivative() {
+  return {.formula = "self: grad; other: -grad * floor_divide(self, other)",
+          .save_inputs = {0, 1},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            return {c.grad(), c.needs_grad(1) ? neg(c.grad()) * div(c.input(0), c.input(1), "floor") : Tensor()};
+          }};
+}
+
+// maximum/minimum: ties split the gradient in half between the operands (PyTorch's convention).
+// `self_loses` is self < other for maximum, self > other for minimum.
+Derivative max_min_derivative(bool is_max) {
+  return {.formula = is_max ? "self: where(self == other, grad / 2, grad).masked_fill(self < other, 0); "
+                              "other: where(self == other, grad / 2, grad).masked_fill(self > other, 0)"
+                            : "self: where(self == other, grad / 2, grad).masked_fill(self > other, 0); "
+                              "other: where(self == other, grad / 2, grad).masked_fill(self < other, 0)",
+          .save_inputs = {0, 1},
+          .fn = [is_max](const BackwardContext& c) -> TensorList {
+            const Tensor &self = c.input(0), &other = c.input(1);
+            Tensor shared = where(eq(self, other), c.grad() / 2, c.grad());
+            Tensor self_lt = lt(self, other), self_gt = gt(self, other);
+            const Tensor& self_loses = is_max ? self_lt : self_gt;
+            const Tensor& other_loses = is_max ? self_gt : self_lt;
+            return {c.needs_grad(0) ? masked_fill(shared, self_loses, 0) : Tensor(),
+                    c.needs_grad(1) ? masked_fill(shared, other_loses, 0) : Tensor()};
+          }};
+}
+
+Derivative atan2_derivative() {
+  return {.formula = "self: grad * other / (self^2 + other^2); other: grad * -self / (self^2 + other^2)",
+          .save_inputs = {0, 1},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            const Tensor &self = c.input(0), &other = c.input(1);
+            Tensor recip = reciprocal(self * self + other * other);
+            return {c.needs_grad(0) ? c.grad() * other * recip : Tensor(),
+                    c.needs_grad(1) ? c.grad() * neg(self) * recip : Tensor()};
+          }};
+}
+
 const OpDef& kAdd = register_op(
-    binary_def("add", "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", add_rule));
+    binary_def("add", "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", add_rule, add_derivative()));
 const OpDef& kSub = register_op(
-    binary_def("sub", "sub(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", sub_rule));
-const OpDef& kMul = register_op(binary_def("mul", "mul(Tensor self, Tensor other) -> Tensor", keep));
+    binary_def("sub", "sub(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", sub_rule, sub_derivative()));
+const OpDef& kMul =
+    register_op(binary_def("mul", "mul(Tensor self, Tensor other) -> Tensor", keep, mul_derivative()));
 const OpDef& kDiv = register_op(
-    binary_def("div", "div(Tensor self, Tensor other, *, str? rounding_mode=None) -> Tensor", div_rule));
-const OpDef& kPow = register_op(binary_def("pow", "pow(Tensor self, Tensor exponent) -> Tensor", pow_rule));
+    binary_def("div", "div(Tensor self, Tensor other, *, str? rounding_mode=None) -> Tensor", div_rule,
+               div_derivative()));
+const OpDef& kPow =
+    register_op(binary_def("pow", "pow(Tensor self, Tensor exponent) -> Tensor", pow_rule, pow_derivative()));
 const OpDef& kRemainder =
-    register_op(binary_def("remainder", "remainder(Tensor self, Tensor other) -> Tensor", no_bool_rule));
-const OpDef& kMaximum = register_op(binary_def("maximum", "maximum(Tensor self, Tensor other) -> Tensor", keep));
-const OpDef& kMinimum = register_op(binary_def("minimum", "minimum(Tensor self, Tensor other) -> Tensor", keep));
-const OpDef& kAtan2 = register_op(binary_def("atan2", "atan2(Tensor self, Tensor other) -> Tensor", to_float));
+    register_op(binary_def("remainder", "remainder(Tensor self, Tensor other) -> Tensor", no_bool_rule,
+                           remainder_derivative()));
+const OpDef& kMaximum = register_op(
+    binary_def("maximum", "maximum(Tensor self, Tensor other) -> Tensor", keep, max_min_derivative(true)));
+const OpDef& kMinimum = register_op(
+    binary_def("minimum", "minimum(Tensor self, Tensor other) -> Tensor", keep, max_min_derivative(false)));
+const OpDef& kAtan2 = register_op(
+    binary_def("atan2", "atan2(Tensor self, Tensor other) -> Tensor", to_float, atan2_derivative()));
 const OpDef& kEq = register_op(binary_def("eq", "eq(Tensor self, Tensor other) -> Tensor", to_bool));
 const OpDef& kNe = register_op(binary_def("ne", "ne(Tensor self, Tensor other) -> Tensor", to_bool));
 const OpDef& kLt = register_op(binary_def("lt", "lt(Tensor self, Tensor other) -> Tensor", to_bool));

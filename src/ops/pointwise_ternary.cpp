@@ -1,6 +1,9 @@
 // Pointwise ternary ops: where, clamp, lerp, addcmul, addcdiv, masked_fill; their Tensor methods
 // and in-place forms. All broadcast their tensor operands; host scalars become 0-dim wrapped
 // numbers (floating ones as float64, promoted like Python numbers).
+//
+// Derivatives follow PyTorch's derivatives.yaml, written in Kiln ops so that a create_graph
+// backward records them. Bool inputs (where's condition, masked_fill's mask) get no gradient.
 #include <optional>
 #include <string>
 
@@ -60,8 +63,38 @@ const OpDef& kWhere = register_op(OpDef{
       return {broadcast_meta(c, detail::result_type(values))};
     },
     .pointwise = true,
+    .derivative = {.formula = "condition: none; self: where(condition, grad, 0); other: where(condition, 0, grad)",
+                   .save_inputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Tensor& cond = c.input(0);
+                     return {Tensor(), c.needs_grad(1) ? where(cond, c.grad(), 0) : Tensor(),
+                             c.needs_grad(2) ? where(cond, 0, c.grad()) : Tensor()};
+                   }},
     .lowering = "pointwise",
 });
+
+// clamp_backward and clamp_backward_min_max (PyTorch): self gets the gradient where
+// min <= self <= max; a bound gets it where it is the active one (min only while min < max, as
+// clamp returns max when min > max).
+TensorList clamp_backward(const BackwardContext& c) {
+  const Tensor &grad = c.grad(), &self = c.input(0), &min = c.input(1), &max = c.input(2);
+  TensorList result(3);
+  if (c.needs_grad(0)) {
+    Tensor keep = !min.defined() ? le(self, max)
+                  : !max.defined() ? ge(self, min)
+                                   : logical_and(ge(self, min), le(self, max));
+    result[0] = where(keep, grad, 0);
+  }
+  if (c.needs_grad(1) && min.defined()) {
+    Tensor active = max.defined() ? logical_and(lt(self, min), lt(min, max)) : lt(self, min);
+    result[1] = where(active, grad, 0);
+  }
+  if (c.needs_grad(2) && max.defined()) {
+    Tensor active = min.defined() ? logical_or(gt(self, max), lt(max, min)) : gt(self, max);
+    result[2] = where(active, grad, 0);
+  }
+  return result;
+}
 
 // clamp(self, min, max): min and max are tensors (0-dim for scalar bounds) or undefined (None).
 const OpDef& kClamp = register_op(OpDef{
@@ -76,6 +109,11 @@ const OpDef& kClamp = register_op(OpDef{
       return {broadcast_meta(c, out)};
     },
     .pointwise = true,
+    .derivative = {.formula = "self: where(min <= self <= max, grad, 0); "
+                              "min: where(self < min & min < max, grad, 0); "
+                              "max: where(self > max | max < min, grad, 0)",
+                   .save_inputs = {0, 1, 2},
+                   .fn = clamp_backward},
     .lowering = "pointwise",
 });
 
@@ -97,6 +135,19 @@ const OpDef& kLerp = register_op(OpDef{
       return {broadcast_meta(c, start.dtype())};
     },
     .pointwise = true,
+    .derivative = {.formula = "self: grad * (1 - weight); end: grad * weight; weight: grad * (end - self)",
+                   .save_inputs = {0, 1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Tensor& weight = c.input(2);
+                     if (weight.impl().is_wrapped_number) {
+                       double w = weight.item().to_double();
+                       return {c.needs_grad(0) ? mul(c.grad(), 1.0 - w) : Tensor(),
+                               c.needs_grad(1) ? mul(c.grad(), w) : Tensor()};
+                     }
+                     return {c.needs_grad(0) ? c.grad() * (1 - weight) : Tensor(),
+                             c.needs_grad(1) ? c.grad() * weight : Tensor(),
+                             c.needs_grad(2) ? c.grad() * (c.input(1) - c.input(0)) : Tensor()};
+                   }},
     .lowering = "pointwise",
 });
 
@@ -116,6 +167,13 @@ const OpDef& kAddcmul = register_op(OpDef{
     .schema = "addcmul(Tensor self, Tensor tensor1, Tensor tensor2, *, Scalar value=1) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> { return {broadcast_meta(c, addc_dtype(c))}; },
     .pointwise = true,
+    .derivative = {.formula = "self: grad; tensor1: grad * (tensor2 * value); tensor2: grad * (tensor1 * value)",
+                   .save_inputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Scalar& value = c.scalar_attr(0);
+                     return {c.grad(), c.needs_grad(1) ? c.grad() * (c.input(2) * value) : Tensor(),
+                             c.needs_grad(2) ? c.grad() * (c.input(1) * value) : Tensor()};
+                   }},
     .lowering = "pointwise",
 });
 
@@ -132,6 +190,15 @@ const OpDef& kAddcdiv = register_op(OpDef{
       return {broadcast_meta(c, addc_dtype(c))};
     },
     .pointwise = true,
+    .derivative = {.formula = "self: grad; tensor1: grad * (value / tensor2); "
+                              "tensor2: -grad * (value * tensor1 / (tensor2 * tensor2))",
+                   .save_inputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Scalar& value = c.scalar_attr(0);
+                     const Tensor &t1 = c.input(1), &t2 = c.input(2);
+                     return {c.grad(), c.needs_grad(1) ? c.grad() * (value / t2) : Tensor(),
+                             c.needs_grad(2) ? neg(c.grad()) * (value * t1 / (t2 * t2)) : Tensor()};
+                   }},
     .lowering = "pointwise",
 });
 
@@ -150,6 +217,13 @@ const OpDef& kMaskedFill = register_op(OpDef{
       return {broadcast_meta(c, x.dtype())};
     },
     .pointwise = true,
+    .derivative = {.formula = "self: grad.masked_fill(mask, 0); mask: none; value: where(mask, grad, 0).sum()",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Tensor& mask = c.input(1);
+                     return {c.needs_grad(0) ? masked_fill(c.grad(), mask, 0) : Tensor(), Tensor(),
+                             c.needs_grad(2) ? where(mask, c.grad(), 0).sum() : Tensor()};
+                   }},
     .lowering = "pointwise",
 });
 

@@ -3,6 +3,10 @@
 // Every front-end reserves the Philox counters it needs from the default generator at call time
 // and passes (seed, offset) to the op as int64 attrs, so the kernel is a pure function of
 // (seed, offset, shape, parameters). The stream is defined in kiln/math/philox.h and docs/random.md.
+//
+// Autograd, as in PyTorch: native_dropout passes grad * mask * scale to its input; samples carry
+// no gradient to their parameters (bernoulli gives zeros, like PyTorch's "self: zeros_like(grad)"),
+// and the factories' in-place forms (uniform_, normal_) cut the target's history.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +49,20 @@ double largest_finite(DType t) {
   }
 }
 
+// uniform_/normal_ on a tensor with history: the new values depend on no input.
+Derivative no_inputs_derivative() {
+  return {.formula = "non-differentiable: no tensor inputs",
+          .fn = [](const BackwardContext&) -> TensorList { return {}; }};
+}
+
+// bernoulli: a sample, not a function of p; zero gradient, as PyTorch gives.
+Derivative zero_sample_derivative() {
+  return {.formula = "self: zeros_like(grad)",
+          .fn = [](const BackwardContext& c) -> TensorList {
+            return {c.needs_grad(0) ? zeros_like(c.grad()) : Tensor()};
+          }};
+}
+
 TensorMeta factory_meta(const OpCall& c, size_t size_attr, size_t dtype_attr, const std::string& op) {
   IntArrayRef sizes = c.ints_attr(size_attr);
   detail::check_sizes_nonnegative(sizes, op);
@@ -82,6 +100,7 @@ const OpDef& kUniform = register_op({
       return {m};
     },
     .pointwise = true,
+    .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
 });
 
@@ -100,6 +119,7 @@ const OpDef& kNormal = register_op({
       return {m};
     },
     .pointwise = true,
+    .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
 });
 
@@ -142,6 +162,7 @@ const OpDef& kRandint = register_op({
       return {m};
     },
     .pointwise = true,
+    .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
 });
 
@@ -156,6 +177,7 @@ const OpDef& kBernoulli = register_op({
       return {TensorMeta{p.sizes().vec(), {}, p.dtype(), p.device()}};
     },
     .pointwise = true,
+    .derivative = zero_sample_derivative(),
     .lowering = "pointwise",
 });
 
@@ -169,6 +191,7 @@ const OpDef& kBernoulliP = register_op({
       return {TensorMeta{self.sizes().vec(), {}, self.dtype(), self.device()}};
     },
     .pointwise = true,
+    .derivative = zero_sample_derivative(),
     .lowering = "pointwise",
 });
 
@@ -187,6 +210,15 @@ const OpDef& kNativeDropout = register_op({
               TensorMeta{x.sizes().vec(), {}, DType::bool_, x.device()}};
     },
     .pointwise = true,
+    .derivative = {.formula = "input: grad * mask * (train ? (p == 1 ? 0 : 1 / (1 - p)) : 1)",
+                   .save_outputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     // The scale the forward applied (the kernel treats a missing `train` as true).
+                     bool train = !c.has_attr(1) || c.bool_attr(1);
+                     double p = c.double_attr(0);
+                     double scale = !train ? 1.0 : (p == 1.0 ? 0.0 : 1.0 / (1.0 - p));
+                     return {mul(c.grad() * c.output(1), scale)};
+                   }},
     .lowering = "decomposition",
 });
 

@@ -78,6 +78,135 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double,
                                  std::conditional_t<std::is_floating_point_v<opmath_t<T>>, float, int64_t>>;
 
 // ---------------------------------------------------------------------------------------------
+// Leaves: the innermost loops
+// ---------------------------------------------------------------------------------------------
+//
+// An op either reduces element by element (identity, map(x, param), combine) and the loops below
+// do the rest, or it sets `custom_leaves` and brings its own leaves: leaf(p, n, s) over <= kChunk
+// elements with stride s, and leaf_rows<B>(rows, nrows, jn, acc) over <= kLeafRows rows of jn <= B
+// adjacent outputs. Custom leaves let var and logsumexp make their two passes over data that is
+// still in cache and merge the leaves' results, so the input is read from memory once.
+
+template <class Op>
+concept CustomLeaves = requires { requires Op::custom_leaves; };
+
+inline constexpr int64_t kChunk = 4096;   // elements per leaf (per output)
+inline constexpr int64_t kLeafRows = 64;  // rows per leaf (vertical)
+
+template <class A> constexpr int64_t lanes() { return sizeof(A) >= 4 ? 128 / sizeof(A) : 64; }
+template <class A> constexpr int64_t block() { return std::max<int64_t>(64, 1024 / sizeof(A)); }
+
+// n contiguous elements: lanes<A>() accumulators, four groups of them in the main loop so that
+// ops with long dependency chains (the NaN-propagating max) keep enough loads in flight; the lanes
+// fold as a tree at the end.
+template <class T, class Op>
+typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename Op::acc_t prm) {
+  using A = typename Op::acc_t;
+  constexpr int64_t L = lanes<A>();
+  if (n < L) {
+    A acc = op.identity();
+    for (int64_t i = 0; i < n; ++i) acc = op.combine(acc, op.map(load<A>(p + i), prm));
+    return acc;
+  }
+  A acc[L], acc1[L], acc2[L], acc3[L];
+  for (int64_t l = 0; l < L; ++l) acc[l] = acc1[l] = acc2[l] = acc3[l] = op.identity();
+  int64_t i = 0;
+  for (; i + 4 * L <= n; i += 4 * L) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) {
+      acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
+      acc1[l] = op.combine(acc1[l], op.map(load<A>(p + i + L + l), prm));
+      acc2[l] = op.combine(acc2[l], op.map(load<A>(p + i + 2 * L + l), prm));
+      acc3[l] = op.combine(acc3[l], op.map(load<A>(p + i + 3 * L + l), prm));
+    }
+  }
+  for (; i + L <= n; i += L) {
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
+  }
+  for (int64_t l = 0; i + l < n; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(op.combine(acc[l], acc1[l]), op.combine(acc2[l], acc3[l]));
+  for (int64_t w = L / 2; w > 0; w /= 2) {
+#pragma omp simd
+    for (int64_t l = 0; l < w; ++l) acc[l] = op.combine(acc[l], acc[l + w]);
+  }
+  return acc[0];
+}
+
+// n elements with stride s: four accumulators.
+template <class T, class Op>
+typename Op::acc_t strided_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm) {
+  using A = typename Op::acc_t;
+  A a0 = op.identity(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
+    a1 = op.combine(a1, op.map(load<A>(p + (i + 1) * s), prm));
+    a2 = op.combine(a2, op.map(load<A>(p + (i + 2) * s), prm));
+    a3 = op.combine(a3, op.map(load<A>(p + (i + 3) * s), prm));
+  }
+  for (; i < n; ++i) a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
+  return op.combine(op.combine(a0, a1), op.combine(a2, a3));
+}
+
+// One leaf of an element-by-element op (n <= kChunk).
+template <class T, class Op>
+typename Op::acc_t elementwise_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
+  return s == 1 ? contiguous_leaf(op, p, n, prm) : strided_leaf(op, p, n, s, prm);
+}
+
+// Call at the end of the body of a loop over rows whose inner loop runs along a row: a
+// compiler-only barrier that keeps GCC's -O3 unroll-and-jam from fusing pairs of rows, after which
+// it vectorizes across rows with gathers (several times slower) or not at all.
+inline void end_of_row() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
+// acc[b] = the reduction over r < nrows of rows[r][b], for b < jn (<= B); prm[b] is the param of
+// output b (null: none). Full groups of W outputs keep their accumulators in registers across
+// the rows (a store and reload per row is slower, and can falsely alias the rows' loads).
+template <int64_t B, class T, class Op>
+void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, typename Op::acc_t* acc,
+               const typename Op::acc_t* prm = nullptr) {
+  using A = typename Op::acc_t;
+  constexpr int64_t W = std::min<int64_t>(B, 256 / sizeof(A));
+  A zero[B] = {};
+  if (!prm) prm = zero;
+  int64_t j0 = 0;
+  for (; j0 + W <= jn; j0 += W) {
+    A a[W];
+    for (int64_t b = 0; b < W; ++b) a[b] = op.identity();
+    for (int64_t r = 0; r < nrows; ++r) {
+      const T* row = rows[r] + j0;
+#pragma omp simd
+      for (int64_t b = 0; b < W; ++b) a[b] = op.combine(a[b], op.map(load<A>(row + b), prm[j0 + b]));
+    }
+    for (int64_t b = 0; b < W; ++b) acc[j0 + b] = a[b];
+  }
+  for (int64_t b = j0; b < B; ++b) acc[b] = op.identity();
+  if (j0 == jn) return;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const T* row = rows[r];
+#pragma omp simd
+    for (int64_t b = j0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
+    end_of_row();
+  }
+}
+
+// The reduction of n elements with stride s, pairwise over leaves of kChunk.
+template <class T, class Op>
+typename Op::acc_t reduce_run(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
+  if (n > kChunk) {
+    int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
+    // Left half first (in a call's arguments GCC would run the right one first): descending
+    // addresses halve what the hardware prefetcher delivers.
+    auto left = reduce_run(op, p, half, s, prm);
+    return op.combine(left, reduce_run(op, p + half * s, n - half, s, prm));
+  }
+  if constexpr (CustomLeaves<Op>) return op.leaf(p, n, s);
+  else return elementwise_leaf(op, p, n, s, prm);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ops: identity, map(x, param) applied to each element, combine (associative, commutative)
 // ---------------------------------------------------------------------------------------------
 
@@ -114,19 +243,47 @@ template <class A> constexpr A highest() {
 template <class A> inline A nan_max(A a, A b) { return (a > b || a != a) ? a : b; }
 template <class A> inline A nan_min(A a, A b) { return (a < b || a != a) ? a : b; }
 
-template <class A> struct MaxOp {
+// max / min. For floating types the contiguous leaf keeps the NaN check off the max's dependency
+// chain (a NaN flag per lane, the max itself one instruction), twice as fast from memory.
+template <class A, bool IsMax>
+struct ExtremumOp {
   using acc_t = A;
-  A identity() const { return lowest<A>(); }
+  static constexpr bool custom_leaves = std::is_floating_point_v<A>;
+  A identity() const { return IsMax ? lowest<A>() : highest<A>(); }
   A map(A x, A) const { return x; }
-  A combine(A a, A b) const { return nan_max(a, b); }
-};
+  A combine(A a, A b) const { return IsMax ? nan_max(a, b) : nan_min(a, b); }
 
-template <class A> struct MinOp {
-  using acc_t = A;
-  A identity() const { return highest<A>(); }
-  A map(A x, A) const { return x; }
-  A combine(A a, A b) const { return nan_min(a, b); }
+  template <class T>
+  A leaf(const T* p, int64_t n, int64_t s) const {
+    constexpr int64_t L = lanes<A>();
+    if (s != 1 || n < 2 * L) return elementwise_leaf(*this, p, n, s);
+    A m0[L], m1[L], nan[L];
+    for (int64_t l = 0; l < L; ++l) m0[l] = m1[l] = identity(), nan[l] = 0;
+    int64_t i = 0;
+    for (; i + 2 * L <= n; i += 2 * L) {
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) {
+        A x0 = load<A>(p + i + l), x1 = load<A>(p + i + L + l);
+        m0[l] = (IsMax ? x0 > m0[l] : x0 < m0[l]) ? x0 : m0[l];  // NaN x: false, keeps m
+        m1[l] = (IsMax ? x1 > m1[l] : x1 < m1[l]) ? x1 : m1[l];
+        nan[l] = ((x0 != x0) | (x1 != x1)) ? A(1) : nan[l];
+      }
+    }
+    A m = elementwise_leaf(*this, p + i, n - i, 1);
+    bool any_nan = false;
+    for (int64_t l = 0; l < L; ++l) {
+      m = combine(m, combine(m0[l], m1[l]));
+      any_nan |= nan[l] != 0;
+    }
+    return any_nan ? std::numeric_limits<A>::quiet_NaN() : m;
+  }
+  template <int64_t B, class T>
+  void leaf_rows(const T* const* rows, int64_t nrows, int64_t jn, A* acc) const {
+    rows_leaf<B>(*this, rows, nrows, jn, acc);
+  }
 };
+template <class A> using MaxOp = ExtremumOp<A, true>;
+template <class A> using MinOp = ExtremumOp<A, false>;
 
 // any / all: elements load as bool (x != 0, NaN is true).
 struct AnyOp {
@@ -156,11 +313,17 @@ template <class A> struct PowSumOp : SumOp<A> {
 template <class A> struct NonzeroCountOp : SumOp<A> {
   A map(A x, A) const { return x != A(0) ? A(1) : A(0); }
 };
-template <class A> struct AbsMaxOp : MaxOp<A> {
+template <class A> struct AbsMaxOp {
+  using acc_t = A;
+  A identity() const { return A(0); }
   A map(A x, A) const { return std::fabs(x); }
+  A combine(A a, A b) const { return nan_max(a, b); }
 };
-template <class A> struct AbsMinOp : MinOp<A> {
+template <class A> struct AbsMinOp {
+  using acc_t = A;
+  A identity() const { return highest<A>(); }
   A map(A x, A) const { return std::fabs(x); }
+  A combine(A a, A b) const { return nan_min(a, b); }
 };
 
 // Second stages: squared deviation from param (var), exp(x - param) (logsumexp).
@@ -289,118 +452,6 @@ R parallel_fold(int64_t n, int64_t grain, const F& f, const C& combine) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Leaves: the innermost loops
-// ---------------------------------------------------------------------------------------------
-//
-// An op either reduces element by element (identity, map(x, param), combine) and the loops below
-// do the rest, or it sets `custom_leaves` and brings its own leaves: leaf(p, n, s) over <= kChunk
-// elements with stride s, and leaf_rows<B>(rows, nrows, jn, acc) over <= kLeafRows rows of jn <= B
-// adjacent outputs. Custom leaves let var and logsumexp make their two passes over data that is
-// still in cache and merge the leaves' results, so the input is read from memory once.
-
-template <class Op>
-concept CustomLeaves = requires { requires Op::custom_leaves; };
-
-inline constexpr int64_t kChunk = 4096;   // elements per leaf (per output)
-inline constexpr int64_t kLeafRows = 64;  // rows per leaf (vertical)
-
-template <class A> constexpr int64_t lanes() { return sizeof(A) >= 4 ? 128 / sizeof(A) : 64; }
-template <class A> constexpr int64_t block() { return std::max<int64_t>(64, 1024 / sizeof(A)); }
-
-// n contiguous elements: lanes<A>() accumulators, four groups of them in the main loop so that
-// ops with long dependency chains (the NaN-propagating max) keep enough loads in flight; the lanes
-// fold as a tree at the end.
-template <class T, class Op>
-typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename Op::acc_t prm) {
-  using A = typename Op::acc_t;
-  constexpr int64_t L = lanes<A>();
-  if (n < L) {
-    A acc = op.identity();
-    for (int64_t i = 0; i < n; ++i) acc = op.combine(acc, op.map(load<A>(p + i), prm));
-    return acc;
-  }
-  A acc[L], acc1[L], acc2[L], acc3[L];
-  for (int64_t l = 0; l < L; ++l) acc[l] = acc1[l] = acc2[l] = acc3[l] = op.identity();
-  int64_t i = 0;
-  for (; i + 4 * L <= n; i += 4 * L) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) {
-      acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
-      acc1[l] = op.combine(acc1[l], op.map(load<A>(p + i + L + l), prm));
-      acc2[l] = op.combine(acc2[l], op.map(load<A>(p + i + 2 * L + l), prm));
-      acc3[l] = op.combine(acc3[l], op.map(load<A>(p + i + 3 * L + l), prm));
-    }
-  }
-  for (; i + L <= n; i += L) {
-#pragma omp simd
-    for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
-  }
-  for (int64_t l = 0; i + l < n; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), prm));
-#pragma omp simd
-  for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(op.combine(acc[l], acc1[l]), op.combine(acc2[l], acc3[l]));
-  for (int64_t w = L / 2; w > 0; w /= 2) {
-#pragma omp simd
-    for (int64_t l = 0; l < w; ++l) acc[l] = op.combine(acc[l], acc[l + w]);
-  }
-  return acc[0];
-}
-
-// n elements with stride s: four accumulators.
-template <class T, class Op>
-typename Op::acc_t strided_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm) {
-  using A = typename Op::acc_t;
-  A a0 = op.identity(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
-    a1 = op.combine(a1, op.map(load<A>(p + (i + 1) * s), prm));
-    a2 = op.combine(a2, op.map(load<A>(p + (i + 2) * s), prm));
-    a3 = op.combine(a3, op.map(load<A>(p + (i + 3) * s), prm));
-  }
-  for (; i < n; ++i) a0 = op.combine(a0, op.map(load<A>(p + i * s), prm));
-  return op.combine(op.combine(a0, a1), op.combine(a2, a3));
-}
-
-// One leaf of an element-by-element op (n <= kChunk).
-template <class T, class Op>
-typename Op::acc_t elementwise_leaf(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
-  return s == 1 ? contiguous_leaf(op, p, n, prm) : strided_leaf(op, p, n, s, prm);
-}
-
-// Call at the end of the body of a loop over rows whose inner loop runs along a row: a
-// compiler-only barrier that keeps GCC's -O3 unroll-and-jam from fusing pairs of rows, after which
-// it vectorizes across rows with gathers (several times slower) or not at all.
-inline void end_of_row() { std::atomic_signal_fence(std::memory_order_seq_cst); }
-
-// acc[b] = the reduction over r < nrows of rows[r][b], for b < jn (<= B); prm[b] is the param of
-// output b (null: none).
-template <int64_t B, class T, class Op>
-void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, typename Op::acc_t* acc,
-               const typename Op::acc_t* prm = nullptr) {
-  using A = typename Op::acc_t;
-  A zero[B] = {};
-  if (!prm) prm = zero;
-  for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
-  for (int64_t r = 0; r < nrows; ++r) {
-    const T* row = rows[r];
-#pragma omp simd
-    for (int64_t b = 0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
-    end_of_row();
-  }
-}
-
-// The reduction of n elements with stride s, pairwise over leaves of kChunk.
-template <class T, class Op>
-typename Op::acc_t reduce_run(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
-  if (n > kChunk) {
-    int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
-    return op.combine(reduce_run(op, p, half, s, prm), reduce_run(op, p + half * s, n - half, s, prm));
-  }
-  if constexpr (CustomLeaves<Op>) return op.leaf(p, n, s);
-  else return elementwise_leaf(op, p, n, s, prm);
-}
-
-// ---------------------------------------------------------------------------------------------
 // The engine
 // ---------------------------------------------------------------------------------------------
 
@@ -441,7 +492,8 @@ class ReduceLoop {
       return acc;
     }
     int64_t mid = r0 + (r1 - r0) / 2;
-    return op.combine(rows(op, p, r0, mid), rows(op, p, mid, r1));
+    auto left = rows(op, p, r0, mid);  // first: see reduce_run
+    return op.combine(left, rows(op, p, mid, r1));
   }
 
   template <class Op, class Store>
