@@ -345,9 +345,17 @@ TEST(MaxPool2d, IntegerInputsNanAndUnbatched) {
   EXPECT_EQ(y.dtype(), kInt64);
   EXPECT_TRUE(matches(y, {1, 2, 2}, {3, 7, 9, 9}));
   EXPECT_TRUE(matches(idx, {1, 2, 2}, {0, 2, 7, 7}));
-  Tensor with_nan = tensor<double>({1, std::nan(""), 3, 4}, {1, 1, 2, 2});
-  Tensor m = max_pool2d(with_nan, {2, 2});
-  EXPECT_TRUE(std::isnan(m.item<double>()));
+  // NaN wins its windows, as in PyTorch, on every path (oneDNN's max pooling would skip it).
+  for (DType t : {kFloat64, kFloat32, kBFloat16}) {
+    Tensor with_nan = tensor<double>({1, std::nan(""), 3, 4, 5, 6, 7, 8, 9}, {1, 1, 3, 3}).to(t);
+    Tensor m = max_pool2d(with_nan, {2, 2}, {1, 1});
+    auto mv = values(m);
+    EXPECT_TRUE(std::isnan(mv[0]) && std::isnan(mv[1])) << dtype_name(t);
+    EXPECT_EQ(mv[2], 8);
+    EXPECT_EQ(mv[3], 9);
+    auto [v, i] = max_pool2d_with_indices(with_nan, {2, 2}, {1, 1});
+    EXPECT_TRUE(matches(i, {1, 1, 2, 2}, {1, 1, 7, 8})) << dtype_name(t);
+  }
   Tensor chw = random_tensor({3, 6, 6}, kFloat32, 31);
   std::vector<int64_t> sizes;
   auto ref = ref_max_pool(chw, {.kernel = {3, 3}, .stride = {2, 2}, .padding = {1, 1}}, &sizes, nullptr);

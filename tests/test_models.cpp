@@ -773,6 +773,20 @@ TEST(GPT, LossForwardAndGreedyGenerate) {
   EXPECT_EQ(out.select(1, 10).item<int64_t>(), expected_last.item<int64_t>());
 }
 
+TEST(GPT, TiedWeightsStayTiedThroughDtypeConversion) {
+  manual_seed(18);
+  auto model = models::gpt(small_gpt_config());
+  Tensor idx = randint(11, {2, 5});
+  Tensor before = model->forward(idx);
+  model->to(kFloat64);
+  EXPECT_TRUE(model->lm_head->weight.is_alias_of(model->wte->weight));
+  EXPECT_EQ(model->lm_head->weight.dtype(), kFloat64);
+  Tensor after = model->forward(idx);
+  EXPECT_EQ(after.dtype(), kFloat64);
+  EXPECT_TRUE(allclose(after.to(kFloat32), before, 1e-5, 1e-6));
+  EXPECT_THROW(model->forward(idx, randint(11, {2, 4})), ShapeError);
+}
+
 TEST(GPT, BadConfigThrowsValueError) {
   EXPECT_THROW(models::gpt({.vocab_size = 10, .block_size = 8, .n_layer = 1, .n_head = 3, .n_embd = 8}),
                ValueError);

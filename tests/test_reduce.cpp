@@ -721,3 +721,78 @@ TEST(ReduceErrors, BadInputsThrowTheRightKind) {
     EXPECT_NE(std::string(e.what()).find("[kiln::sum] dimension out of range"), std::string::npos);
   }
 }
+
+TEST(ReduceLeaves, ResultsMergeCorrectlyAcrossLeavesAndLayouts) {
+  // Long rows span several 4096-element leaves; tall columns span several 64-row leaves.
+  std::vector<double> v = random_values(3 * 20000, 141, -50.0, 50.0);
+  std::fill(v.begin() + 20000, v.begin() + 30000, -kInf);  // row 1: first leaves all -inf
+  v[2 * 20000 + 15000] = kNaN;                             // row 2: a NaN in a late leaf
+  Tensor rows = tensor<double>(v, {3, 20000}).to(kFloat32);
+  Groups g = group(rows, {1});
+  EXPECT_TRUE(matches(logsumexp(rows, {1}), g.out_sizes, each(g, ref_logsumexp)));
+  EXPECT_TRUE(matches(rows.amax({1}), g.out_sizes, each(g, ref_max)));
+  EXPECT_TRUE(matches(rows.amin({1}), g.out_sizes, each(g, ref_min)));
+  EXPECT_TRUE(matches(argmax(rows, 1), g.out_sizes, each(g, [](const auto& e) { return ref_argmax(e, true); })));
+  v[20000 + 12000] = kInf;  // row 1: +inf after the -inf leaves
+  Tensor with_inf = tensor<double>(v, {3, 20000}).to(kFloat32);
+  EXPECT_TRUE(matches(logsumexp(with_inf, {1}), g.out_sizes, each(group(with_inf, {1}), ref_logsumexp)));
+
+  Tensor tall = random_tensor({300, 70}, kFloat32, 142, -20.0, 20.0);
+  Tensor tall_nan = tall.clone();
+  tall_nan.select(0, 250).select(0, 3).fill_(kNaN);
+  for (const Tensor& t : {tall, tall_nan}) {
+    Groups gt = group(t, {0});
+    EXPECT_TRUE(matches(logsumexp(t, {0}), gt.out_sizes, each(gt, ref_logsumexp)));
+    EXPECT_TRUE(matches(t.amax({0}), gt.out_sizes, each(gt, ref_max)));
+    EXPECT_TRUE(matches(t.amin({0}), gt.out_sizes, each(gt, ref_min)));
+    EXPECT_TRUE(matches(t.var({0}), gt.out_sizes, each(gt, [](const auto& e) { return ref_var(e, 1); })));
+    EXPECT_TRUE(matches(t.sum({0}), gt.out_sizes, each(gt, ref_sum)));
+    EXPECT_TRUE(matches(argmin(t, 0), gt.out_sizes, each(gt, [](const auto& e) { return ref_argmax(e, false); })));
+  }
+  // Few rows, many columns (one vertical leaf per block), and a wide bool any/all.
+  Tensor wide = random_tensor({16, 5000}, kFloat64, 143);
+  Groups gw = group(wide, {0});
+  EXPECT_TRUE(matches(wide.sum({0}), gw.out_sizes, each(gw, ref_sum)));
+  EXPECT_TRUE(matches(wide.norm(2, {0}), gw.out_sizes, each(gw, [](const auto& e) { return ref_norm(e, 2); })));
+  Tensor flags = int_tensor({70, 300}, kBool, 144, 0, 2);
+  Groups gf = group(flags, {0});
+  auto any_ref = [](const auto& e) { return std::any_of(e.begin(), e.end(), [](double d) { return d != 0; }) ? 1.0 : 0.0; };
+  EXPECT_TRUE(matches(any(flags, 0), gf.out_sizes, each(gf, any_ref)));
+  EXPECT_TRUE(matches(flags.sum({0}), gf.out_sizes, each(gf, ref_sum)));
+}
+
+TEST(ReduceExtrema, LongArraysFindNaNAndInfinities) {
+  std::vector<float> v(10000);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i % 97) - 40.f;
+  v[6000] = std::numeric_limits<float>::infinity();
+  v[7000] = -std::numeric_limits<float>::infinity();
+  Tensor t = tensor<float>(v);
+  EXPECT_EQ(t.amax().item<float>(), std::numeric_limits<float>::infinity());
+  EXPECT_EQ(t.amin().item<float>(), -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(t.argmax().item<int64_t>(), 6000);
+  v[9999] = std::numeric_limits<float>::quiet_NaN();
+  Tensor n = tensor<float>(v);
+  EXPECT_TRUE(std::isnan(n.amax().item<float>()));
+  EXPECT_TRUE(std::isnan(n.amin().item<float>()));
+  EXPECT_TRUE(std::isnan(n.max().item<float>()));
+  EXPECT_EQ(n.argmin().item<int64_t>(), 9999);
+  Tensor h = n.to(kFloat16);
+  EXPECT_TRUE(std::isnan(h.amax().item<double>()));
+}
+
+TEST(ReduceLayouts, ManyDimsThatDoNotMergeStillReduceCorrectly) {
+  // 18 dims alternating real and broadcast strides: none merge, more than the loops walk directly.
+  std::vector<int64_t> base_sizes, sizes;
+  for (int i = 0; i < 9; ++i) {
+    base_sizes.insert(base_sizes.end(), {2, 1});
+    sizes.insert(sizes.end(), {2, 2});
+  }
+  Tensor x = random_tensor(base_sizes, kFloat32, 151).expand(sizes);
+  for (const auto& dims : std::vector<std::vector<int64_t>>{{17}, {0, 3, 4, 9, 16}, {}}) {
+    Groups g = group(x, dims);
+    EXPECT_TRUE(matches(x.sum(dims), g.out_sizes, each(g, ref_sum)));
+    EXPECT_TRUE(matches(x.amax(dims), g.out_sizes, each(g, ref_max)));
+  }
+  Groups g = group(x, {5});
+  EXPECT_TRUE(matches(argmax(x, 5), g.out_sizes, each(g, [](const auto& e) { return ref_argmax(e, true); })));
+}

@@ -160,3 +160,12 @@ TEST(TensorCore, LargeCpuBlocksAreCachedAndReused) {
   detail::empty_cpu_cache();
   EXPECT_EQ(detail::cpu_cached_bytes(), 0);
 }
+
+namespace {
+// GCC 12 + AVX-512 + SLP vectorization turned this into {1, 1, 1, 1} (see CMakeLists.txt).
+__attribute__((noinline)) std::vector<double> mixed_constant_list() { return {1, 1, 1, 0}; }
+}  // namespace
+
+TEST(Toolchain, ConstantInitializerListsSurviveVectorization) {
+  EXPECT_EQ(mixed_constant_list(), (std::vector<double>{1, 1, 1, 0}));
+}

@@ -150,9 +150,10 @@ Tensor GPT::forward(const Tensor& idx) {
 }
 
 std::tuple<Tensor, Tensor> GPT::forward(const Tensor& idx, const Tensor& targets) {
-  Tensor logits = forward(idx);
   KILN_CHECK(targets.sizes() == idx.sizes(), ShapeError,
-             "[kiln::models::GPT] targets must have the shape of idx (B, T).");
+             "[kiln::models::GPT] targets must have the shape of idx (B, T), but got " +
+                 shape_str(targets.sizes()) + " and " + shape_str(idx.sizes()) + ".");
+  Tensor logits = forward(idx);
   Tensor loss = F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}),
                                  Tensor(), /*ignore_index=*/-1);
   return {logits, loss};

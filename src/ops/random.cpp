@@ -162,7 +162,6 @@ const OpDef& kRandint = register_op({
       return {m};
     },
     .pointwise = true,
-    .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
 });
 

@@ -5,7 +5,7 @@
 // ("any") and the plan reorders the plain NCHW input/output around the convolution, except for
 // 1x1/stride-1 convolutions, which run on plain NCHW directly (oneDNN's GEMM path there beats
 // reordering). float16 computes through float32. float64, and any configuration oneDNN
-// rejects, use im2col + GEMM.
+// rejects, use im2col + GEMM (also the path for everything when KILN_ONEDNN=0).
 //
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
@@ -34,6 +34,15 @@ namespace {
 
 using dnnl::memory;
 using Tag = memory::format_tag;
+
+// KILN_ONEDNN=0 turns oneDNN off (the im2col + GEMM path runs instead), to bisect a wrong result.
+bool onednn_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_ONEDNN");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+}
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -282,7 +291,7 @@ void conv2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor y = out.is_contiguous() ? out : detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
   const DType t = x.dtype();
   bool done = false;
-  if (t == DType::float32 || t == DType::bfloat16) {
+  if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled()) {
     if (auto plan = find_plan(s, t)) {
       Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
       run_plan(*plan, x.impl().data(), w.impl().data(), b.defined() ? b.impl().data() : nullptr, y.impl().data());

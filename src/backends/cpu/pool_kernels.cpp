@@ -6,7 +6,7 @@
 // max_pool2d_with_indices (PyTorch's flat H * W indices, which oneDNN's workspace does not
 // give), other dtypes, avg_pool2d cases whose divisor oneDNN computes differently
 // (divisor_override, or ceil_mode windows past the padding with count_include_pad), and
-// adaptive_avg_pool2d.
+// adaptive_avg_pool2d. KILN_ONEDNN=0 sends everything to the loops.
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
@@ -301,7 +301,42 @@ bool onednn_pool(const Tensor& x, Tensor& out, const Window& win, dnnl::algorith
   return true;
 }
 
-bool onednn_dtype(DType t) { return t == DType::float32 || t == DType::bfloat16; }
+// Whether oneDNN may run this dtype; KILN_ONEDNN=0 turns it off (the loops run instead).
+bool onednn_dtype(DType t) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_ONEDNN");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled && (t == DType::float32 || t == DType::bfloat16);
+}
+
+// Whether a contiguous float32/bfloat16 tensor holds a NaN. oneDNN's max pooling skips NaNs,
+// PyTorch's propagates them, so inputs with NaNs take the loop instead.
+template <class Bits, Bits kAbsMask, Bits kInfinity>
+bool contains_nan_bits(const Bits* p, int64_t n) {
+  int found = 0;
+  parallel_for(n, kGrainSize * 4, [&](int64_t begin, int64_t end) {
+    const Bits* __restrict chunk = p + begin;
+    const int64_t count = end - begin;
+    Bits worst = 0;  // NaN <=> |bits| > infinity's bits
+    for (int64_t i = 0; i < count; ++i) {
+      const Bits magnitude = chunk[i] & kAbsMask;
+      worst = magnitude > worst ? magnitude : worst;
+    }
+    if (worst > kInfinity) {
+#pragma omp atomic write
+      found = 1;
+    }
+  });
+  return found != 0;
+}
+
+bool contains_nan(const Tensor& x) {
+  if (x.dtype() == DType::float32)
+    return contains_nan_bits<uint32_t, 0x7fffffffu, 0x7f800000u>(static_cast<const uint32_t*>(x.impl().data()),
+                                                                   x.numel());
+  return contains_nan_bits<uint16_t, 0x7fffu, 0x7f80u>(static_cast<const uint16_t*>(x.impl().data()), x.numel());
+}
 
 // Runs body(x, y) with a contiguous input and a contiguous output, copying into `out` after.
 template <class Body>
@@ -318,7 +353,7 @@ void max_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (outs[0].numel() == 0) return;
   const Window win = window_from(call, true);
   with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
-    if (onednn_dtype(x.dtype()) && onednn_pool(x, y, win, dnnl::algorithm::pooling_max)) return;
+    if (onednn_dtype(x.dtype()) && !contains_nan(x) && onednn_pool(x, y, win, dnnl::algorithm::pooling_max)) return;
     KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d", [&] { max_pool_loop<scalar_t>(x, y, nullptr, win); });
   });
 }

@@ -41,21 +41,25 @@ Best<opmath_t<T>> scan(const T* p, int64_t n, int64_t s) {
   }
   using Op = std::conditional_t<IsMax, MaxOp<A>, MinOp<A>>;
   const A m = reduce_run(Op{}, p, n, 1);
-  const bool want_nan = m != m;
+  // The first position holding m (the first NaN when m is NaN), a vector block at a time.
+  auto is_m = [m](A v) { return m != m ? v != v : v == m; };
   constexpr int64_t kBlock = 64;
   for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
     const int64_t i1 = std::min(n, i0 + kBlock);
-    bool hit = false;
-#pragma omp simd reduction(|| : hit)
-    for (int64_t i = i0; i < i1; ++i) {
-      A v = load<A>(p + i);
-      hit = hit || (want_nan ? v != v : v == m);
+    int hit = 0;
+    if (m != m) {
+#pragma omp simd reduction(| : hit)
+      for (int64_t i = i0; i < i1; ++i) {
+        A v = load<A>(p + i);
+        hit |= v != v ? 1 : 0;
+      }
+    } else {
+#pragma omp simd reduction(| : hit)
+      for (int64_t i = i0; i < i1; ++i) hit |= load<A>(p + i) == m ? 1 : 0;
     }
     if (!hit) continue;
-    for (int64_t i = i0; i < i1; ++i) {
-      A v = load<A>(p + i);
-      if (want_nan ? v != v : v == m) return {v, i};
-    }
+    for (int64_t i = i0; i < i1; ++i)
+      if (is_m(load<A>(p + i))) return {load<A>(p + i), i};
   }
   return {m, 0};  // not reached
 }
@@ -65,7 +69,7 @@ void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices
   using A = opmath_t<T>;
   ReducePlan plan = make_plan(x, mask, /*reorder=*/false);
   if (plan.num_outputs == 0) return;
-  const T* base = static_cast<const T*>(x.impl().data());
+  const T* base = static_cast<const T*>(plan.data);
   const Dim red = plan.reduced.back();
   const int64_t D = red.size, s = red.stride;
   const Dim* kept = plan.kept.data();

@@ -28,16 +28,11 @@ int64_t reduced_count(const Tensor& x, const std::vector<bool>& mask) {
   return n;
 }
 
-template <class T>
-const T* data_of(const Tensor& x) {
-  return static_cast<const T*>(x.impl().data());
-}
-
 // out[o] = fin(reduce(op) of output o). out is contiguous and has element type Out.
 template <class T, class Out, class Op, class Fin>
 void reduce_into(const Tensor& x, const std::vector<bool>& mask, const Op& op, Tensor& out, const Fin& fin) {
   ReducePlan plan = make_plan(x, mask);
-  ReduceLoop<T> loop(data_of<T>(x), plan);
+  ReduceLoop<T> loop(plan);
   Out* o = static_cast<Out*>(out.impl().data());
   loop.run(op, [&](int64_t i, const typename Op::acc_t& a) { o[i] = store_as<Out>(fin(a)); });
 }
@@ -164,7 +159,7 @@ void moments_kernel(const OpCall& c, std::span<Tensor> outs, MomentsKind kind) {
     KILN_DISPATCH_FLOATING(x.dtype(), c.name(), [&] {
       using A = acc_t<scalar_t>;
       ReducePlan plan = make_plan(x, mask);
-      ReduceLoop<scalar_t> loop(data_of<scalar_t>(x), plan);
+      ReduceLoop<scalar_t> loop(plan);
       scalar_t* o = static_cast<scalar_t*>(out.impl().data());
       scalar_t* m = mean_out.defined() ? static_cast<scalar_t*>(mean_out.impl().data()) : nullptr;
       const A divisor = static_cast<A>(dof);
@@ -224,7 +219,7 @@ struct LogSumExpOp {
   }
   template <class T>
   acc_t leaf(const T* p, int64_t n, int64_t s) const {
-    const A shift = shift_of(elementwise_leaf(MaxOp<A>{}, p, n, s));
+    const A shift = shift_of(leaf_of(MaxOp<A>{}, p, n, s));
     return {shift, elementwise_leaf(ExpShiftOp<A>{}, p, n, s, shift)};
   }
   template <int64_t B, class T>

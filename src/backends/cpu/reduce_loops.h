@@ -20,7 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -91,6 +91,7 @@ template <class Op>
 concept CustomLeaves = requires { requires Op::custom_leaves; };
 
 inline constexpr int64_t kChunk = 4096;   // elements per leaf (per output)
+inline constexpr int64_t kStridedChunk = 512;  // per strided leaf: 4 accumulators, 128 adds each
 inline constexpr int64_t kLeafRows = 64;  // rows per leaf (vertical)
 
 template <class A> constexpr int64_t lanes() { return sizeof(A) >= 4 ? 128 / sizeof(A) : 64; }
@@ -156,10 +157,15 @@ typename Op::acc_t elementwise_leaf(const Op& op, const T* p, int64_t n, int64_t
   return s == 1 ? contiguous_leaf(op, p, n, prm) : strided_leaf(op, p, n, s, prm);
 }
 
-// Call at the end of the body of a loop over rows whose inner loop runs along a row: a
-// compiler-only barrier that keeps GCC's -O3 unroll-and-jam from fusing pairs of rows, after which
-// it vectorizes across rows with gathers (several times slower) or not at all.
-inline void end_of_row() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+// Call at the end of the body of a loop over rows whose inner loop runs along a row. An empty
+// volatile asm makes the loop nest imperfect, which keeps GCC's -O3 unroll-and-jam from fusing
+// pairs of rows (after which it vectorizes across rows with gathers, several times slower, or
+// not at all); unlike a compiler fence it lets accumulators stay in registers.
+inline void end_of_row() {
+#if defined(__GNUC__)
+  asm volatile("");
+#endif
+}
 
 // acc[b] = the reduction over r < nrows of rows[r][b], for b < jn (<= B); prm[b] is the param of
 // output b (null: none). Full groups of W outputs keep their accumulators in registers across
@@ -179,6 +185,7 @@ void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, ty
       const T* row = rows[r] + j0;
 #pragma omp simd
       for (int64_t b = 0; b < W; ++b) a[b] = op.combine(a[b], op.map(load<A>(row + b), prm[j0 + b]));
+      end_of_row();
     }
     for (int64_t b = 0; b < W; ++b) acc[j0 + b] = a[b];
   }
@@ -192,18 +199,25 @@ void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, ty
   }
 }
 
+// One leaf (n <= kChunk) of any op: its own leaf when it has one.
+template <class T, class Op>
+typename Op::acc_t leaf_of(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
+  if constexpr (CustomLeaves<Op>) return op.leaf(p, n, s);
+  else return elementwise_leaf(op, p, n, s, prm);
+}
+
 // The reduction of n elements with stride s, pairwise over leaves of kChunk.
 template <class T, class Op>
 typename Op::acc_t reduce_run(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
-  if (n > kChunk) {
-    int64_t half = (n / 2 + kChunk - 1) / kChunk * kChunk;
+  const int64_t chunk = s == 1 ? kChunk : kStridedChunk;
+  if (n > chunk) {
+    int64_t half = (n / 2 + chunk - 1) / chunk * chunk;
     // Left half first (in a call's arguments GCC would run the right one first): descending
     // addresses halve what the hardware prefetcher delivers.
     auto left = reduce_run(op, p, half, s, prm);
     return op.combine(left, reduce_run(op, p + half * s, n - half, s, prm));
   }
-  if constexpr (CustomLeaves<Op>) return op.leaf(p, n, s);
-  else return elementwise_leaf(op, p, n, s, prm);
+  return leaf_of(op, p, n, s, prm);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -345,9 +359,14 @@ struct Dim {
   int64_t size, stride;
 };
 
+// Dims that do not merge with their neighbours, at most, per kind (kept / reduced).
+inline constexpr size_t kMaxPlanDims = 16;
+
 struct ReducePlan {
-  std::vector<Dim> kept;     // outer to inner; outputs are row-major over these
-  std::vector<Dim> reduced;  // outer to inner; never empty (a size-1 dim when nothing is reduced)
+  const void* data = nullptr;  // the first element walked
+  Tensor copy;                 // a re-laid-out copy of the input, when the plan walks one
+  std::vector<Dim> kept;       // outer to inner; outputs are row-major over these
+  std::vector<Dim> reduced;    // outer to inner; never empty (a size-1 dim when nothing is reduced)
   int64_t num_outputs = 1;
   int64_t reduce_size = 1;
 };
@@ -377,12 +396,32 @@ inline ReducePlan make_plan(const Tensor& x, const std::vector<bool>& mask, bool
     (mask[d] ? plan.reduced : plan.kept).push_back({n, x.strides()[d]});
   }
   if (reorder) {
+    // Memory order, outermost first; broadcast (stride 0) dims outermost of all, so that the
+    // innermost reduced dim is a real one.
+    auto key = [](const Dim& d) { return d.stride == 0 ? std::numeric_limits<int64_t>::max() : d.stride; };
     std::stable_sort(plan.reduced.begin(), plan.reduced.end(),
-                     [](const Dim& a, const Dim& b) { return a.stride > b.stride; });
+                     [&](const Dim& a, const Dim& b) { return key(a) > key(b); });
   }
   coalesce(plan.kept);
   coalesce(plan.reduced);
   if (plan.reduced.empty()) plan.reduced.push_back({1, 1});
+  plan.data = x.impl().data();
+  if (plan.kept.size() > kMaxPlanDims || plan.reduced.size() > kMaxPlanDims) {
+    // Kept and reduced dims interleave too much to merge: walk a copy with the kept dims first and
+    // the reduced dims last (each in logical order), where each kind merges into one dim.
+    std::vector<int64_t> order;
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (!mask[d]) order.push_back(d);
+    const size_t nkept = order.size();
+    for (int64_t d = 0; d < x.dim(); ++d)
+      if (mask[d]) order.push_back(d);
+    Tensor copy = x.permute(order).contiguous();
+    std::vector<bool> copy_mask(x.dim(), false);
+    for (size_t d = nkept; d < copy_mask.size(); ++d) copy_mask[d] = true;
+    ReducePlan merged = make_plan(copy, copy_mask, reorder);
+    merged.copy = std::move(copy);
+    return merged;
+  }
   return plan;
 }
 
@@ -397,9 +436,10 @@ inline int64_t offset_of(int64_t i, const Dim* dims, size_t n) {
 }
 
 // Walks the element offsets of consecutive linear indices over dims.
+// No allocation: it runs inside parallel regions, which exceptions must not leave.
 class OffsetWalker {
  public:
-  OffsetWalker(const Dim* dims, size_t n, int64_t start) : dims_(dims), idx_(n) {
+  OffsetWalker(const Dim* dims, size_t n, int64_t start) : dims_(dims), n_(n) {
     for (size_t d = n; d-- > 0;) {
       idx_[d] = start % dims[d].size;
       off_ += idx_[d] * dims[d].stride;
@@ -408,7 +448,7 @@ class OffsetWalker {
   }
   int64_t offset() const { return off_; }
   void next() {
-    for (size_t d = idx_.size(); d-- > 0;) {
+    for (size_t d = n_; d-- > 0;) {
       off_ += dims_[d].stride;
       if (++idx_[d] < dims_[d].size) return;
       off_ -= dims_[d].size * dims_[d].stride;
@@ -418,7 +458,8 @@ class OffsetWalker {
 
  private:
   const Dim* dims_;
-  std::vector<int64_t> idx_;
+  size_t n_;
+  std::array<int64_t, kMaxPlanDims> idx_{};
   int64_t off_ = 0;
 };
 
@@ -458,7 +499,7 @@ R parallel_fold(int64_t n, int64_t grain, const F& f, const C& combine) {
 template <class T>
 class ReduceLoop {
  public:
-  ReduceLoop(const T* base, const ReducePlan& plan) : base_(base), plan_(plan) {
+  explicit ReduceLoop(const ReducePlan& plan) : base_(static_cast<const T*>(plan.data)), plan_(plan) {
     inner_ = plan.reduced.back();
     nrows_ = inner_.size > 0 ? plan.reduce_size / inner_.size : 0;
     vertical_ = !plan.kept.empty() && plan.kept.back().stride == 1;

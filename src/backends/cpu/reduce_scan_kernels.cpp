@@ -108,8 +108,12 @@ void cumsum_kernel(const OpCall& c, std::span<Tensor> outs) {
 template <class T, bool Log>
 void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
   using A = opmath_t<T>;
+  // float16/bfloat16 rows hold their exponentials in a float buffer per thread, allocated here:
+  // nothing may throw inside the parallel region.
+  const int threads = max_threads();
+  std::vector<A> buffers(std::is_same_v<T, A> || Log ? 0 : threads * n);
   parallel_for(rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t b, int64_t e) {
-    std::vector<A> buffer(std::is_same_v<T, A> || Log ? 0 : n);
+    A* buffer = buffers.data() + (omp_get_thread_num() % threads) * n;
     for (int64_t r = b; r < e; ++r) {
       const T* p = in + r * n;
       T* q = out + r * n;
@@ -122,7 +126,7 @@ void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
       } else {
         A* ex;
         if constexpr (std::is_same_v<T, A>) ex = q;
-        else ex = buffer.data();
+        else ex = buffer;
 #pragma omp simd
         for (int64_t k = 0; k < n; ++k) ex[k] = math::Exp{}(load<A>(p + k) - m);
         const A inv = A(1) / reduce_run(SumOp<A>{}, static_cast<const A*>(ex), n, 1);
