@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bench.h"
 #include "example.h"
 #include "kiln/kiln.h"
 
@@ -18,6 +19,9 @@ commands:
   tour                 run every example in order, with headings
   tour <name>          run one example (see `kiln tour --list`)
   ops [--json]         list the op table: name, schema, devices with kernels, derivative, lowering
+  bench MODEL [opts]   time a model: --device cpu --batch 16 --size 128 --modes eager --train
+                       --iters 5 --warmup 2 --threads N --json (models: densenet121,
+                       densenet169, resnet18, resnet50)
   version              print the version
   help                 show this message
 )";
@@ -90,6 +94,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "tour") return run_tour(args);
     if (cmd == "ops") return run_ops(args);
+    if (cmd == "bench") return kiln::cli::run_bench(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;

@@ -10,8 +10,8 @@
 //  - per output: otherwise each output reduces its reduced rows, the innermost reduced dim
 //    contiguous in the common case (sum over the last dims, NCHW per-channel stats, sum of all).
 //
-// Float accumulation is pairwise over leaves of kChunk elements (kLeafRows rows in the vertical
-// case) with many independent accumulators inside a leaf, so float32 sums of millions of elements
+// Float accumulation is pairwise over leaves of kChunk elements (kStridedChunk when strided,
+// kLeafRows rows in the vertical case) with many independent accumulators inside a leaf, so float32 sums of millions of elements
 // stay within a few ulp of the float64 result. Work is split across threads over outputs when
 // there are enough of them, and inside each output otherwise; partial results are combined in a
 // fixed order, so results do not depend on timing.
@@ -83,7 +83,7 @@ using acc_t = std::conditional_t<std::is_same_v<T, double>, double,
 //
 // An op either reduces element by element (identity, map(x, param), combine) and the loops below
 // do the rest, or it sets `custom_leaves` and brings its own leaves: leaf(p, n, s) over <= kChunk
-// elements with stride s, and leaf_rows<B>(rows, nrows, jn, acc) over <= kLeafRows rows of jn <= B
+// (kStridedChunk) elements with stride s, and leaf_rows<B>(rows, nrows, jn, acc) over <= kLeafRows rows of jn <= B
 // adjacent outputs. Custom leaves let var and logsumexp make their two passes over data that is
 // still in cache and merge the leaves' results, so the input is read from memory once.
 
@@ -206,7 +206,7 @@ typename Op::acc_t leaf_of(const Op& op, const T* p, int64_t n, int64_t s, typen
   else return elementwise_leaf(op, p, n, s, prm);
 }
 
-// The reduction of n elements with stride s, pairwise over leaves of kChunk.
+// The reduction of n elements with stride s, pairwise over leaves of kChunk (kStridedChunk).
 template <class T, class Op>
 typename Op::acc_t reduce_run(const Op& op, const T* p, int64_t n, int64_t s, typename Op::acc_t prm = {}) {
   const int64_t chunk = s == 1 ? kChunk : kStridedChunk;
@@ -525,7 +525,7 @@ class ReduceLoop {
     const Dim* dims = plan_.reduced.data();
     const size_t ndims = plan_.reduced.size() - 1;
     if (r1 - r0 == 1) return reduce_run(op, p + offset_of(r0, dims, ndims), inner_.size, inner_.stride);
-    if ((r1 - r0) * inner_.size <= kChunk) {
+    if ((r1 - r0) * inner_.size <= kChunk && r1 - r0 <= kLeafRows) {
       OffsetWalker w(dims, ndims, r0);
       A acc = op.identity();
       for (int64_t r = r0; r < r1; ++r, w.next())
