@@ -69,19 +69,23 @@ Groups group(const Tensor& x, std::vector<int64_t> dims, bool keepdim = false) {
   int64_t outputs = 1;
   for (int64_t d : kept) outputs *= x.size(d);
   g.items.assign(static_cast<size_t>(outputs), {});
+  // Output position of each element: row-major over the kept dims, walked with an index counter.
+  std::vector<int64_t> out_stride(nd, 0);
+  for (int64_t k = static_cast<int64_t>(kept.size()) - 1, scale = 1; k >= 0; --k) {
+    out_stride[kept[k]] = scale;
+    scale *= x.size(kept[k]);
+  }
   auto v = values(x);
-  for (int64_t i = 0; i < static_cast<int64_t>(v.size()); ++i) {
-    int64_t rem = i, o = 0, scale = 1;
-    std::vector<int64_t> idx(nd);
+  std::vector<int64_t> idx(nd, 0);
+  int64_t o = 0;
+  for (double e : v) {
+    g.items[o].push_back(e);
     for (int64_t d = nd - 1; d >= 0; --d) {
-      idx[d] = rem % x.size(d);
-      rem /= x.size(d);
+      o += out_stride[d];
+      if (++idx[d] < x.size(d)) break;
+      o -= out_stride[d] * x.size(d);
+      idx[d] = 0;
     }
-    for (int64_t k = static_cast<int64_t>(kept.size()) - 1; k >= 0; --k) {
-      o += idx[kept[k]] * scale;
-      scale *= x.size(kept[k]);
-    }
-    g.items[o].push_back(v[i]);
   }
   return g;
 }

@@ -112,17 +112,13 @@ void max_pool_loop(const Tensor& x, Tensor& out, int64_t* indices, const Window&
           const int64_t first = offset >= 0 ? 0 : (-offset + sw - 1) / sw;
           const int64_t last = g.w - 1 - offset >= 0 ? (g.w - 1 - offset) / sw + 1 : 0;
           const int64_t lo = std::max(first, ow0) - ow0, hi = std::min(last, ow0 + n) - ow0;
-          if (lo >= hi) continue;
-          // Column of tile output i: first[(i - lo) * sw]; its flat index: index0 + (i - lo) * sw.
-          const T* __restrict first_col = row + (ow0 + lo) * sw + offset;
-          const int64_t index0 = ih * g.w + (ow0 + lo) * sw + offset;
-          Acc* __restrict best_lo = best + lo;
-          int64_t* __restrict index_lo = best_index + lo;
-          for (int64_t i = 0; i < hi - lo; ++i) {
-            const Acc v = static_cast<Acc>(first_col[i * sw]);
-            const bool take = v > best_lo[i] || v != v;  // v != v: NaN propagates
-            best_lo[i] = take ? v : best_lo[i];
-            index_lo[i] = take ? index0 + i * sw : index_lo[i];
+#pragma omp simd
+          for (int64_t i = lo; i < hi; ++i) {
+            const int64_t iw = (ow0 + i) * sw + offset;
+            const Acc v = static_cast<Acc>(row[iw]);
+            const bool take = v > best[i] || v != v;  // v != v: NaN propagates
+            best[i] = take ? v : best[i];
+            best_index[i] = take ? ih * g.w + iw : best_index[i];
           }
         }
       }
