@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "autograd/node.h"
+#include "core/profiler.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/ops.h"
@@ -116,6 +117,7 @@ void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std:
 }  // namespace
 
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
+  detail::OpTimer timer(op.name);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   std::vector<Tensor> outputs;
@@ -141,6 +143,7 @@ Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> a
 
 void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
                  std::span<Tensor> outputs) {
+  detail::OpTimer timer(op.name, /*inplace=*/true);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   KILN_CHECK(metas.size() == outputs.size(), Error,

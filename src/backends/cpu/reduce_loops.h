@@ -183,7 +183,7 @@ void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn, ty
     for (int64_t b = 0; b < W; ++b) a[b] = op.identity();
     for (int64_t r = 0; r < nrows; ++r) {
       const T* row = rows[r] + j0;
-      for (int64_t q = 0; q < W * int64_t(sizeof(T)); q += 64) __builtin_prefetch(reinterpret_cast<const char*>(row + 4 * W) + q);
+      for (int64_t q = 0; q < W * int64_t(sizeof(T)); q += 64) __builtin_prefetch(reinterpret_cast<const char*>(row + 16 * W) + q);
 #pragma omp simd
       for (int64_t b = 0; b < W; ++b) a[b] = op.combine(a[b], op.map(load<A>(row + b), prm[j0 + b]));
       end_of_row();
