@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 
+#include "kiln/op_table.h"
 #include "reference.h"
 
 using namespace kiln;
@@ -33,12 +34,13 @@ int64_t numel_of(const std::vector<int64_t>& sizes) {
   return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<>());
 }
 
-Tensor random_tensor(const std::vector<int64_t>& sizes, DType dtype, uint64_t seed = 1, double lo = -2.0,
-                     double hi = 2.0) {
+Tensor random_tensor(const std::vector<int64_t>& sizes, DType dtype, uint64_t seed = 1,
+                     double lo = -2.0, double hi = 2.0) {
   return tensor<double>(random_values(numel_of(sizes), seed, lo, hi), sizes).to(dtype);
 }
 
-Tensor int_tensor(const std::vector<int64_t>& sizes, DType dtype, uint64_t seed = 1, int lo = -5, int hi = 6) {
+Tensor int_tensor(const std::vector<int64_t>& sizes, DType dtype, uint64_t seed = 1, int lo = -5,
+                  int hi = 6) {
   auto v = random_values(numel_of(sizes), seed, lo, hi);
   for (auto& e : v) e = std::floor(e);
   return tensor<double>(v, sizes).to(dtype);
@@ -97,11 +99,15 @@ std::vector<double> each(const Groups& g, F f) {
   return out;
 }
 
-double ref_sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+double ref_sum(const std::vector<double>& v) {
+  return std::accumulate(v.begin(), v.end(), 0.0);
+}
 double ref_prod(const std::vector<double>& v) {
   return std::accumulate(v.begin(), v.end(), 1.0, std::multiplies<>());
 }
-double ref_mean(const std::vector<double>& v) { return ref_sum(v) / static_cast<double>(v.size()); }
+double ref_mean(const std::vector<double>& v) {
+  return ref_sum(v) / static_cast<double>(v.size());
+}
 double ref_max(const std::vector<double>& v) {
   double m = -kInf;
   for (double e : v) {
@@ -130,7 +136,8 @@ double ref_argmax(const std::vector<double>& v, bool is_max = true) {
 double ref_var(const std::vector<double>& v, int64_t correction) {
   double m = ref_mean(v), ss = 0;
   for (double e : v) ss += (e - m) * (e - m);
-  return ss / static_cast<double>(std::max<int64_t>(0, static_cast<int64_t>(v.size()) - correction));
+  return ss /
+         static_cast<double>(std::max<int64_t>(0, static_cast<int64_t>(v.size()) - correction));
 }
 double ref_norm(const std::vector<double>& v, double p) {
   if (std::isinf(p)) {
@@ -184,7 +191,8 @@ std::vector<double> ref_softmax(const std::vector<double>& v, bool log) {
   return r;
 }
 
-const std::vector<std::vector<int64_t>> kDimLists = {{}, {0}, {1}, {2}, {-1}, {0, 2}, {1, 2}, {-3, -2}, {0, 1, 2}};
+const std::vector<std::vector<int64_t>> kDimLists = {{},     {0},    {1},      {2},      {-1},
+                                                     {0, 2}, {1, 2}, {-3, -2}, {0, 1, 2}};
 
 // Inputs of shape (3, 4, 5) in several layouts: contiguous, permuted, sliced with a step,
 // broadcast along dim 1.
@@ -211,7 +219,8 @@ TEST(ReduceSum, MatchesReferenceForEveryDimListLayoutAndKeepdim) {
           Groups g = group(x, dims, keepdim);
           Tensor r = sum(x, dims, keepdim);
           EXPECT_EQ(r.dtype(), dtype);
-          EXPECT_TRUE(matches(r, g.out_sizes, each(g, ref_sum))) << name << " " << shape_str(dims) << " " << keepdim;
+          EXPECT_TRUE(matches(r, g.out_sizes, each(g, ref_sum)))
+              << name << " " << shape_str(dims) << " " << keepdim;
         }
       }
     }
@@ -310,7 +319,8 @@ TEST(ReduceMean, MatchesReferenceAndRejectsIntegers) {
     int_tensor({3}, kInt64).mean();
     FAIL() << "mean of int64 should throw";
   } catch (const DTypeError& e) {
-    EXPECT_NE(std::string(e.what()).find("[kiln::mean] could not infer output dtype"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("[kiln::mean] could not infer output dtype"),
+              std::string::npos);
     EXPECT_NE(std::string(e.what()).find("Got: Long"), std::string::npos);
   }
   EXPECT_THROW(tensor<bool>({true}).mean(), DTypeError);
@@ -318,7 +328,8 @@ TEST(ReduceMean, MatchesReferenceAndRejectsIntegers) {
 
 TEST(ReduceProd, MatchesReferenceWithIntegerPromotionAndEmptyIsOne) {
   Tensor x = random_tensor({3, 4, 5}, kFloat64, 31, 0.5, 1.5);
-  for (std::optional<int64_t> dim : {std::optional<int64_t>{}, std::optional<int64_t>{0}, std::optional<int64_t>{-1}}) {
+  for (std::optional<int64_t> dim :
+       {std::optional<int64_t>{}, std::optional<int64_t>{0}, std::optional<int64_t>{-1}}) {
     for (bool keepdim : {false, true}) {
       Groups g = group(x, dim ? std::vector<int64_t>{*dim} : std::vector<int64_t>{}, keepdim);
       EXPECT_TRUE(matches(prod(x, dim, keepdim), g.out_sizes, each(g, ref_prod)));
@@ -391,10 +402,14 @@ TEST(ReduceExtrema, MaxOverDimReturnsValuesAndFirstIndexOfTies) {
           EXPECT_EQ(imx.dtype(), kInt64);
           EXPECT_TRUE(matches(mx, g.out_sizes, each(g, ref_max)));
           EXPECT_TRUE(matches(mn, g.out_sizes, each(g, ref_min)));
-          EXPECT_TRUE(matches(imx, g.out_sizes, each(g, [](const auto& v) { return ref_argmax(v, true); })));
-          EXPECT_TRUE(matches(imn, g.out_sizes, each(g, [](const auto& v) { return ref_argmax(v, false); })));
-          EXPECT_TRUE(matches(argmax(in, dim, keepdim), g.out_sizes, each(g, [](const auto& v) { return ref_argmax(v, true); })));
-          EXPECT_TRUE(matches(argmin(in, dim, keepdim), g.out_sizes, each(g, [](const auto& v) { return ref_argmax(v, false); })));
+          EXPECT_TRUE(matches(imx, g.out_sizes,
+                              each(g, [](const auto& v) { return ref_argmax(v, true); })));
+          EXPECT_TRUE(matches(imn, g.out_sizes,
+                              each(g, [](const auto& v) { return ref_argmax(v, false); })));
+          EXPECT_TRUE(matches(argmax(in, dim, keepdim), g.out_sizes,
+                              each(g, [](const auto& v) { return ref_argmax(v, true); })));
+          EXPECT_TRUE(matches(argmin(in, dim, keepdim), g.out_sizes,
+                              each(g, [](const auto& v) { return ref_argmax(v, false); })));
         }
       }
     }
@@ -431,7 +446,8 @@ TEST(ReduceExtrema, EmptyReductionsThrow) {
     e.max(1);
     FAIL() << "max over an empty dim should throw";
   } catch (const IndexError& err) {
-    EXPECT_NE(std::string(err.what()).find("Expected reduction dim 1 to have non-zero size."), std::string::npos);
+    EXPECT_NE(std::string(err.what()).find("Expected reduction dim 1 to have non-zero size."),
+              std::string::npos);
   }
   EXPECT_THROW(e.amax(), IndexError);
   EXPECT_THROW(e.amin({1}), IndexError);
@@ -456,9 +472,11 @@ TEST(ReduceMoments, VarStdVarMeanMatchReferenceForCorrections) {
           auto var_ref = each(g, [&](const auto& v) { return ref_var(v, correction); });
           auto std_ref = var_ref;
           for (auto& e : std_ref) e = std::sqrt(e);
-          Tolerance tol = dtype == kFloat16 ? Tolerance{2e-3, 2e-3} : kiln::testing::tolerance_for(dtype);
+          Tolerance tol =
+              dtype == kFloat16 ? Tolerance{2e-3, 2e-3} : kiln::testing::tolerance_for(dtype);
           EXPECT_TRUE(matches(var(x0, dims, correction, true), g.out_sizes, var_ref, tol)) << name;
-          EXPECT_TRUE(matches(kiln::std(x0, dims, correction, true), g.out_sizes, std_ref, tol)) << name;
+          EXPECT_TRUE(matches(kiln::std(x0, dims, correction, true), g.out_sizes, std_ref, tol))
+              << name;
           auto [v, m] = var_mean(x0, dims, correction, true);
           EXPECT_TRUE(matches(v, g.out_sizes, var_ref, tol));
           EXPECT_TRUE(matches(m, g.out_sizes, each(g, ref_mean), tol));
@@ -505,7 +523,8 @@ TEST(ReduceNorm, EveryOrderMatchesReference) {
       for (double p : {2.0, 1.0, kInf, -kInf, 0.0, 3.0, 0.5, -1.5}) {
         for (const auto& dims : std::vector<std::vector<int64_t>>{{}, {1}, {0, 2}}) {
           Groups g = group(x, dims);
-          EXPECT_TRUE(matches(norm(x, p, dims), g.out_sizes, each(g, [p](const auto& v) { return ref_norm(v, p); })))
+          EXPECT_TRUE(matches(norm(x, p, dims), g.out_sizes,
+                              each(g, [p](const auto& v) { return ref_norm(v, p); })))
               << name << " p=" << p;
         }
       }
@@ -551,8 +570,12 @@ TEST(ReduceLogsumexp, IsStableAndHandlesInfinities) {
 // ---------------------------------------------------------------------------------------------
 
 TEST(ReduceAnyAll, MatchReferenceForDtypesDimsAndEmpty) {
-  auto any_ref = [](const auto& v) { return std::any_of(v.begin(), v.end(), [](double e) { return e != 0; }) ? 1.0 : 0.0; };
-  auto all_ref = [](const auto& v) { return std::all_of(v.begin(), v.end(), [](double e) { return e != 0; }) ? 1.0 : 0.0; };
+  auto any_ref = [](const auto& v) {
+    return std::any_of(v.begin(), v.end(), [](double e) { return e != 0; }) ? 1.0 : 0.0;
+  };
+  auto all_ref = [](const auto& v) {
+    return std::all_of(v.begin(), v.end(), [](double e) { return e != 0; }) ? 1.0 : 0.0;
+  };
   for (DType dtype : {kFloat32, kInt32, kBool, kFloat16}) {
     Tensor x = int_tensor({4, 5, 6}, dtype, 91, dtype == kBool ? 0 : -1, 2);
     for (Tensor in : {x, x.permute({2, 0, 1})}) {
@@ -587,7 +610,8 @@ TEST(ReduceCumsum, MatchesReferenceAlongEveryDim) {
   for (DType dtype : {kFloat32, kFloat64, kBFloat16}) {
     for (auto& [name, x] : layouts(dtype)) {
       for (int64_t dim : {0, 1, 2, -1}) {
-        EXPECT_TRUE(matches(x.cumsum(dim), x.sizes().vec(), along(x, dim, ref_cumsum))) << name << " " << dim;
+        EXPECT_TRUE(matches(x.cumsum(dim), x.sizes().vec(), along(x, dim, ref_cumsum)))
+            << name << " " << dim;
       }
     }
   }
@@ -609,20 +633,26 @@ TEST(ReduceSoftmax, SoftmaxAndLogSoftmaxMatchReferenceAlongEveryDim) {
   for (DType dtype : {kFloat32, kFloat64, kFloat16, kBFloat16}) {
     for (auto& [name, x] : layouts(dtype)) {
       for (int64_t dim : {0, 1, 2, -1}) {
-        EXPECT_TRUE(matches(softmax(x, dim), x.sizes().vec(), along(x, dim, [](const auto& v) { return ref_softmax(v, false); })))
+        EXPECT_TRUE(matches(softmax(x, dim), x.sizes().vec(),
+                            along(x, dim, [](const auto& v) { return ref_softmax(v, false); })))
             << name << " " << dim;
-        EXPECT_TRUE(matches(log_softmax(x, dim), x.sizes().vec(), along(x, dim, [](const auto& v) { return ref_softmax(v, true); })))
+        EXPECT_TRUE(matches(log_softmax(x, dim), x.sizes().vec(),
+                            along(x, dim, [](const auto& v) { return ref_softmax(v, true); })))
             << name << " " << dim;
       }
     }
   }
   // Long rows (the pairwise sum) and wide columns (the vector-lane path).
   Tensor rows = random_tensor({3, 5000}, kFloat32, 111, -10.0, 10.0);
-  EXPECT_TRUE(matches(rows.softmax(1), {3, 5000}, along(rows, 1, [](const auto& v) { return ref_softmax(v, false); })));
-  EXPECT_TRUE(matches(rows.log_softmax(1), {3, 5000}, along(rows, 1, [](const auto& v) { return ref_softmax(v, true); })));
+  EXPECT_TRUE(matches(rows.softmax(1), {3, 5000},
+                      along(rows, 1, [](const auto& v) { return ref_softmax(v, false); })));
+  EXPECT_TRUE(matches(rows.log_softmax(1), {3, 5000},
+                      along(rows, 1, [](const auto& v) { return ref_softmax(v, true); })));
   Tensor cols = random_tensor({2, 300, 100}, kFloat32, 112, -10.0, 10.0);
-  EXPECT_TRUE(matches(cols.softmax(1), {2, 300, 100}, along(cols, 1, [](const auto& v) { return ref_softmax(v, false); })));
-  EXPECT_TRUE(matches(cols.log_softmax(1), {2, 300, 100}, along(cols, 1, [](const auto& v) { return ref_softmax(v, true); })));
+  EXPECT_TRUE(matches(cols.softmax(1), {2, 300, 100},
+                      along(cols, 1, [](const auto& v) { return ref_softmax(v, false); })));
+  EXPECT_TRUE(matches(cols.log_softmax(1), {2, 300, 100},
+                      along(cols, 1, [](const auto& v) { return ref_softmax(v, true); })));
 }
 
 TEST(ReduceSoftmax, IsStableForLargeAndInfiniteInputs) {
@@ -694,17 +724,21 @@ TEST(ReduceMethods, MethodFormsMatchReference) {
   EXPECT_TRUE(matches(x.min(), {}, each(all_g, ref_min)));
   EXPECT_TRUE(matches(std::get<0>(x.min(1)), g.out_sizes, each(g, ref_min)));
   EXPECT_TRUE(matches(x.amin({1}), g.out_sizes, each(g, ref_min)));
-  EXPECT_TRUE(matches(x.argmin(1), g.out_sizes, each(g, [](const auto& v) { return ref_argmax(v, false); })));
-  EXPECT_TRUE(matches(x.std({1}), g.out_sizes, each(g, [](const auto& v) { return std::sqrt(ref_var(v, 1)); })));
-  EXPECT_TRUE(matches(x.var({1}), g.out_sizes, each(g, [](const auto& v) { return ref_var(v, 1); })));
-  EXPECT_TRUE(matches(x.norm(1, {1}), g.out_sizes, each(g, [](const auto& v) { return ref_norm(v, 1); })));
+  EXPECT_TRUE(matches(x.argmin(1), g.out_sizes,
+                      each(g, [](const auto& v) { return ref_argmax(v, false); })));
+  EXPECT_TRUE(matches(x.std({1}), g.out_sizes,
+                      each(g, [](const auto& v) { return std::sqrt(ref_var(v, 1)); })));
+  EXPECT_TRUE(
+      matches(x.var({1}), g.out_sizes, each(g, [](const auto& v) { return ref_var(v, 1); })));
+  EXPECT_TRUE(
+      matches(x.norm(1, {1}), g.out_sizes, each(g, [](const auto& v) { return ref_norm(v, 1); })));
   EXPECT_TRUE(matches(x.logsumexp({1}), g.out_sizes, each(g, ref_logsumexp)));
   EXPECT_TRUE(matches(x.all(), {}, {1.0}));
 }
 
 TEST(ReduceErrors, BadInputsThrowTheRightKind) {
   Tensor x = zeros({2, 3, 4});
-  EXPECT_THROW(x.sum({3}), IndexError);       // dim out of range
+  EXPECT_THROW(x.sum({3}), IndexError);  // dim out of range
   EXPECT_THROW(x.sum({-4}), IndexError);
   EXPECT_THROW(x.mean({0, -3}), ValueError);  // repeated dim
   EXPECT_THROW(x.amax({1, 1}), ValueError);
@@ -736,10 +770,12 @@ TEST(ReduceLeaves, ResultsMergeCorrectlyAcrossLeavesAndLayouts) {
   EXPECT_TRUE(matches(logsumexp(rows, {1}), g.out_sizes, each(g, ref_logsumexp)));
   EXPECT_TRUE(matches(rows.amax({1}), g.out_sizes, each(g, ref_max)));
   EXPECT_TRUE(matches(rows.amin({1}), g.out_sizes, each(g, ref_min)));
-  EXPECT_TRUE(matches(argmax(rows, 1), g.out_sizes, each(g, [](const auto& e) { return ref_argmax(e, true); })));
+  EXPECT_TRUE(matches(argmax(rows, 1), g.out_sizes,
+                      each(g, [](const auto& e) { return ref_argmax(e, true); })));
   v[20000 + 12000] = kInf;  // row 1: +inf after the -inf leaves
   Tensor with_inf = tensor<double>(v, {3, 20000}).to(kFloat32);
-  EXPECT_TRUE(matches(logsumexp(with_inf, {1}), g.out_sizes, each(group(with_inf, {1}), ref_logsumexp)));
+  EXPECT_TRUE(
+      matches(logsumexp(with_inf, {1}), g.out_sizes, each(group(with_inf, {1}), ref_logsumexp)));
 
   Tensor tall = random_tensor({300, 70}, kFloat32, 142, -20.0, 20.0);
   Tensor tall_nan = tall.clone();
@@ -749,18 +785,23 @@ TEST(ReduceLeaves, ResultsMergeCorrectlyAcrossLeavesAndLayouts) {
     EXPECT_TRUE(matches(logsumexp(t, {0}), gt.out_sizes, each(gt, ref_logsumexp)));
     EXPECT_TRUE(matches(t.amax({0}), gt.out_sizes, each(gt, ref_max)));
     EXPECT_TRUE(matches(t.amin({0}), gt.out_sizes, each(gt, ref_min)));
-    EXPECT_TRUE(matches(t.var({0}), gt.out_sizes, each(gt, [](const auto& e) { return ref_var(e, 1); })));
+    EXPECT_TRUE(
+        matches(t.var({0}), gt.out_sizes, each(gt, [](const auto& e) { return ref_var(e, 1); })));
     EXPECT_TRUE(matches(t.sum({0}), gt.out_sizes, each(gt, ref_sum)));
-    EXPECT_TRUE(matches(argmin(t, 0), gt.out_sizes, each(gt, [](const auto& e) { return ref_argmax(e, false); })));
+    EXPECT_TRUE(matches(argmin(t, 0), gt.out_sizes,
+                        each(gt, [](const auto& e) { return ref_argmax(e, false); })));
   }
   // Few rows, many columns (one vertical leaf per block), and a wide bool any/all.
   Tensor wide = random_tensor({16, 5000}, kFloat64, 143);
   Groups gw = group(wide, {0});
   EXPECT_TRUE(matches(wide.sum({0}), gw.out_sizes, each(gw, ref_sum)));
-  EXPECT_TRUE(matches(wide.norm(2, {0}), gw.out_sizes, each(gw, [](const auto& e) { return ref_norm(e, 2); })));
+  EXPECT_TRUE(matches(wide.norm(2, {0}), gw.out_sizes,
+                      each(gw, [](const auto& e) { return ref_norm(e, 2); })));
   Tensor flags = int_tensor({70, 300}, kBool, 144, 0, 2);
   Groups gf = group(flags, {0});
-  auto any_ref = [](const auto& e) { return std::any_of(e.begin(), e.end(), [](double d) { return d != 0; }) ? 1.0 : 0.0; };
+  auto any_ref = [](const auto& e) {
+    return std::any_of(e.begin(), e.end(), [](double d) { return d != 0; }) ? 1.0 : 0.0;
+  };
   EXPECT_TRUE(matches(any(flags, 0), gf.out_sizes, each(gf, any_ref)));
   EXPECT_TRUE(matches(flags.sum({0}), gf.out_sizes, each(gf, ref_sum)));
 }
@@ -798,5 +839,34 @@ TEST(ReduceLayouts, ManyDimsThatDoNotMergeStillReduceCorrectly) {
     EXPECT_TRUE(matches(x.amax(dims), g.out_sizes, each(g, ref_max)));
   }
   Groups g = group(x, {5});
-  EXPECT_TRUE(matches(argmax(x, 5), g.out_sizes, each(g, [](const auto& e) { return ref_argmax(e, true); })));
+  EXPECT_TRUE(matches(argmax(x, 5), g.out_sizes,
+                      each(g, [](const auto& e) { return ref_argmax(e, true); })));
+}
+
+TEST(ReduceLayouts, KernelsWriteIntoStridedOutputs) {
+  // The out= path of the op table hands kernels outputs that may be strided.
+  Tensor x = random_tensor({4, 5, 6}, kFloat32, 161);
+  Groups g = group(x, {1});
+  Tensor out = zeros({6, 4}).t();
+  Tensor outs[1] = {out};
+  call_op_out(*OpTable::instance().find("sum"), {x}, {std::vector<int64_t>{1}, false, Attr()},
+              outs);
+  EXPECT_TRUE(matches(out, g.out_sizes, each(g, ref_sum)));
+  Tensor values = zeros({6, 4}).t(), indices = zeros({6, 4}, kInt64).t();
+  Tensor pair[2] = {values, indices};
+  call_op_out(*OpTable::instance().find("max.dim"), {x}, {int64_t{1}, false}, pair);
+  EXPECT_TRUE(matches(values, g.out_sizes, each(g, ref_max)));
+  EXPECT_TRUE(
+      matches(indices, g.out_sizes, each(g, [](const auto& e) { return ref_argmax(e, true); })));
+  Tensor var_out = zeros({6, 4}).t(), mean_out = zeros({6, 4}).t();
+  Tensor moments[2] = {var_out, mean_out};
+  call_op_out(*OpTable::instance().find("var_mean"), {x},
+              {std::vector<int64_t>{1}, int64_t{1}, false}, moments);
+  EXPECT_TRUE(matches(var_out, g.out_sizes, each(g, [](const auto& e) { return ref_var(e, 1); })));
+  EXPECT_TRUE(matches(mean_out, g.out_sizes, each(g, ref_mean)));
+  Tensor soft = zeros({6, 5, 4}).permute({2, 1, 0});
+  Tensor soft_out[1] = {soft};
+  call_op_out(*OpTable::instance().find("softmax"), {x}, {int64_t{1}, Attr()}, soft_out);
+  EXPECT_TRUE(
+      matches(soft, {4, 5, 6}, along(x, 1, [](const auto& v) { return ref_softmax(v, false); })));
 }

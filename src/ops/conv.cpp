@@ -2,7 +2,19 @@
 // adaptive_avg_pool2d. The string-padding conv2d ("same"/"valid") is a front-end over conv2d.
 // Inputs and outputs are plain NCHW tensors; the kernels (oneDNN, with loop fallbacks) choose
 // their own internal layouts.
+//
+// Derivatives (PyTorch's) go through backward table ops with their own kernels:
+// convolution_backward (input, weight and bias gradients, as output_mask asks),
+// max_pool2d_with_indices_backward, avg_pool2d_backward and adaptive_avg_pool2d_backward. Each
+// backward op is linear in its gradient input, and its own derivative is written with the forward
+// ops, so double backward works through all of them. The max_pool2d front-end runs
+// max_pool2d_with_indices when autograd records (as aten does), so backward reuses the indices.
+//
+// A backward op's output that output_mask does not ask for has shape (0) and is never returned as
+// a gradient (aten returns an undefined tensor there).
 #include <array>
+
+#include "kiln/autograd.h"
 
 #include "core/shape.h"
 #include "kiln/op_table.h"
@@ -51,77 +63,172 @@ void check_same_device(const std::string& op, std::initializer_list<const Tensor
 
 // conv2d(input, weight, bias?, stride, padding, dilation, groups): input (N, C, H, W), weight
 // (O, C / groups, kH, kW), symmetric zero padding.
+const OpDef& convolution_backward_op();
+
+// Validates conv2d's operands and parameters (attrs 0-3: stride, padding, dilation, groups) and
+// returns the output sizes. `op` names the caller in messages.
+std::vector<int64_t> conv2d_output_sizes(const Tensor& x, const Tensor& w, const Tensor& b, const AttrAccess& c,
+                                         const std::string& op) {
+  const std::string tag = "[kiln::" + op + "] ";
+  KILN_CHECK(x.dim() == 4, ShapeError,
+             tag + "expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size " +
+                 shape_str(x.sizes()) + ".");
+  KILN_CHECK(w.dim() == 4, ShapeError,
+             tag + "weight must be 4-D (out_channels, in_channels / groups, kH, kW), but got shape " +
+                 shape_str(w.sizes()) + ".");
+  check_same_device(op, {&x, &w, &b});
+  KILN_CHECK(is_floating_point(x.dtype()), DTypeError,
+             tag + "not implemented for dtype " + dtype_str(x.dtype()) + ". Convert the input to a floating-point dtype.");
+  KILN_CHECK(w.dtype() == x.dtype(), DTypeError,
+             tag + "input type (" + dtype_str(x.dtype()) + ") and weight type (" + dtype_str(w.dtype()) +
+                 ") should be the same. Convert one with .to(...).");
+  KILN_CHECK(!b.defined() || b.dtype() == x.dtype(), DTypeError,
+             tag + "input type (" + dtype_str(x.dtype()) + ") and bias type (" + dtype_str(b.dtype()) +
+                 ") should be the same. Convert one with .to(...).");
+  Pair stride = expand_pair(c.ints_attr(0), op, "stride");
+  Pair padding = expand_pair(c.ints_attr(1), op, "padding");
+  Pair dilation = expand_pair(c.ints_attr(2), op, "dilation");
+  const int64_t groups = c.int_attr(3);
+  KILN_CHECK(groups > 0, ValueError, tag + "non-positive groups is not supported (got " + std::to_string(groups) + ").");
+  KILN_CHECK(stride[0] > 0 && stride[1] > 0, ValueError,
+             tag + "non-positive stride is not supported (got " + pair_str(stride) + ").");
+  KILN_CHECK(padding[0] >= 0 && padding[1] >= 0, ValueError,
+             tag + "negative padding is not supported (got " + pair_str(padding) + ").");
+  KILN_CHECK(dilation[0] > 0 && dilation[1] > 0, ValueError,
+             tag + "dilation should be greater than zero (got " + pair_str(dilation) + ").");
+  const int64_t out_channels = w.sizes()[0];
+  KILN_CHECK(w.sizes()[2] > 0 && w.sizes()[3] > 0, ShapeError,
+             tag + "kernel size must be positive, but weight has shape " + shape_str(w.sizes()) + ".");
+  KILN_CHECK(out_channels % groups == 0, ShapeError,
+             tag + "given groups=" + std::to_string(groups) + ", expected weight to be divisible by " +
+                 std::to_string(groups) + " at dimension 0, but got weight of size " + shape_str(w.sizes()) +
+                 " instead.");
+  KILN_CHECK(x.sizes()[1] == w.sizes()[1] * groups, ShapeError,
+             tag + "given groups=" + std::to_string(groups) + ", weight of size " + shape_str(w.sizes()) +
+                 ", expected input " + shape_str(x.sizes()) + " to have " + std::to_string(w.sizes()[1] * groups) +
+                 " channels, but got " + std::to_string(x.sizes()[1]) + " channels instead.");
+  KILN_CHECK(!b.defined() || (b.dim() == 1 && b.sizes()[0] == out_channels), ShapeError,
+             tag + "given weight of size " + shape_str(w.sizes()) + ", expected bias to be 1-dimensional with " +
+                 std::to_string(out_channels) + " elements, but got bias of size " +
+                 (b.defined() ? shape_str(b.sizes()) : "") + " instead.");
+  std::vector<int64_t> sizes{x.sizes()[0], out_channels, 0, 0};
+  for (int d = 0; d < 2; ++d) {
+    const int64_t padded = x.sizes()[2 + d] + 2 * padding[d];
+    const int64_t kernel = dilation[d] * (w.sizes()[2 + d] - 1) + 1;
+    KILN_CHECK(padded >= kernel, ShapeError,
+               tag + "calculated padded input size per channel: (" + std::to_string(x.sizes()[2] + 2 * padding[0]) +
+                   " x " + std::to_string(x.sizes()[3] + 2 * padding[1]) + "). Kernel size: (" +
+                   std::to_string(dilation[0] * (w.sizes()[2] - 1) + 1) + " x " +
+                   std::to_string(dilation[1] * (w.sizes()[3] - 1) + 1) +
+                   "). Kernel size can't be greater than actual input size.");
+    sizes[2 + d] = (padded - kernel) / stride[d] + 1;
+  }
+  return sizes;
+}
+
+// conv2d(input, weight, bias?, stride, padding, dilation, groups): input (N, C, H, W), weight
+// (O, C / groups, kH, kW), symmetric zero padding.
 const OpDef& kConv2d = register_op({
     .name = "conv2d",
     .schema = "conv2d(Tensor input, Tensor weight, Tensor? bias=None, int[2] stride=1, int[2] padding=0, "
               "int[2] dilation=1, int groups=1) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
-      const Tensor& w = c.input(1);
-      const Tensor& b = c.input(2);
-      KILN_CHECK(x.dim() == 4, ShapeError,
-                 "[kiln::conv2d] expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of "
-                 "size " + shape_str(x.sizes()) + ".");
-      KILN_CHECK(w.dim() == 4, ShapeError,
-                 "[kiln::conv2d] weight must be 4-D (out_channels, in_channels / groups, kH, kW), but got "
-                 "shape " + shape_str(w.sizes()) + ".");
-      check_same_device("conv2d", {&x, &w, &b});
-      KILN_CHECK(is_floating_point(x.dtype()), DTypeError,
-                 "[kiln::conv2d] not implemented for dtype " + dtype_str(x.dtype()) +
-                     ". Convert the input to a floating-point dtype.");
-      KILN_CHECK(w.dtype() == x.dtype(), DTypeError,
-                 "[kiln::conv2d] input type (" + dtype_str(x.dtype()) + ") and weight type (" +
-                     dtype_str(w.dtype()) + ") should be the same. Convert one with .to(...).");
-      KILN_CHECK(!b.defined() || b.dtype() == x.dtype(), DTypeError,
-                 "[kiln::conv2d] input type (" + dtype_str(x.dtype()) + ") and bias type (" +
-                     dtype_str(b.dtype()) + ") should be the same. Convert one with .to(...).");
-      Pair stride = expand_pair(c.ints_attr(0), "conv2d", "stride");
-      Pair padding = expand_pair(c.ints_attr(1), "conv2d", "padding");
-      Pair dilation = expand_pair(c.ints_attr(2), "conv2d", "dilation");
-      const int64_t groups = c.int_attr(3);
-      KILN_CHECK(groups > 0, ValueError, "[kiln::conv2d] non-positive groups is not supported (got " +
-                                             std::to_string(groups) + ").");
-      KILN_CHECK(stride[0] > 0 && stride[1] > 0, ValueError,
-                 "[kiln::conv2d] non-positive stride is not supported (got " + pair_str(stride) + ").");
-      KILN_CHECK(padding[0] >= 0 && padding[1] >= 0, ValueError,
-                 "[kiln::conv2d] negative padding is not supported (got " + pair_str(padding) + ").");
-      KILN_CHECK(dilation[0] > 0 && dilation[1] > 0, ValueError,
-                 "[kiln::conv2d] dilation should be greater than zero (got " + pair_str(dilation) + ").");
-      const int64_t out_channels = w.sizes()[0];
-      KILN_CHECK(w.sizes()[2] > 0 && w.sizes()[3] > 0, ShapeError,
-                 "[kiln::conv2d] kernel size must be positive, but weight has shape " + shape_str(w.sizes()) + ".");
-      KILN_CHECK(out_channels % groups == 0, ShapeError,
-                 "[kiln::conv2d] given groups=" + std::to_string(groups) + ", expected weight to be divisible by " +
-                     std::to_string(groups) + " at dimension 0, but got weight of size " + shape_str(w.sizes()) +
-                     " instead.");
-      KILN_CHECK(x.sizes()[1] == w.sizes()[1] * groups, ShapeError,
-                 "[kiln::conv2d] given groups=" + std::to_string(groups) + ", weight of size " +
-                     shape_str(w.sizes()) + ", expected input " + shape_str(x.sizes()) + " to have " +
-                     std::to_string(w.sizes()[1] * groups) + " channels, but got " +
-                     std::to_string(x.sizes()[1]) + " channels instead.");
-      KILN_CHECK(!b.defined() || (b.dim() == 1 && b.sizes()[0] == out_channels), ShapeError,
-                 "[kiln::conv2d] given weight of size " + shape_str(w.sizes()) +
-                     ", expected bias to be 1-dimensional with " + std::to_string(out_channels) +
-                     " elements, but got bias of size " + (b.defined() ? shape_str(b.sizes()) : "") + " instead.");
-      std::vector<int64_t> sizes{x.sizes()[0], out_channels, 0, 0};
-      for (int d = 0; d < 2; ++d) {
-        const int64_t padded = x.sizes()[2 + d] + 2 * padding[d];
-        const int64_t kernel = dilation[d] * (w.sizes()[2 + d] - 1) + 1;
-        KILN_CHECK(padded >= kernel, ShapeError,
-                   "[kiln::conv2d] calculated padded input size per channel: (" +
-                       std::to_string(x.sizes()[2] + 2 * padding[0]) + " x " +
-                       std::to_string(x.sizes()[3] + 2 * padding[1]) + "). Kernel size: (" +
-                       std::to_string(dilation[0] * (w.sizes()[2] - 1) + 1) + " x " +
-                       std::to_string(dilation[1] * (w.sizes()[3] - 1) + 1) +
-                       "). Kernel size can't be greater than actual input size.");
-        sizes[2 + d] = (padded - kernel) / stride[d] + 1;
-      }
-      return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
+      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d"), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "input, weight, bias: convolution_backward(grad, input, weight, stride, padding, "
+                              "dilation, groups, output_mask)",
+                   .save_inputs = {0, 1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const std::vector<int64_t> mask{c.needs_grad(0), c.needs_grad(1), c.needs_grad(2)};
+                     if (!mask[0] && !mask[1] && !mask[2]) return {};
+                     TensorList g = call_op(convolution_backward_op(), {c.grad(), c.input(0), c.input(1)},
+                                            {c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3], mask});
+                     for (int i = 0; i < 3; ++i)
+                       if (!mask[i]) g[i] = Tensor();
+                     return g;
+                   }},
     .lowering = "extern",
 });
 
+// convolution_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask)
+// -> (grad_input, grad_weight, grad_bias). output_mask holds three 0/1 flags.
+const OpDef& kConvolutionBackward = register_op({
+    .name = "convolution_backward",
+    .schema = "convolution_backward(Tensor grad_output, Tensor input, Tensor weight, int[2] stride, int[2] padding, "
+              "int[2] dilation, int groups, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& grad = c.input(0);
+      const Tensor& x = c.input(1);
+      const Tensor& w = c.input(2);
+      auto sizes = conv2d_output_sizes(x, w, Tensor(), c, "convolution_backward");
+      check_same_device("convolution_backward", {&grad, &x});
+      KILN_CHECK(grad.sizes() == IntArrayRef(sizes), ShapeError,
+                 "[kiln::convolution_backward] grad_output has shape " + shape_str(grad.sizes()) +
+                     " but the convolution's output has shape " + shape_str(sizes) + ". Pass the gradient of conv2d's "
+                     "output.");
+      KILN_CHECK(grad.dtype() == x.dtype(), DTypeError,
+                 "[kiln::convolution_backward] grad_output type (" + dtype_str(grad.dtype()) +
+                     ") and input type (" + dtype_str(x.dtype()) + ") should be the same. Convert one with .to(...).");
+      IntArrayRef mask = c.ints_attr(4);
+      KILN_CHECK(mask.size() == 3, ValueError,
+                 "[kiln::convolution_backward] output_mask must have 3 entries (input, weight, bias), got " +
+                     std::to_string(mask.size()) + ".");
+      auto masked = [&](int i, std::vector<int64_t> s) { return mask[i] ? s : std::vector<int64_t>{0}; };
+      return {TensorMeta{masked(0, x.sizes().vec()), {}, x.dtype(), x.device()},
+              TensorMeta{masked(1, w.sizes().vec()), {}, x.dtype(), x.device()},
+              TensorMeta{masked(2, {w.sizes()[0]}), {}, x.dtype(), x.device()}};
+    },
+    // Each output is bilinear: grad_input = Bx(grad_output, weight), grad_weight = Bw(grad_output,
+    // input), grad_bias = sum(grad_output). The adjoints of Bx and Bw in grad_output are
+    // convolutions; in weight and input they are convolution_backward again.
+    .derivative = {.formula = "grad_output: conv2d(ggI, weight) + conv2d(input, ggW) + ggb; "
+                              "input: convolution_backward(grad_output, input, ggW)[0]; "
+                              "weight: convolution_backward(grad_output, ggI, weight)[1]",
+                   .save_inputs = {0, 1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     IntArrayRef mask = c.ints_attr(4);
+                     const Tensor& grad_output = c.input(0);
+                     const Tensor& x = c.input(1);
+                     const Tensor& w = c.input(2);
+                     const Tensor& ggi = c.grad(0);
+                     const Tensor& ggw = c.grad(1);
+                     const Tensor& ggb = c.grad(2);
+                     TensorList g(3);
+                     if (c.needs_grad(0)) {
+                       Tensor go;
+                       auto accumulate = [&](const Tensor& t) { go = go.defined() ? add(go, t) : t; };
+                       if (mask[0]) accumulate(conv2d(ggi, w, Tensor(), c.ints_attr(0), c.ints_attr(1), c.ints_attr(2),
+                                                      c.int_attr(3)));
+                       if (mask[1]) accumulate(conv2d(x, ggw, Tensor(), c.ints_attr(0), c.ints_attr(1), c.ints_attr(2),
+                                                      c.int_attr(3)));
+                       if (mask[2]) {
+                         Tensor b = ggb.view({1, ggb.numel(), 1, 1});
+                         go = go.defined() ? add(go, b) : b.expand(grad_output.sizes()).contiguous();
+                       }
+                       g[0] = go;
+                     }
+                     if (c.needs_grad(1) && mask[1])
+                       g[1] = call_op(convolution_backward_op(), {grad_output, x, ggw},
+                                      {c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3], std::vector<int64_t>{1, 0, 0}})[0];
+                     if (c.needs_grad(2) && mask[0])
+                       g[2] = call_op(convolution_backward_op(), {grad_output, ggi, w},
+                                      {c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3], std::vector<int64_t>{0, 1, 0}})[1];
+                     return g;
+                   }},
+    .lowering = "extern",
+});
+
+const OpDef& convolution_backward_op() { return kConvolutionBackward; }
+
 // ---------------- pooling ----------------
+
+const OpDef& max_pool2d_with_indices_op();
+const OpDef& max_pool2d_with_indices_backward_op();
+const OpDef& avg_pool2d_op();
+const OpDef& avg_pool2d_backward_op();
+const OpDef& adaptive_avg_pool2d_op();
+const OpDef& adaptive_avg_pool2d_backward_op();
 
 struct PoolParams {
   Pair kernel, stride, padding, dilation;
@@ -137,17 +244,15 @@ int64_t pooled_size(int64_t in, int64_t kernel, int64_t pad, int64_t stride, int
   return out;
 }
 
-void check_pool_input(const Tensor& x, const std::string& op) {
-  KILN_CHECK((x.dim() == 3 || x.dim() == 4) && x.sizes()[x.dim() - 1] > 0 && x.sizes()[x.dim() - 2] > 0 &&
-                 x.sizes()[x.dim() - 3] > 0,
-             ShapeError,
-             "[kiln::" + op + "] expected 3D or 4D (batch mode) tensor with optional 0 dim batch size for "
-             "input, but got " + shape_str(x.sizes()) + ".");
+void check_pool_input(IntArrayRef x, const std::string& op, const char* what = "input") {
+  const int64_t d = static_cast<int64_t>(x.size());
+  KILN_CHECK((d == 3 || d == 4) && x[d - 1] > 0 && x[d - 2] > 0 && x[d - 3] > 0, ShapeError,
+             "[kiln::" + op + "] expected 3D or 4D (batch mode) tensor with optional 0 dim batch size for " + what +
+                 ", but got " + shape_str(x) + ".");
 }
 
 // Validates the window parameters and returns the output sizes (input's leading dims kept).
-std::vector<int64_t> pool_output_sizes(const Tensor& x, const PoolParams& p, const std::string& op,
-                                       bool is_max) {
+std::vector<int64_t> pool_output_sizes(IntArrayRef x, const PoolParams& p, const std::string& op, bool is_max) {
   check_pool_input(x, op);
   KILN_CHECK(p.kernel[0] > 0 && p.kernel[1] > 0, ValueError,
              "[kiln::" + op + "] kernel size should be greater than zero, but got " + pair_str(p.kernel) + ".");
@@ -164,27 +269,41 @@ std::vector<int64_t> pool_output_sizes(const Tensor& x, const PoolParams& p, con
                    pair_str(p.padding) + ", kernel_size=" + pair_str(p.kernel) + " and dilation=" +
                    pair_str(p.dilation) + ".");
   }
-  const int64_t h = x.sizes()[x.dim() - 2], w = x.sizes()[x.dim() - 1];
+  const int64_t h = x[x.size() - 2], w = x[x.size() - 1];
   const int64_t oh = pooled_size(h, p.kernel[0], p.padding[0], p.stride[0], p.dilation[0], p.ceil_mode);
   const int64_t ow = pooled_size(w, p.kernel[1], p.padding[1], p.stride[1], p.dilation[1], p.ceil_mode);
   KILN_CHECK(oh >= 1 && ow >= 1, ShapeError,
-             "[kiln::" + op + "] given input size " + shape_str(x.sizes()) + ", the calculated output size (" +
+             "[kiln::" + op + "] given input size " + shape_str(x) + ", the calculated output size (" +
                  std::to_string(oh) + " x " + std::to_string(ow) +
                  ") is too small. Use a smaller kernel, more padding or ceil_mode.");
-  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 2);
+  std::vector<int64_t> sizes(x.begin(), x.end() - 2);
   sizes.push_back(oh);
   sizes.push_back(ow);
   return sizes;
 }
 
-// Attrs: kernel_size, stride (empty: kernel_size), padding, dilation, ceil_mode.
-PoolParams max_pool_params(const OpCall& c, const std::string& op) {
+// Attrs from `first`: kernel_size, stride (empty: kernel_size), padding, dilation, ceil_mode.
+PoolParams max_pool_params(const AttrAccess& c, const std::string& op, size_t first = 0) {
   PoolParams p;
-  p.kernel = expand_pair(c.ints_attr(0), op, "kernel_size");
-  p.stride = c.ints_attr(1).empty() ? p.kernel : expand_pair(c.ints_attr(1), op, "stride");
-  p.padding = expand_pair(c.ints_attr(2), op, "padding");
-  p.dilation = expand_pair(c.ints_attr(3), op, "dilation");
-  p.ceil_mode = c.bool_attr(4);
+  p.kernel = expand_pair(c.ints_attr(first), op, "kernel_size");
+  p.stride = c.ints_attr(first + 1).empty() ? p.kernel : expand_pair(c.ints_attr(first + 1), op, "stride");
+  p.padding = expand_pair(c.ints_attr(first + 2), op, "padding");
+  p.dilation = expand_pair(c.ints_attr(first + 3), op, "dilation");
+  p.ceil_mode = c.bool_attr(first + 4);
+  return p;
+}
+
+// Attrs from `first`: kernel_size, stride (empty: kernel_size), padding, ceil_mode,
+// count_include_pad, divisor_override (None or a non-zero int).
+PoolParams avg_pool_params(const AttrAccess& c, const std::string& op, size_t first = 0) {
+  PoolParams p;
+  p.kernel = expand_pair(c.ints_attr(first), op, "kernel_size");
+  p.stride = c.ints_attr(first + 1).empty() ? p.kernel : expand_pair(c.ints_attr(first + 1), op, "stride");
+  p.padding = expand_pair(c.ints_attr(first + 2), op, "padding");
+  p.dilation = {1, 1};
+  p.ceil_mode = c.bool_attr(first + 3);
+  KILN_CHECK(!c.has_attr(first + 5) || c.int_attr(first + 5) != 0, ValueError,
+             "[kiln::" + op + "] divisor must be not zero. Pass divisor_override = None to divide by the window size.");
   return p;
 }
 
@@ -199,6 +318,20 @@ void check_float_pool_dtype(const Tensor& x, const std::string& op) {
                  ". Convert the input to a floating-point dtype.");
 }
 
+// A pooling backward's grad_output must have the shape the forward produces from input_sizes.
+void check_pool_grad(const Tensor& grad, IntArrayRef expected, const std::string& op) {
+  KILN_CHECK(grad.sizes() == expected, ShapeError,
+             "[kiln::" + op + "] grad_output has shape " + shape_str(grad.sizes()) + " but the pooling's output has "
+             "shape " + shape_str(expected) + ". Pass the gradient of the forward's output.");
+}
+
+// The gradient of the input of max pooling: grad scattered to the saved argmax positions.
+Tensor max_pool_input_grad(const Tensor& grad, const Tensor& indices, const BackwardContext& c) {
+  std::vector<Attr> attrs{c.input_info[0].sizes};
+  attrs.insert(attrs.end(), c.attrs.begin(), c.attrs.begin() + 5);
+  return call_op1(max_pool2d_with_indices_backward_op(), {grad, indices}, std::move(attrs));
+}
+
 const OpDef& kMaxPool2d = register_op({
     .name = "max_pool2d",
     .schema = "max_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], int[2] padding=0, "
@@ -206,9 +339,24 @@ const OpDef& kMaxPool2d = register_op({
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
       check_max_pool_dtype(x, "max_pool2d");
-      auto sizes = pool_output_sizes(x, max_pool_params(c, "max_pool2d"), "max_pool2d", true);
+      auto sizes = pool_output_sizes(x.sizes(), max_pool_params(c, "max_pool2d"), "max_pool2d", true);
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    // The eager front-end records max_pool2d_with_indices instead; this path (a direct call_op)
+    // recomputes the indices.
+    .derivative = {.formula = "self: max_pool2d_with_indices_backward(grad, self.sizes(), ..., "
+                              "max_pool2d_with_indices(self, ...)[1])",
+                   .save_inputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     Tensor indices;
+                     {
+                       NoGradGuard no_grad;
+                       indices = call_op(max_pool2d_with_indices_op(), {c.input(0)},
+                                         std::vector<Attr>(c.attrs.begin(), c.attrs.end()))[1];
+                     }
+                     return {max_pool_input_grad(c.grad(), indices, c)};
+                   }},
     .lowering = "extern",
 });
 
@@ -220,14 +368,53 @@ const OpDef& kMaxPool2dWithIndices = register_op({
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
       check_max_pool_dtype(x, "max_pool2d_with_indices");
-      auto sizes = pool_output_sizes(x, max_pool_params(c, "max_pool2d_with_indices"), "max_pool2d_with_indices", true);
+      auto sizes = pool_output_sizes(x.sizes(), max_pool_params(c, "max_pool2d_with_indices"),
+                                     "max_pool2d_with_indices", true);
       return {TensorMeta{sizes, {}, x.dtype(), x.device()}, TensorMeta{sizes, {}, kInt64, x.device()}};
     },
+    .derivative = {.formula = "self: max_pool2d_with_indices_backward(grad, self.sizes(), kernel_size, stride, "
+                              "padding, dilation, ceil_mode, indices)",
+                   .save_outputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     return {max_pool_input_grad(c.grad(0), c.output(1), c)};
+                   }},
     .lowering = "extern",
 });
 
-// Attrs: kernel_size, stride (empty: kernel_size), padding, ceil_mode, count_include_pad,
-// divisor_override (None or a non-zero int).
+// max_pool2d_with_indices_backward(grad_output, indices, input_sizes, kernel_size, stride, padding,
+// dilation, ceil_mode): zeros of input_sizes with grad_output added at each window's argmax (aten
+// passes self; Kiln passes its sizes, so the forward node need not keep the input alive).
+const OpDef& kMaxPool2dWithIndicesBackward = register_op({
+    .name = "max_pool2d_with_indices_backward",
+    .schema = "max_pool2d_with_indices_backward(Tensor grad_output, Tensor indices, int[] input_sizes, "
+              "int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "max_pool2d_with_indices_backward";
+      const Tensor& grad = c.input(0);
+      const Tensor& indices = c.input(1);
+      check_float_pool_dtype(grad, op);
+      check_same_device(op, {&grad, &indices});
+      KILN_CHECK(indices.dtype() == kInt64, DTypeError,
+                 "[kiln::" + op + "] indices must be int64, but got " + dtype_str(indices.dtype()) +
+                     ". Pass the indices max_pool2d_with_indices returned.");
+      IntArrayRef input_sizes = c.ints_attr(0);
+      check_pool_grad(grad, pool_output_sizes(input_sizes, max_pool_params(c, op, 1), op, true), op);
+      KILN_CHECK(indices.sizes() == grad.sizes(), ShapeError,
+                 "[kiln::" + op + "] indices of shape " + shape_str(indices.sizes()) +
+                     " do not match grad_output of shape " + shape_str(grad.sizes()) + ".");
+      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+    },
+    .derivative = {.formula = "grad_output: ggI.flatten(-2).gather(-1, indices.flatten(-2)).view_as(grad_output)",
+                   .save_inputs = {1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     const Tensor& indices = c.input(1);
+                     return {c.grad().flatten(-2).gather(-1, indices.flatten(-2)).view(indices.sizes())};
+                   }},
+    .lowering = "index",
+});
+
 const OpDef& kAvgPool2d = register_op({
     .name = "avg_pool2d",
     .schema = "avg_pool2d(Tensor self, int[2] kernel_size, int[2] stride=[], int[2] padding=0, "
@@ -235,18 +422,41 @@ const OpDef& kAvgPool2d = register_op({
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
       check_float_pool_dtype(x, "avg_pool2d");
-      PoolParams p;
-      p.kernel = expand_pair(c.ints_attr(0), "avg_pool2d", "kernel_size");
-      p.stride = c.ints_attr(1).empty() ? p.kernel : expand_pair(c.ints_attr(1), "avg_pool2d", "stride");
-      p.padding = expand_pair(c.ints_attr(2), "avg_pool2d", "padding");
-      p.dilation = {1, 1};
-      p.ceil_mode = c.bool_attr(3);
-      KILN_CHECK(!c.has_attr(5) || c.int_attr(5) != 0, ValueError,
-                 "[kiln::avg_pool2d] divisor must be not zero. Pass divisor_override = None to divide by the "
-                 "window size.");
-      auto sizes = pool_output_sizes(x, p, "avg_pool2d", false);
+      auto sizes = pool_output_sizes(x.sizes(), avg_pool_params(c, "avg_pool2d"), "avg_pool2d", false);
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: avg_pool2d_backward(grad, self.sizes(), kernel_size, stride, padding, "
+                              "ceil_mode, count_include_pad, divisor_override)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     std::vector<Attr> attrs{c.input_info[0].sizes};
+                     attrs.insert(attrs.end(), c.attrs.begin(), c.attrs.end());
+                     return {call_op1(avg_pool2d_backward_op(), {c.grad()}, std::move(attrs))};
+                   }},
+    .lowering = "extern",
+});
+
+// avg_pool2d_backward(grad_output, input_sizes, kernel_size, stride, padding, ceil_mode,
+// count_include_pad, divisor_override): each output's gradient spread evenly (by the forward's
+// divisor) over the input positions its window covers.
+const OpDef& kAvgPool2dBackward = register_op({
+    .name = "avg_pool2d_backward",
+    .schema = "avg_pool2d_backward(Tensor grad_output, int[] input_sizes, int[2] kernel_size, int[2] stride, "
+              "int[2] padding, bool ceil_mode, bool count_include_pad, int? divisor_override) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "avg_pool2d_backward";
+      const Tensor& grad = c.input(0);
+      check_float_pool_dtype(grad, op);
+      IntArrayRef input_sizes = c.ints_attr(0);
+      check_pool_grad(grad, pool_output_sizes(input_sizes, avg_pool_params(c, op, 1), op, false), op);
+      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+    },
+    .derivative = {.formula = "grad_output: avg_pool2d(ggI, kernel_size, stride, padding, ceil_mode, "
+                              "count_include_pad, divisor_override)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     return {call_op1(avg_pool2d_op(), {c.grad()}, std::vector<Attr>(c.attrs.begin() + 1, c.attrs.end()))};
+                   }},
     .lowering = "extern",
 });
 
@@ -255,7 +465,7 @@ const OpDef& kAdaptiveAvgPool2d = register_op({
     .schema = "adaptive_avg_pool2d(Tensor self, int[2] output_size) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
-      check_pool_input(x, "adaptive_avg_pool2d");
+      check_pool_input(x.sizes(), "adaptive_avg_pool2d");
       check_float_pool_dtype(x, "adaptive_avg_pool2d");
       Pair out = expand_pair(c.ints_attr(0), "adaptive_avg_pool2d", "output_size");
       KILN_CHECK(out[0] >= 0 && out[1] >= 0, ValueError,
@@ -266,8 +476,48 @@ const OpDef& kAdaptiveAvgPool2d = register_op({
       sizes.push_back(out[1]);
       return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
     },
+    .derivative = {.formula = "self: adaptive_avg_pool2d_backward(grad, self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     return {call_op1(adaptive_avg_pool2d_backward_op(), {c.grad()}, {c.input_info[0].sizes})};
+                   }},
     .lowering = "extern",
 });
+
+// adaptive_avg_pool2d_backward(grad_output, input_sizes): each output's gradient spread evenly over
+// its adaptive window (windows may overlap; contributions add).
+const OpDef& kAdaptiveAvgPool2dBackward = register_op({
+    .name = "adaptive_avg_pool2d_backward",
+    .schema = "adaptive_avg_pool2d_backward(Tensor grad_output, int[] input_sizes) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "adaptive_avg_pool2d_backward";
+      const Tensor& grad = c.input(0);
+      check_float_pool_dtype(grad, op);
+      IntArrayRef input_sizes = c.ints_attr(0);
+      check_pool_input(input_sizes, op, "input_sizes");
+      KILN_CHECK(grad.dim() == static_cast<int64_t>(input_sizes.size()) &&
+                     std::equal(input_sizes.begin(), input_sizes.end() - 2, grad.sizes().begin()),
+                 ShapeError,
+                 "[kiln::" + op + "] grad_output of shape " + shape_str(grad.sizes()) +
+                     " does not match the input's leading dims " + shape_str(input_sizes) + ".");
+      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+    },
+    .derivative = {.formula = "grad_output: adaptive_avg_pool2d(ggI, grad_output.sizes()[-2:])",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     if (!c.needs_grad(0)) return {};
+                     const auto& s = c.input_info[0].sizes;
+                     return {call_op1(adaptive_avg_pool2d_op(), {c.grad()},
+                                      {std::vector<int64_t>{s[s.size() - 2], s[s.size() - 1]}})};
+                   }},
+    .lowering = "extern",
+});
+
+const OpDef& max_pool2d_with_indices_op() { return kMaxPool2dWithIndices; }
+const OpDef& max_pool2d_with_indices_backward_op() { return kMaxPool2dWithIndicesBackward; }
+const OpDef& avg_pool2d_op() { return kAvgPool2d; }
+const OpDef& avg_pool2d_backward_op() { return kAvgPool2dBackward; }
+const OpDef& adaptive_avg_pool2d_op() { return kAdaptiveAvgPool2d; }
+const OpDef& adaptive_avg_pool2d_backward_op() { return kAdaptiveAvgPool2dBackward; }
 
 std::vector<Attr> max_pool_attrs(IntArrayRef kernel_size, IntArrayRef stride, IntArrayRef padding,
                                  IntArrayRef dilation, bool ceil_mode) {
@@ -324,6 +574,9 @@ Tensor detail::conv2d_padding_mode(const Tensor& input, const Tensor& weight, co
 
 Tensor max_pool2d(const Tensor& input, IntArrayRef kernel_size, IntArrayRef stride, IntArrayRef padding,
                   IntArrayRef dilation, bool ceil_mode) {
+  // Training keeps the argmax for backward (as aten does); inference takes the faster kernel.
+  if (is_grad_enabled() && input.requires_grad())
+    return call_op(kMaxPool2dWithIndices, {input}, max_pool_attrs(kernel_size, stride, padding, dilation, ceil_mode))[0];
   return call_op1(kMaxPool2d, {input}, max_pool_attrs(kernel_size, stride, padding, dilation, ceil_mode));
 }
 
@@ -335,9 +588,10 @@ std::tuple<Tensor, Tensor> max_pool2d_with_indices(const Tensor& input, IntArray
 
 Tensor avg_pool2d(const Tensor& input, IntArrayRef kernel_size, IntArrayRef stride, IntArrayRef padding,
                   bool ceil_mode, bool count_include_pad, std::optional<int64_t> divisor_override) {
-  Attr divisor = divisor_override ? Attr(*divisor_override) : Attr();
-  return call_op1(kAvgPool2d, {input},
-                  {kernel_size.vec(), stride.vec(), padding.vec(), ceil_mode, count_include_pad, divisor});
+  std::vector<Attr> attrs{kernel_size.vec(), stride.vec(), padding.vec(), ceil_mode, count_include_pad};
+  attrs.emplace_back();  // divisor_override: None unless given
+  if (divisor_override) attrs.back().emplace<int64_t>(*divisor_override);
+  return call_op1(kAvgPool2d, {input}, std::move(attrs));
 }
 
 Tensor adaptive_avg_pool2d(const Tensor& input, IntArrayRef output_size) {

@@ -1,6 +1,11 @@
 // Linear algebra. Table ops with kernels: mm, bmm, addmm, dot (GEMM through BLAS/oneDNN).
 // matmul, linear and outer are composite front-ends over them and view ops, as in aten, so the
 // compiler sees only the four GEMM-shaped primitives.
+//
+// Derivatives are PyTorch's, written with mm/bmm and transposes (so they double-backward for
+// free). As in aten's mm_mat1_backward/mm_mat2_backward, the gradient of a column-major operand
+// (a transposed view, e.g. linear's weight.t()) is computed as the transpose of a row-major
+// product, so that it comes out with its operand's layout and needs no copy after the transpose.
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
@@ -47,6 +52,28 @@ void check_matrix(const std::string& op, const Tensor& t, const char* what) {
                  std::to_string(t.dim()) + "-D tensor of shape " + shape_str(t.sizes()) + ".");
 }
 
+// A matrix stored column-major (the transpose of a contiguous one), as aten tests it.
+bool is_column_major(const Tensor& t) {
+  return t.dim() == 2 && t.strides()[0] == 1 && t.strides()[1] == t.sizes()[0] && t.sizes()[1] > 1;
+}
+
+bool is_one(const Scalar& s) { return s.to_double() == 1.0; }
+
+// grad * s, skipping the multiply for s == 1 (aten's maybe_multiply).
+Tensor maybe_multiply(const Tensor& grad, const Scalar& s) { return is_one(s) ? grad : mul(grad, s); }
+
+// d(mat1 @ mat2)/d(mat1) applied to grad: grad @ mat2^T, laid out like mat1.
+Tensor mm_mat1_backward(const Tensor& grad, const Tensor& mat2, const Tensor& mat1, const Scalar& alpha) {
+  if (mat1.defined() && is_column_major(mat1)) return maybe_multiply(mm(mat2, grad.t()).t(), alpha);
+  return maybe_multiply(mm(grad, mat2.t()), alpha);
+}
+
+// d(mat1 @ mat2)/d(mat2) applied to grad: mat1^T @ grad, laid out like mat2.
+Tensor mm_mat2_backward(const Tensor& grad, const Tensor& mat1, const Tensor& mat2, const Scalar& alpha) {
+  if (mat2.defined() && is_column_major(mat2)) return maybe_multiply(mm(grad.t(), mat1).t(), alpha);
+  return maybe_multiply(mm(mat1.t(), grad), alpha);
+}
+
 const OpDef& kMm = register_op({
     .name = "mm",
     .schema = "mm(Tensor self, Tensor mat2) -> Tensor",
@@ -60,6 +87,14 @@ const OpDef& kMm = register_op({
       if (a.sizes()[1] != b.sizes()[0]) throw_inner_mismatch("mm", a.sizes(), b.sizes());
       return {TensorMeta{{a.sizes()[0], b.sizes()[1]}, {}, a.dtype(), a.device()}};
     },
+    .derivative = {.formula = "self: grad.mm(mat2.t()); mat2: self.t().mm(grad)",
+                   .save_inputs = {0, 1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     TensorList g(2);
+                     if (c.needs_grad(0)) g[0] = mm_mat1_backward(c.grad(), c.input(1), c.input(0), 1);
+                     if (c.needs_grad(1)) g[1] = mm_mat2_backward(c.grad(), c.input(0), c.input(1), 1);
+                     return g;
+                   }},
     .lowering = "extern",
 });
 
@@ -80,6 +115,14 @@ const OpDef& kBmm = register_op({
       if (a.sizes()[2] != b.sizes()[1]) throw_inner_mismatch("bmm", a.sizes(), b.sizes());
       return {TensorMeta{{a.sizes()[0], a.sizes()[1], b.sizes()[2]}, {}, a.dtype(), a.device()}};
     },
+    .derivative = {.formula = "self: grad.bmm(mat2.transpose(1, 2)); mat2: self.transpose(1, 2).bmm(grad)",
+                   .save_inputs = {0, 1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     TensorList g(2);
+                     if (c.needs_grad(0)) g[0] = bmm(c.grad(), c.input(1).transpose(1, 2));
+                     if (c.needs_grad(1)) g[1] = bmm(c.input(0).transpose(1, 2), c.grad());
+                     return g;
+                   }},
     .lowering = "extern",
 });
 
@@ -107,6 +150,18 @@ const OpDef& kAddmm = register_op({
                      " cannot be broadcast to the product's shape " + shape_str(sizes) + ".");
       return {TensorMeta{std::move(sizes), {}, a.dtype(), a.device()}};
     },
+    .derivative = {.formula = "self: maybe_multiply(grad, beta); mat1: mm_mat1_backward(grad, mat2, alpha); "
+                              "mat2: mm_mat2_backward(grad, mat1, alpha)",
+                   .save_inputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Scalar& beta = c.scalar_attr(0);
+                     const Scalar& alpha = c.scalar_attr(1);
+                     TensorList g(3);
+                     if (c.needs_grad(0)) g[0] = maybe_multiply(c.grad(), beta);  // summed to self's shape
+                     if (c.needs_grad(1)) g[1] = mm_mat1_backward(c.grad(), c.input(2), c.input(1), alpha);
+                     if (c.needs_grad(2)) g[2] = mm_mat2_backward(c.grad(), c.input(1), c.input(2), alpha);
+                     return g;
+                   }},
     .lowering = "extern",
 });
 
@@ -132,6 +187,14 @@ const OpDef& kDot = register_op({
                      " and " + std::to_string(b.numel()) + " elements respectively.");
       return {TensorMeta{{}, {}, a.dtype(), a.device()}};
     },
+    .derivative = {.formula = "self: grad * tensor; tensor: grad * self",
+                   .save_inputs = {0, 1},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     TensorList g(2);
+                     if (c.needs_grad(0)) g[0] = mul(c.grad(), c.input(1));
+                     if (c.needs_grad(1)) g[1] = mul(c.grad(), c.input(0));
+                     return g;
+                   }},
     .lowering = "extern",
 });
 

@@ -6,6 +6,13 @@
 // input's dtype otherwise. native_batch_norm in eval mode returns the running mean and
 // 1 / sqrt(running_var + eps) as its statistics (PyTorch returns empty tensors there), so
 // backward can read them the same way in both modes.
+//
+// Derivatives go through fused backward table ops with their own kernels (aten's names):
+// native_batch_norm_backward, native_layer_norm_backward and native_group_norm_backward, each
+// returning (grad_input, grad_weight, grad_bias) for the outputs output_mask asks for; an output
+// it does not ask for has shape (0). Only the gradient of output 0 flows back (the statistics are
+// treated as non-differentiable, as in PyTorch). The backward ops have no derivative of their own:
+// a double backward through a normalization raises "not implemented".
 #include "core/shape.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -42,6 +49,56 @@ void check_floating(const std::string& op, const Tensor& t, const char* what) {
 }
 
 // A per-channel parameter: undefined, or a 1-D tensor of `channels` elements.
+const OpDef& batch_norm_backward_op();
+const OpDef& layer_norm_backward_op();
+const OpDef& group_norm_backward_op();
+
+std::vector<int64_t> output_mask(const BackwardContext& c) {
+  return {c.needs_grad(0), c.needs_grad(1), c.needs_grad(2)};
+}
+
+// The first three results of a normalization backward, undefined where the mask is off; the
+// remaining forward inputs (running stats) get no gradient.
+TensorList masked_grads(TensorList g, const std::vector<int64_t>& mask) {
+  for (int i = 0; i < 3; ++i)
+    if (!mask[i]) g[i] = Tensor();
+  return g;
+}
+
+// Output metas of a normalization backward: grad_input like the input, grad_weight and grad_bias
+// of `param_sizes` in the weight's dtype (the input's without a weight); (0) where masked off.
+std::vector<TensorMeta> backward_metas(const OpCall& c, const Tensor& x, const Tensor& weight,
+                                       const std::vector<int64_t>& param_sizes, size_t mask_attr,
+                                       const std::string& op) {
+  IntArrayRef mask = c.ints_attr(mask_attr);
+  KILN_CHECK(mask.size() == 3, ValueError,
+             "[kiln::" + op + "] output_mask must have 3 entries (input, weight, bias), got " +
+                 std::to_string(mask.size()) + ".");
+  const DType pt = weight.defined() ? weight.dtype() : x.dtype();
+  auto masked = [&](int i, std::vector<int64_t> s) { return mask[i] ? s : std::vector<int64_t>{0}; };
+  return {TensorMeta{masked(0, x.sizes().vec()), {}, x.dtype(), x.device()},
+          TensorMeta{masked(1, param_sizes), {}, pt, x.device()},
+          TensorMeta{masked(2, param_sizes), {}, pt, x.device()}};
+}
+
+// Checks grad_output against the input and a statistic against its expected shape.
+void check_backward_operands(const std::string& op, const Tensor& grad, const Tensor& x,
+                             std::initializer_list<const Tensor*> stats, int64_t stat_numel) {
+  check_same_device(op, {&grad, &x});
+  for (const Tensor* t : stats) check_same_device(op, {&x, t});
+  check_floating(op, grad, "grad_output");
+  check_floating(op, x, "input");
+  KILN_CHECK(grad.sizes() == x.sizes(), ShapeError,
+             "[kiln::" + op + "] grad_output has shape " + shape_str(grad.sizes()) + " but the input has shape " +
+                 shape_str(x.sizes()) + ". Pass the gradient of the forward's output.");
+  for (const Tensor* t : stats) {
+    check_floating(op, *t, "a saved statistic");
+    KILN_CHECK(t->numel() == stat_numel, ShapeError,
+               "[kiln::" + op + "] expected saved statistics of " + std::to_string(stat_numel) +
+                   " elements, but got shape " + shape_str(t->sizes()) + ". Pass the forward's outputs 1 and 2.");
+  }
+}
+
 void check_channel_vector(const std::string& op, const Tensor& t, const char* what, int64_t channels) {
   if (!t.defined()) return;
   KILN_CHECK(t.dim() == 1 && t.numel() == channels, ShapeError,
@@ -86,7 +143,42 @@ const OpDef& kNativeBatchNorm = register_op({
               TensorMeta{{channels}, {}, st, x.device()}};
     },
     .mutated_inputs = {3, 4},
+    .derivative = {.formula = "input, weight, bias: native_batch_norm_backward(grad, input, weight, save_mean, "
+                              "save_invstd, training, output_mask)",
+                   .save_inputs = {0, 1},
+                   .save_outputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     auto mask = output_mask(c);
+                     if (!mask[0] && !mask[1] && !mask[2]) return {};
+                     return masked_grads(call_op(batch_norm_backward_op(),
+                                                 {c.grad(0), c.input(0), c.input(1), c.output(1), c.output(2)},
+                                                 {c.attrs[0], mask}),
+                                         mask);
+                   }},
     .lowering = "decomposition",
+});
+
+// native_batch_norm_backward(grad_out, input, weight?, save_mean, save_invstd, train, output_mask).
+// Training differentiates through the batch statistics; evaluation (train=false, save_* holding
+// the running mean and 1 / sqrt(running_var + eps)) is a per-channel affine map.
+const OpDef& kNativeBatchNormBackward = register_op({
+    .name = "native_batch_norm_backward",
+    .schema = "native_batch_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor save_mean, "
+              "Tensor save_invstd, bool train, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "native_batch_norm_backward";
+      const Tensor& x = c.input(1);
+      const Tensor& weight = c.input(2);
+      KILN_CHECK(x.dim() >= 2, ShapeError,
+                 "[kiln::" + op + "] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                     shape_str(x.sizes()) + ".");
+      const int64_t channels = x.sizes()[1];
+      check_backward_operands(op, c.input(0), x, {&c.input(3), &c.input(4)}, channels);
+      check_floating(op, weight, "weight");
+      check_channel_vector(op, weight, "weight", channels);
+      return backward_metas(c, x, weight, {channels}, 1, op);
+    },
+    .lowering = "extern",
 });
 
 // Inputs: input, weight?, bias?. Attrs: normalized_shape, eps.
@@ -126,7 +218,46 @@ const OpDef& kNativeLayerNorm = register_op({
       return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{stat_sizes, {}, st, x.device()},
               TensorMeta{stat_sizes, {}, st, x.device()}};
     },
+    .derivative = {.formula = "input, weight, bias: native_layer_norm_backward(grad, input, normalized_shape, mean, "
+                              "rstd, weight, output_mask)",
+                   .save_inputs = {0, 1},
+                   .save_outputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     auto mask = output_mask(c);
+                     if (!mask[0] && !mask[1] && !mask[2]) return {};
+                     return masked_grads(call_op(layer_norm_backward_op(),
+                                                 {c.grad(0), c.input(0), c.output(1), c.output(2), c.input(1)},
+                                                 {c.attrs[0], mask}),
+                                         mask);
+                   }},
     .lowering = "decomposition",
+});
+
+// native_layer_norm_backward(grad_out, input, mean, rstd, weight?, normalized_shape, output_mask).
+const OpDef& kNativeLayerNormBackward = register_op({
+    .name = "native_layer_norm_backward",
+    .schema = "native_layer_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, "
+              "int[] normalized_shape, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "native_layer_norm_backward";
+      const Tensor& x = c.input(1);
+      const Tensor& weight = c.input(4);
+      IntArrayRef shape = c.ints_attr(0);
+      const int64_t axis = x.dim() - static_cast<int64_t>(shape.size());
+      KILN_CHECK(!shape.empty() && axis >= 0 && IntArrayRef(x.sizes().data() + axis, shape.size()) == shape,
+                 ShapeError,
+                 "[kiln::" + op + "] normalized_shape " + shape_str(shape) + " does not match the trailing dims of "
+                 "the input of shape " + shape_str(x.sizes()) + ".");
+      int64_t rows = 1;
+      for (int64_t d = 0; d < axis; ++d) rows *= x.sizes()[d];
+      check_backward_operands(op, c.input(0), x, {&c.input(2), &c.input(3)}, rows);
+      check_floating(op, weight, "weight");
+      KILN_CHECK(!weight.defined() || weight.sizes() == shape, ShapeError,
+                 "[kiln::" + op + "] expected weight of shape " + shape_str(shape) + ", but got " +
+                     shape_str(weight.sizes()) + ".");
+      return backward_metas(c, x, weight, shape.vec(), 1, op);
+    },
+    .lowering = "extern",
 });
 
 // Inputs: input, weight?, bias?. Attrs: group, eps. Statistics are (N, group).
@@ -159,8 +290,49 @@ const OpDef& kNativeGroupNorm = register_op({
       return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{stat_sizes, {}, st, x.device()},
               TensorMeta{stat_sizes, {}, st, x.device()}};
     },
+    .derivative = {.formula = "input, weight, bias: native_group_norm_backward(grad, input, mean, rstd, weight, "
+                              "group, output_mask)",
+                   .save_inputs = {0, 1},
+                   .save_outputs = {1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     auto mask = output_mask(c);
+                     if (!mask[0] && !mask[1] && !mask[2]) return {};
+                     return masked_grads(call_op(group_norm_backward_op(),
+                                                 {c.grad(0), c.input(0), c.output(1), c.output(2), c.input(1)},
+                                                 {c.attrs[0], mask}),
+                                         mask);
+                   }},
     .lowering = "decomposition",
 });
+
+// native_group_norm_backward(grad_out, input, mean, rstd, weight?, group, output_mask).
+const OpDef& kNativeGroupNormBackward = register_op({
+    .name = "native_group_norm_backward",
+    .schema = "native_group_norm_backward(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, Tensor? weight, "
+              "int group, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "native_group_norm_backward";
+      const Tensor& x = c.input(1);
+      const Tensor& weight = c.input(4);
+      const int64_t groups = c.int_attr(0);
+      KILN_CHECK(x.dim() >= 2, ShapeError,
+                 "[kiln::" + op + "] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                     shape_str(x.sizes()) + ".");
+      const int64_t channels = x.sizes()[1];
+      KILN_CHECK(groups > 0 && channels % groups == 0, ValueError,
+                 "[kiln::" + op + "] group=" + std::to_string(groups) + " must be positive and divide the " +
+                     std::to_string(channels) + " channels.");
+      check_backward_operands(op, c.input(0), x, {&c.input(2), &c.input(3)}, x.sizes()[0] * groups);
+      check_floating(op, weight, "weight");
+      check_channel_vector(op, weight, "weight", channels);
+      return backward_metas(c, x, weight, {channels}, 1, op);
+    },
+    .lowering = "extern",
+});
+
+const OpDef& batch_norm_backward_op() { return kNativeBatchNormBackward; }
+const OpDef& layer_norm_backward_op() { return kNativeLayerNormBackward; }
+const OpDef& group_norm_backward_op() { return kNativeGroupNormBackward; }
 
 }  // namespace
 

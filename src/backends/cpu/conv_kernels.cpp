@@ -1,4 +1,4 @@
-// CPU kernel for conv2d.
+// CPU kernels for conv2d and convolution_backward.
 //
 // float32 and bfloat16 run on oneDNN. A plan (primitive, chosen layouts, reorders) is built once
 // per shape/parameter set and kept in a process-wide cache; oneDNN picks its blocked layouts
@@ -7,10 +7,18 @@
 // reordering). float16 computes through float32. float64, and any configuration oneDNN
 // rejects, use im2col + GEMM (also the path for everything when KILN_ONEDNN=0).
 //
+// convolution_backward mirrors this: a cached backward plan per configuration and output mask
+// holds oneDNN's backward-data and backward-weights primitives (built against a forward_training
+// hint with the forward's layout choice: blocked "any" layouts, plain NCHW for 1x1/stride-1), the
+// gradient is reordered into the blocked layout once and shared by both primitives when they
+// agree on it, and the bias gradient comes out of backward-weights. float64 and fallbacks run
+// col2im/im2col + GEMM; float16 computes through float32.
+//
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
 // scratchpad mode), so concurrent calls never share memory.
 #include <cblas.h>
+#include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
@@ -80,7 +88,20 @@ class ScratchBuffer {
   size_t capacity_ = 0;
 };
 
-enum Slot { kSrcSlot, kWeightsSlot, kDstSlot, kScratchSlot, kNumSlots };
+enum Slot {
+  kSrcSlot,
+  kWeightsSlot,
+  kDstSlot,
+  kScratchSlot,
+  // backward
+  kDiffDstSlot,
+  kDiffDstWeightsSlot,  // diff_dst for backward-weights when its layout differs from backward-data's
+  kDiffSrcSlot,
+  kDiffWeightsSlot,
+  kDiffBiasSlot,
+  kScratch2Slot,
+  kNumSlots
+};
 ScratchBuffer& thread_buffer(Slot slot) {
   thread_local std::array<ScratchBuffer, kNumSlots> buffers;
   return buffers[slot];
@@ -121,6 +142,13 @@ struct ConvPlan {
   bool reorder_src = false, reorder_weights = false, reorder_dst = false;
 };
 
+// 1x1/stride-1 convolutions run on plain NCHW (oneDNN's GEMM path there beats reordering);
+// everything else lets oneDNN pick blocked layouts.
+bool plain_layout(const ConvShape& s) {
+  return s.kh == 1 && s.kw == 1 && s.stride[0] == 1 && s.stride[1] == 1 && s.pad[0] == 0 && s.pad[1] == 0 &&
+         s.groups == 1;
+}
+
 memory::data_type onednn_type(DType t) { return t == DType::bfloat16 ? memory::data_type::bf16 : memory::data_type::f32; }
 
 // Builds a plan; nullptr when oneDNN has no implementation for it.
@@ -129,9 +157,7 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype) {
   const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
   const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
                                                  : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
-  const bool pointwise = s.kh == 1 && s.kw == 1 && s.stride[0] == 1 && s.stride[1] == 1 && s.pad[0] == 0 &&
-                         s.pad[1] == 0 && s.groups == 1;
-  const Tag act = pointwise ? Tag::nchw : Tag::any;
+  const Tag act = plain_layout(s) ? Tag::nchw : Tag::any;
   try {
     auto plan = std::make_shared<ConvPlan>();
     plan->src_user = memory::desc(src_dims, dt, Tag::nchw);
@@ -215,16 +241,28 @@ void run_plan(const ConvPlan& p, const void* x, const void* w, const void* bias,
 
 // ---------------- im2col + GEMM fallback ----------------
 
+// Row-major C (m x n) = op(A) op(B) + beta * C, op(A) m x k, op(B) k x n; lda/ldb/ldc are the
+// row strides of A, B, C as stored.
+template <class T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b,
+          int64_t ldb, T beta, T* c, int64_t ldc) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc) ==
+        dnnl_success)
+      return;
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b,
+                static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  } else {
+    cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+                static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0, a, static_cast<int>(lda), b,
+                static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
+  }
+}
+
 template <class T>
 void gemm_contiguous(int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* c) {
-  if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-                static_cast<int>(k), 1.0f, a, static_cast<int>(k), b, static_cast<int>(n), 0.0f, c,
-                static_cast<int>(n));
-  else
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-                static_cast<int>(k), 1.0, a, static_cast<int>(k), b, static_cast<int>(n), 0.0, c,
-                static_cast<int>(n));
+  gemm<T>(false, false, m, n, k, a, k, b, n, T(0), c, n);
 }
 
 // x, w, y contiguous; bias contiguous or null.
@@ -316,8 +354,369 @@ void conv2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (!y.same(out)) out.copy_(y);
 }
 
+// ---------------- backward: oneDNN ----------------
+
+// Everything needed to run one convolution backward configuration. Each primitive is present
+// only when the output mask asks for its result.
+struct BackwardPlan {
+  bool data = false, weights = false, bias = false;  // bias: computed by backward-weights
+  dnnl::convolution_backward_data bwd_data;
+  dnnl::convolution_backward_weights bwd_weights;
+  memory::desc src_user, weights_user, dst_user, bias_desc;
+  memory::desc data_diff_dst, data_weights, data_diff_src, data_scratchpad;
+  memory::desc weights_src, weights_diff_dst, weights_diff_weights, weights_scratchpad;
+  dnnl::reorder data_diff_dst_reorder, weights_diff_dst_reorder, weights_reorder, src_reorder, diff_src_reorder,
+      diff_weights_reorder;
+  bool reorder_data_diff_dst = false, reorder_weights_diff_dst = false, share_diff_dst = false,
+       reorder_weights = false, reorder_src = false, reorder_diff_src = false, reorder_diff_weights = false;
+};
+
+struct BackwardKey {
+  ConvKey conv;
+  int mask;
+  bool operator==(const BackwardKey&) const = default;
+};
+
+struct BackwardKeyHash {
+  size_t operator()(const BackwardKey& k) const { return ConvKeyHash{}(k.conv) * 31u + static_cast<size_t>(k.mask); }
+};
+
+dnnl::reorder make_reorder(const memory::desc& from, const memory::desc& to) {
+  return dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), from, cpu_engine(), to));
+}
+
+// Builds a backward plan (s.bias: the bias gradient is wanted); nullptr when oneDNN has no fast
+// implementation for a requested part.
+std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DType dtype, bool need_data,
+                                                        bool need_weights) {
+  const auto dt = onednn_type(dtype);
+  const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
+  const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
+                                                 : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
+  const Tag act = plain_layout(s) ? Tag::nchw : Tag::any;
+  const memory::dims strides{s.stride[0], s.stride[1]}, padding{s.pad[0], s.pad[1]},
+      dilation{s.dilation[0] - 1, s.dilation[1] - 1};
+  auto is_ref = [](const char* impl) { return std::string_view(impl).starts_with("ref"); };
+  try {
+    auto plan = std::make_shared<BackwardPlan>();
+    plan->src_user = memory::desc(src_dims, dt, Tag::nchw);
+    plan->dst_user = memory::desc(dst_dims, dt, Tag::nchw);
+    plan->weights_user = memory::desc(weight_dims, dt, s.groups == 1 ? Tag::oihw : Tag::goihw);
+    const memory::desc src_any(src_dims, dt, act), dst_any(dst_dims, dt, act), weights_any(weight_dims, dt, Tag::any);
+    const bool with_bias = s.bias && need_weights;
+    if (with_bias) plan->bias_desc = memory::desc({s.o}, memory::data_type::f32, Tag::x);
+    // The forward this backward belongs to (a hint for oneDNN's layout choice).
+    dnnl::convolution_forward::desc fwd_desc =
+        with_bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
+                                                    dnnl::algorithm::convolution_direct, src_any, weights_any,
+                                                    plan->bias_desc, dst_any, strides, dilation, padding, padding)
+                  : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
+                                                    dnnl::algorithm::convolution_direct, src_any, weights_any, dst_any,
+                                                    strides, dilation, padding, padding);
+    dnnl::convolution_forward::primitive_desc hint(fwd_desc, cpu_engine());
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (need_data) {
+      dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src_any, weights_any, dst_any,
+                                                 strides, dilation, padding, padding);
+      dnnl::convolution_backward_data::primitive_desc pd(desc, attr, cpu_engine(), hint);
+      if (is_ref(pd.impl_info_str())) return nullptr;
+      plan->data = true;
+      plan->bwd_data = dnnl::convolution_backward_data(pd);
+      plan->data_diff_dst = pd.diff_dst_desc();
+      plan->data_weights = pd.weights_desc();
+      plan->data_diff_src = pd.diff_src_desc();
+      plan->data_scratchpad = pd.scratchpad_desc();
+      if ((plan->reorder_data_diff_dst = plan->data_diff_dst != plan->dst_user))
+        plan->data_diff_dst_reorder = make_reorder(plan->dst_user, plan->data_diff_dst);
+      if ((plan->reorder_weights = plan->data_weights != plan->weights_user))
+        plan->weights_reorder = make_reorder(plan->weights_user, plan->data_weights);
+      if ((plan->reorder_diff_src = plan->data_diff_src != plan->src_user))
+        plan->diff_src_reorder = make_reorder(plan->data_diff_src, plan->src_user);
+    }
+    if (need_weights) {
+      dnnl::convolution_backward_weights::desc desc =
+          with_bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src_any,
+                                                               weights_any, plan->bias_desc, dst_any, strides,
+                                                               dilation, padding, padding)
+                    : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src_any,
+                                                               weights_any, dst_any, strides, dilation, padding,
+                                                               padding);
+      dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), hint);
+      if (is_ref(pd.impl_info_str())) return nullptr;
+      plan->weights = true;
+      plan->bias = with_bias;
+      plan->bwd_weights = dnnl::convolution_backward_weights(pd);
+      plan->weights_src = pd.src_desc();
+      plan->weights_diff_dst = pd.diff_dst_desc();
+      plan->weights_diff_weights = pd.diff_weights_desc();
+      plan->weights_scratchpad = pd.scratchpad_desc();
+      plan->share_diff_dst = plan->data && plan->weights_diff_dst == plan->data_diff_dst;
+      if (!plan->share_diff_dst && (plan->reorder_weights_diff_dst = plan->weights_diff_dst != plan->dst_user))
+        plan->weights_diff_dst_reorder = make_reorder(plan->dst_user, plan->weights_diff_dst);
+      if ((plan->reorder_src = plan->weights_src != plan->src_user))
+        plan->src_reorder = make_reorder(plan->src_user, plan->weights_src);
+      if ((plan->reorder_diff_weights = plan->weights_diff_weights != plan->weights_user))
+        plan->diff_weights_reorder = make_reorder(plan->weights_diff_weights, plan->weights_user);
+    }
+    return plan;
+  } catch (const dnnl::error&) {
+    return nullptr;
+  }
+}
+
+std::shared_ptr<const BackwardPlan> find_backward_plan(const ConvShape& s, DType dtype, bool need_data,
+                                                       bool need_weights) {
+  static std::mutex mutex;
+  static std::unordered_map<BackwardKey, std::shared_ptr<const BackwardPlan>, BackwardKeyHash> cache;
+  const BackwardKey key{make_key(s, dtype), (need_data ? 1 : 0) | (need_weights ? 2 : 0)};
+  {
+    std::lock_guard lock(mutex);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  auto plan = build_backward_plan(s, dtype, need_data, need_weights);
+  std::lock_guard lock(mutex);
+  return cache.emplace(key, std::move(plan)).first->second;
+}
+
+// Runs a backward plan on plain NCHW/OIHW buffers. dx/dw/db are written where the plan computes
+// them (db as float32).
+void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, const void* dy, void* dx, void* dw,
+                       float* db) {
+  dnnl::engine& engine = cpu_engine();
+  dnnl::stream& stream = thread_stream();
+  auto buffer = [&](Slot slot, const memory::desc& d) {
+    return memory(d, engine, thread_buffer(slot).get(std::max<size_t>(1, d.get_size())));
+  };
+  memory dst_user(p.dst_user, engine, const_cast<void*>(dy));
+  memory data_diff_dst;
+  if (p.data) {
+    data_diff_dst = p.reorder_data_diff_dst ? buffer(kDiffDstSlot, p.data_diff_dst) : dst_user;
+    if (p.reorder_data_diff_dst) p.data_diff_dst_reorder.execute(stream, dst_user, data_diff_dst);
+  }
+  if (p.weights) {
+    // Backward-weights first: it reads diff_dst while it is fresh in cache after the reorder.
+    memory weights_diff_dst = p.share_diff_dst ? data_diff_dst
+                              : p.reorder_weights_diff_dst ? buffer(kDiffDstWeightsSlot, p.weights_diff_dst)
+                                                           : dst_user;
+    if (!p.share_diff_dst && p.reorder_weights_diff_dst)
+      p.weights_diff_dst_reorder.execute(stream, dst_user, weights_diff_dst);
+    memory src_user(p.src_user, engine, const_cast<void*>(x));
+    memory src = p.reorder_src ? buffer(kSrcSlot, p.weights_src) : src_user;
+    if (p.reorder_src) p.src_reorder.execute(stream, src_user, src);
+    memory weights_user(p.weights_user, engine, dw);
+    memory diff_weights = p.reorder_diff_weights ? buffer(kDiffWeightsSlot, p.weights_diff_weights) : weights_user;
+    std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src},
+                                         {DNNL_ARG_DIFF_DST, weights_diff_dst},
+                                         {DNNL_ARG_DIFF_WEIGHTS, diff_weights},
+                                         {DNNL_ARG_SCRATCHPAD, buffer(kScratchSlot, p.weights_scratchpad)}};
+    if (p.bias) args.emplace(DNNL_ARG_DIFF_BIAS, memory(p.bias_desc, engine, db));
+    p.bwd_weights.execute(stream, args);
+    if (p.reorder_diff_weights) p.diff_weights_reorder.execute(stream, diff_weights, weights_user);
+  }
+  if (p.data) {
+    memory weights_user(p.weights_user, engine, const_cast<void*>(w));
+    memory weights = p.reorder_weights ? buffer(kWeightsSlot, p.data_weights) : weights_user;
+    if (p.reorder_weights) p.weights_reorder.execute(stream, weights_user, weights);
+    memory src_user(p.src_user, engine, dx);
+    memory diff_src = p.reorder_diff_src ? buffer(kDiffSrcSlot, p.data_diff_src) : src_user;
+    p.bwd_data.execute(stream, {{DNNL_ARG_DIFF_DST, data_diff_dst},
+                                {DNNL_ARG_WEIGHTS, weights},
+                                {DNNL_ARG_DIFF_SRC, diff_src},
+                                {DNNL_ARG_SCRATCHPAD, buffer(kScratch2Slot, p.data_scratchpad)}});
+    if (p.reorder_diff_src) p.diff_src_reorder.execute(stream, diff_src, src_user);
+  }
+  stream.wait();
+}
+
+// ---------------- backward: col2im/im2col + GEMM ----------------
+
+// x (C x H x W plane group) -> col (k x p); the forward's im2col.
+template <class T>
+void im2col(const ConvShape& s, const T* xg, int64_t cg, T* col) {
+  const int64_t p = s.oh * s.ow, k = cg * s.kh * s.kw;
+  parallel_for(k, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, p)), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t c = row / (s.kh * s.kw), ki = row / s.kw % s.kh, kj = row % s.kw;
+      T* out = col + row * p;
+      for (int64_t oh = 0; oh < s.oh; ++oh) {
+        const int64_t ih = oh * s.stride[0] - s.pad[0] + ki * s.dilation[0];
+        for (int64_t ow = 0; ow < s.ow; ++ow) {
+          const int64_t iw = ow * s.stride[1] - s.pad[1] + kj * s.dilation[1];
+          out[oh * s.ow + ow] = ih >= 0 && ih < s.h && iw >= 0 && iw < s.w ? xg[(c * s.h + ih) * s.w + iw] : T(0);
+        }
+      }
+    }
+  });
+}
+
+// dxg (C x H x W) += col2im(col); parallel over channels, so no two threads touch one plane.
+template <class T>
+void col2im_add(const ConvShape& s, const T* col, int64_t cg, T* dxg) {
+  const int64_t p = s.oh * s.ow;
+  parallel_for(cg, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, p * s.kh * s.kw)),
+               [&](int64_t begin, int64_t end) {
+                 for (int64_t c = begin; c < end; ++c) {
+                   T* plane = dxg + c * s.h * s.w;
+                   for (int64_t ki = 0; ki < s.kh; ++ki)
+                     for (int64_t kj = 0; kj < s.kw; ++kj) {
+                       const T* in = col + ((c * s.kh + ki) * s.kw + kj) * p;
+                       for (int64_t oh = 0; oh < s.oh; ++oh) {
+                         const int64_t ih = oh * s.stride[0] - s.pad[0] + ki * s.dilation[0];
+                         if (ih < 0 || ih >= s.h) continue;
+                         for (int64_t ow = 0; ow < s.ow; ++ow) {
+                           const int64_t iw = ow * s.stride[1] - s.pad[1] + kj * s.dilation[1];
+                           if (iw >= 0 && iw < s.w) plane[ih * s.w + iw] += in[oh * s.ow + ow];
+                         }
+                       }
+                     }
+                 }
+               });
+}
+
+// Contiguous x, w, dy; dx/dw (zeroed here) where non-null.
+template <class T>
+void conv_backward_im2col(const ConvShape& s, const T* x, const T* w, const T* dy, T* dx, T* dw) {
+  const int64_t cg = s.c / s.groups, og = s.o / s.groups;
+  const int64_t k = cg * s.kh * s.kw, p = s.oh * s.ow;
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  KILN_CHECK(k <= kMaxInt && p <= kMaxInt && og <= kMaxInt, ValueError,
+             "[kiln::convolution_backward] the convolution is too large for the GEMM path (sizes exceed int32).");
+  const bool direct = s.kh == 1 && s.kw == 1 && s.stride[0] == 1 && s.stride[1] == 1 && s.pad[0] == 0 &&
+                      s.pad[1] == 0;
+  std::vector<T> col(direct ? 0 : static_cast<size_t>(k * p));
+  if (dx) std::fill_n(dx, s.n * s.c * s.h * s.w, T(0));
+  if (dw) std::fill_n(dw, s.o * k, T(0));
+  for (int64_t n = 0; n < s.n; ++n) {
+    for (int64_t g = 0; g < s.groups; ++g) {
+      const T* dyg = dy + (n * s.o + g * og) * p;  // og x p
+      const T* wg = w + g * og * k;                // og x k
+      if (dw) {  // dw_g (og x k) += dy_g (og x p) . col^T (p x k)
+        const T* xg = x + (n * s.c + g * cg) * s.h * s.w;
+        if (!direct) im2col(s, xg, cg, col.data());
+        gemm<T>(false, true, og, k, p, dyg, p, direct ? xg : col.data(), p, T(1), dw + g * og * k, k);
+      }
+      if (dx) {  // col (k x p) = w_g^T (k x og) . dy_g (og x p), scattered back by col2im
+        T* dxg = dx + (n * s.c + g * cg) * s.h * s.w;
+        if (direct) {
+          gemm<T>(true, false, k, p, og, wg, k, dyg, p, T(0), dxg, p);
+        } else {
+          gemm<T>(true, false, k, p, og, wg, k, dyg, p, T(0), col.data(), p);
+          col2im_add(s, col.data(), cg, dxg);
+        }
+      }
+    }
+  }
+}
+
+// Per-channel sum of dy (N x O x P) over N and P.
+template <class T>
+void bias_grad(const ConvShape& s, const T* dy, T* db) {
+  using Acc = opmath_t<T>;
+  const int64_t p = s.oh * s.ow;
+  parallel_for(s.o, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, s.n * p)), [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o) {
+      double total = 0;
+      for (int64_t n = 0; n < s.n; ++n) {
+        const T* row = dy + (n * s.o + o) * p;
+        Acc sum = 0;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < p; ++i) sum += static_cast<Acc>(row[i]);
+        total += static_cast<double>(sum);
+      }
+      db[o] = static_cast<T>(total);
+    }
+  });
+}
+
+// ---------------- backward kernel ----------------
+
+// A contiguous output to write into (out itself, or a temporary copied back by finish()).
+struct OutputBuffer {
+  Tensor& out;
+  Tensor buf;
+  explicit OutputBuffer(Tensor& o)
+      : out(o), buf(o.is_contiguous() ? o : detail::make_empty(o.sizes().vec(), o.dtype(), o.device())) {}
+  void* data() const { return buf.impl().data(); }
+  void finish() {
+    if (!buf.same(out)) out.copy_(buf);
+  }
+};
+
+void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  IntArrayRef mask = call.ints_attr(4);
+  const bool need_dx = mask[0] != 0, need_dw = mask[1] != 0, need_db = mask[2] != 0;
+  const Tensor& grad = call.input(0);
+  const Tensor& input = call.input(1);
+  const Tensor& weight = call.input(2);
+  auto pair = [&](size_t i, int d) { IntArrayRef v = call.ints_attr(i); return v.size() == 1 ? v[0] : v[d]; };
+  ConvShape s{input.sizes()[0], input.sizes()[1], input.sizes()[2], input.sizes()[3], weight.sizes()[0],
+              weight.sizes()[2], weight.sizes()[3], grad.sizes()[2], grad.sizes()[3], {pair(0, 0), pair(0, 1)},
+              {pair(1, 0), pair(1, 1)}, {pair(2, 0), pair(2, 1)}, call.int_attr(3), need_db};
+  if (grad.numel() == 0 || s.c == 0) {  // nothing reaches the input or weight gradients
+    if (need_dx) outs[0].zero_();
+    if (need_dw) outs[1].zero_();
+    if (need_db) outs[2].copy_(grad.sum({0, 2, 3}));
+    return;
+  }
+  const DType t = input.dtype();
+  if (t == DType::float16) {  // compute in float32
+    auto r = call_op(*call.op, {grad.to(kFloat32), input.to(kFloat32), weight.to(kFloat32)},
+                     std::vector<Attr>(call.attrs.begin(), call.attrs.end()));
+    for (int i = 0; i < 3; ++i)
+      if (mask[i]) outs[i].copy_(r[i]);
+    return;
+  }
+  const Tensor dy = grad.contiguous();
+  const Tensor x = need_dw ? input.contiguous() : Tensor();
+  const Tensor w = need_dx ? weight.contiguous() : Tensor();
+  OutputBuffer dx(outs[0]), dw(outs[1]), db(outs[2]);
+  bool done = false;
+  if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled() && (need_dx || need_dw)) {
+    if (auto plan = find_backward_plan(s, t, need_dx, need_dw)) {
+      Tensor db32 = need_db && plan->bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf
+                                                                                           : empty({s.o}, kFloat32))
+                                          : Tensor();
+      run_backward_plan(*plan, need_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
+                        dy.impl().data(), need_dx ? dx.data() : nullptr, need_dw ? dw.data() : nullptr,
+                        db32.defined() ? db32.data_ptr<float>() : nullptr);
+      if (db32.defined() && !db32.same(db.buf)) db.buf.copy_(db32);
+      if (need_db && !plan->bias) {
+        if (t == DType::float32) bias_grad<float>(s, dy.data_ptr<float>(), db.buf.data_ptr<float>());
+        else db.buf.copy_(dy.sum({0, 2, 3}, false, kFloat32));
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+    if (t == DType::float64 || t == DType::float32) {
+      KILN_DISPATCH_FLOATING(t, "convolution_backward", [&] {
+        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+          if (need_dx || need_dw)
+            conv_backward_im2col<scalar_t>(s, need_dw ? x.data_ptr<scalar_t>() : nullptr,
+                                           need_dx ? w.data_ptr<scalar_t>() : nullptr, dy.data_ptr<scalar_t>(),
+                                           need_dx ? static_cast<scalar_t*>(dx.data()) : nullptr,
+                                           need_dw ? static_cast<scalar_t*>(dw.data()) : nullptr);
+          if (need_db) bias_grad<scalar_t>(s, dy.data_ptr<scalar_t>(), static_cast<scalar_t*>(db.data()));
+        }
+      });
+    } else {  // bfloat16 without oneDNN support: compute in float32
+      auto r = call_op(*call.op, {grad.to(kFloat32), input.to(kFloat32), weight.to(kFloat32)},
+                       std::vector<Attr>(call.attrs.begin(), call.attrs.end()));
+      for (int i = 0; i < 3; ++i)
+        if (mask[i]) outs[i].copy_(r[i]);
+      return;
+    }
+  }
+  if (need_dx) dx.finish();
+  if (need_dw) dw.finish();
+  if (need_db) db.finish();
+}
+
 [[maybe_unused]] const bool registered = [] {
   register_kernel("conv2d", DeviceType::cpu, conv2d_kernel);
+  register_kernel("convolution_backward", DeviceType::cpu, convolution_backward_kernel);
   return true;
 }();
 

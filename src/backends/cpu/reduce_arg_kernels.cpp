@@ -17,8 +17,10 @@ using namespace reduce;
 
 template <class A, bool IsMax>
 inline bool better(A v, A best) {
-  if constexpr (IsMax) return v > best || (v != v && best == best);
-  else return v < best || (v != v && best == best);
+  if constexpr (IsMax)
+    return v > best || (v != v && best == best);
+  else
+    return v < best || (v != v && best == best);
 }
 
 template <class A>
@@ -79,31 +81,32 @@ void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices
     constexpr int64_t B = 64;
     const int64_t J = plan.kept.back().size, nblocks = (J + B - 1) / B;
     const size_t nouter = plan.kept.size() - 1;
-    parallel_for(plan.num_outputs / J * nblocks, std::max<int64_t>(1, kGrainSize / (D * B)), [&](int64_t b0, int64_t e0) {
-      for (int64_t t = b0; t < e0; ++t) {
-        int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, J - j0);
-        const T* p = base + offset_of(ko, kept, nouter) + j0;
-        A best[B];
-        int64_t idx[B] = {};
-        for (int64_t b = 0; b < jn; ++b) best[b] = load<A>(p + b);
-        for (int64_t r = 1; r < D; ++r) {
-          const T* row = p + r * s;
+    parallel_for(plan.num_outputs / J * nblocks, std::max<int64_t>(1, kGrainSize / (D * B)),
+                 [&](int64_t b0, int64_t e0) {
+                   for (int64_t t = b0; t < e0; ++t) {
+                     int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, J - j0);
+                     const T* p = base + offset_of(ko, kept, nouter) + j0;
+                     A best[B];
+                     int64_t idx[B] = {};
+                     for (int64_t b = 0; b < jn; ++b) best[b] = load<A>(p + b);
+                     for (int64_t r = 1; r < D; ++r) {
+                       const T* row = p + r * s;
 #pragma omp simd
-          for (int64_t b = 0; b < jn; ++b) {
-            A v = load<A>(row + b);
-            bool take = better<A, IsMax>(v, best[b]);
-            best[b] = take ? v : best[b];
-            idx[b] = take ? r : idx[b];
-          }
-          end_of_row();
-        }
-        int64_t o0 = ko * J + j0;
-        for (int64_t b = 0; b < jn; ++b) {
-          indices[o0 + b] = idx[b];
-          if (values) values[o0 + b] = store_as<T>(best[b]);
-        }
-      }
-    });
+                       for (int64_t b = 0; b < jn; ++b) {
+                         A v = load<A>(row + b);
+                         bool take = better<A, IsMax>(v, best[b]);
+                         best[b] = take ? v : best[b];
+                         idx[b] = take ? r : idx[b];
+                       }
+                       end_of_row();
+                     }
+                     int64_t o0 = ko * J + j0;
+                     for (int64_t b = 0; b < jn; ++b) {
+                       indices[o0 + b] = idx[b];
+                       if (values) values[o0 + b] = store_as<T>(best[b]);
+                     }
+                   }
+                 });
     return;
   }
 
@@ -147,14 +150,19 @@ void arg_kernel(const OpCall& c, std::span<Tensor> outs, bool with_values) {
     if (x.dim() > 0) mask[kiln::detail::wrap_dim(c.int_attr(0), x.dim(), c.name())] = true;
   }
   Tensor& idx_out = with_values ? outs[1] : outs[0];
-  Tensor indices = idx_out.is_contiguous() ? idx_out : kiln::detail::make_empty(idx_out.sizes().vec(), kInt64, kCPU);
+  Tensor indices = idx_out.is_contiguous()
+                       ? idx_out
+                       : kiln::detail::make_empty(idx_out.sizes().vec(), kInt64, kCPU);
   Tensor values;
   if (with_values) {
-    values = outs[0].is_contiguous() ? outs[0] : kiln::detail::make_empty(outs[0].sizes().vec(), outs[0].dtype(), kCPU);
+    values = outs[0].is_contiguous()
+                 ? outs[0]
+                 : kiln::detail::make_empty(outs[0].sizes().vec(), outs[0].dtype(), kCPU);
   }
   KILN_DISPATCH_ALL(x.dtype(), c.name(), [&] {
-    arg_reduce<scalar_t, IsMax>(x, mask, static_cast<int64_t*>(indices.impl().data()),
-                                with_values ? static_cast<scalar_t*>(values.impl().data()) : nullptr);
+    arg_reduce<scalar_t, IsMax>(
+        x, mask, static_cast<int64_t*>(indices.impl().data()),
+        with_values ? static_cast<scalar_t*>(values.impl().data()) : nullptr);
   });
   if (!indices.same(idx_out)) idx_out.copy_(indices);
   if (with_values && !values.same(outs[0])) outs[0].copy_(values);

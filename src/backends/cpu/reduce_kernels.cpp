@@ -30,7 +30,8 @@ int64_t reduced_count(const Tensor& x, const std::vector<bool>& mask) {
 
 // out[o] = fin(reduce(op) of output o). out is contiguous and has element type Out.
 template <class T, class Out, class Op, class Fin>
-void reduce_into(const Tensor& x, const std::vector<bool>& mask, const Op& op, Tensor& out, const Fin& fin) {
+void reduce_into(const Tensor& x, const std::vector<bool>& mask, const Op& op, Tensor& out,
+                 const Fin& fin) {
   ReducePlan plan = make_plan(x, mask);
   ReduceLoop<T> loop(plan);
   Out* o = static_cast<Out*>(out.impl().data());
@@ -52,7 +53,8 @@ void sum_like(const char* name, const Tensor& x_in, const std::vector<bool>& mas
     return;
   }
   Tensor x = is_floating_point(x_in.dtype()) ? x_in.to(od) : x_in;
-  Tensor target = od == kInt64 ? out : kiln::detail::make_empty(out.sizes().vec(), kInt64, out.device());
+  Tensor target =
+      od == kInt64 ? out : kiln::detail::make_empty(out.sizes().vec(), kInt64, out.device());
   KILN_DISPATCH_INTEGRAL_AND_BOOL(x.dtype(), name, [&] {
     reduce_into<scalar_t, int64_t>(x, mask, Op<int64_t>{}, target, kIdentity);
   });
@@ -68,7 +70,8 @@ void sum_kernel(const OpCall& c, std::span<Tensor> outs) {
 void prod_kernel(const OpCall& c, std::span<Tensor> outs) {
   const Tensor& x = c.input(0);
   std::vector<bool> mask(x.dim(), !c.has_attr(0));
-  if (c.has_attr(0) && x.dim() > 0) mask[kiln::detail::wrap_dim(c.int_attr(0), x.dim(), "prod")] = true;
+  if (c.has_attr(0) && x.dim() > 0)
+    mask[kiln::detail::wrap_dim(c.int_attr(0), x.dim(), "prod")] = true;
   into_contiguous(outs[0], [&](Tensor& out) { sum_like<ProdOp>("prod", x, mask, out); });
 }
 
@@ -79,7 +82,8 @@ void mean_kernel(const OpCall& c, std::span<Tensor> outs) {
   into_contiguous(outs[0], [&](Tensor& out) {
     KILN_DISPATCH_FLOATING(x.dtype(), "mean", [&] {
       using A = acc_t<scalar_t>;
-      reduce_into<scalar_t, scalar_t>(x, mask, SumOp<A>{}, out, [n](A a) { return a / static_cast<A>(n); });
+      reduce_into<scalar_t, scalar_t>(x, mask, SumOp<A>{}, out,
+                                      [n](A a) { return a / static_cast<A>(n); });
     });
   });
 }
@@ -103,8 +107,10 @@ void any_all_kernel(const OpCall& c, std::span<Tensor> outs) {
   auto mask = mask_of(c, x, 0);
   into_contiguous(outs[0], [&](Tensor& out) {
     KILN_DISPATCH_ALL(x.dtype(), c.name(), [&] {
-      if (out.dtype() == kUInt8) reduce_into<scalar_t, uint8_t>(x, mask, Op{}, out, kIdentity);
-      else reduce_into<scalar_t, bool>(x, mask, Op{}, out, kIdentity);
+      if (out.dtype() == kUInt8)
+        reduce_into<scalar_t, uint8_t>(x, mask, Op{}, out, kIdentity);
+      else
+        reduce_into<scalar_t, bool>(x, mask, Op{}, out, kIdentity);
     });
   });
 }
@@ -154,7 +160,9 @@ void moments_kernel(const OpCall& c, std::span<Tensor> outs, MomentsKind kind) {
   const int64_t dof = std::max<int64_t>(0, reduced_count(x, mask) - c.int_attr(1));
   Tensor mean_out = kind == MomentsKind::var_mean ? outs[1] : Tensor();
   const bool temp_mean = mean_out.defined() && !mean_out.is_contiguous();
-  if (temp_mean) mean_out = kiln::detail::make_empty(mean_out.sizes().vec(), mean_out.dtype(), mean_out.device());
+  if (temp_mean)
+    mean_out =
+        kiln::detail::make_empty(mean_out.sizes().vec(), mean_out.dtype(), mean_out.device());
   into_contiguous(outs[0], [&](Tensor& out) {
     KILN_DISPATCH_FLOATING(x.dtype(), c.name(), [&] {
       using A = acc_t<scalar_t>;
@@ -182,14 +190,20 @@ void norm_kernel(const OpCall& c, std::span<Tensor> outs) {
     KILN_DISPATCH_FLOATING(x.dtype(), "norm", [&] {
       using T = scalar_t;
       using A = acc_t<T>;
-      if (p == 2) reduce_into<T, T>(x, mask, SquareSumOp<A>{}, out, [](A a) { return std::sqrt(a); });
-      else if (p == 1) reduce_into<T, T>(x, mask, AbsSumOp<A>{}, out, kIdentity);
-      else if (p == 0) reduce_into<T, T>(x, mask, NonzeroCountOp<A>{}, out, kIdentity);
-      else if (std::isinf(p) && p > 0) reduce_into<T, T>(x, mask, AbsMaxOp<A>{}, out, kIdentity);
-      else if (std::isinf(p)) reduce_into<T, T>(x, mask, AbsMinOp<A>{}, out, kIdentity);
+      if (p == 2)
+        reduce_into<T, T>(x, mask, SquareSumOp<A>{}, out, [](A a) { return std::sqrt(a); });
+      else if (p == 1)
+        reduce_into<T, T>(x, mask, AbsSumOp<A>{}, out, kIdentity);
+      else if (p == 0)
+        reduce_into<T, T>(x, mask, NonzeroCountOp<A>{}, out, kIdentity);
+      else if (std::isinf(p) && p > 0)
+        reduce_into<T, T>(x, mask, AbsMaxOp<A>{}, out, kIdentity);
+      else if (std::isinf(p))
+        reduce_into<T, T>(x, mask, AbsMinOp<A>{}, out, kIdentity);
       else {
         const A pa = static_cast<A>(p), inv = static_cast<A>(1.0 / p);
-        reduce_into<T, T>(x, mask, PowSumOp<A>{{}, pa}, out, [inv](A a) { return std::pow(a, inv); });
+        reduce_into<T, T>(x, mask, PowSumOp<A>{{}, pa}, out,
+                          [inv](A a) { return std::pow(a, inv); });
       }
     });
   });
@@ -238,8 +252,9 @@ void logsumexp_kernel(const OpCall& c, std::span<Tensor> outs) {
     Tensor x = as_dtype(c.input(0), out.dtype());
     KILN_DISPATCH_FLOATING(x.dtype(), "logsumexp", [&] {
       using A = acc_t<scalar_t>;
-      reduce_into<scalar_t, scalar_t>(x, mask, LogSumExpOp<A>{}, out,
-                                      [](const ShiftedSum<A>& r) { return std::log(r.sum) + r.shift; });
+      reduce_into<scalar_t, scalar_t>(x, mask, LogSumExpOp<A>{}, out, [](const ShiftedSum<A>& r) {
+        return std::log(r.sum) + r.shift;
+      });
     });
   });
 }
@@ -248,22 +263,27 @@ void logsumexp_kernel(const OpCall& c, std::span<Tensor> outs) {
   register_kernel("sum", DeviceType::cpu, sum_kernel);
   register_kernel("prod", DeviceType::cpu, prod_kernel);
   register_kernel("mean", DeviceType::cpu, mean_kernel);
-  register_kernel("amax", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { extremum_kernel<MaxOp>(c, o, false); });
-  register_kernel("amin", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { extremum_kernel<MinOp>(c, o, false); });
+  register_kernel("amax", DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) {
+    extremum_kernel<MaxOp>(c, o, false);
+  });
+  register_kernel("amin", DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) {
+    extremum_kernel<MinOp>(c, o, false);
+  });
   register_kernel("max", DeviceType::cpu,
                   [](const OpCall& c, std::span<Tensor> o) { extremum_kernel<MaxOp>(c, o, true); });
   register_kernel("min", DeviceType::cpu,
                   [](const OpCall& c, std::span<Tensor> o) { extremum_kernel<MinOp>(c, o, true); });
   register_kernel("any", DeviceType::cpu, any_all_kernel<AnyOp>);
   register_kernel("all", DeviceType::cpu, any_all_kernel<AllOp>);
-  register_kernel("var", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::var); });
-  register_kernel("std", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::std); });
-  register_kernel("var_mean", DeviceType::cpu,
-                  [](const OpCall& c, std::span<Tensor> o) { moments_kernel(c, o, MomentsKind::var_mean); });
+  register_kernel("var", DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) {
+    moments_kernel(c, o, MomentsKind::var);
+  });
+  register_kernel("std", DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) {
+    moments_kernel(c, o, MomentsKind::std);
+  });
+  register_kernel("var_mean", DeviceType::cpu, [](const OpCall& c, std::span<Tensor> o) {
+    moments_kernel(c, o, MomentsKind::var_mean);
+  });
   register_kernel("norm", DeviceType::cpu, norm_kernel);
   register_kernel("logsumexp", DeviceType::cpu, logsumexp_kernel);
   return true;

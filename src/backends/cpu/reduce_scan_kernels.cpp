@@ -23,9 +23,12 @@ Around around(const Tensor& x, int64_t dim) {
   Around a;
   for (int64_t d = 0; d < x.dim(); ++d) {
     int64_t n = x.sizes()[d];
-    if (d < dim) a.outer *= n;
-    else if (d == dim) a.size = n;
-    else a.inner *= n;
+    if (d < dim)
+      a.outer *= n;
+    else if (d == dim)
+      a.size = n;
+    else
+      a.inner *= n;
   }
   return a;
 }
@@ -42,8 +45,10 @@ void cumsum_impl(const Tensor& x, Tensor& out, int64_t dim) {
   const T* in = static_cast<const T*>(x.impl().data());
   Out* o = static_cast<Out*>(out.impl().data());
   auto add = [](A a, A b) {
-    if constexpr (std::is_integral_v<A>) return math::util::wrapping_add(a, b);
-    else return a + b;
+    if constexpr (std::is_integral_v<A>)
+      return math::util::wrapping_add(a, b);
+    else
+      return a + b;
   };
   if (g.inner == 1) {
     parallel_for(g.outer, std::max<int64_t>(1, kGrainSize / g.size), [&](int64_t b, int64_t e) {
@@ -61,23 +66,24 @@ void cumsum_impl(const Tensor& x, Tensor& out, int64_t dim) {
   }
   constexpr int64_t B = block<A>();
   const int64_t nblocks = (g.inner + B - 1) / B;
-  parallel_for(g.outer * nblocks, std::max<int64_t>(1, kGrainSize / (g.size * B)), [&](int64_t b0, int64_t e0) {
-    for (int64_t t = b0; t < e0; ++t) {
-      int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, g.inner - j0);
-      int64_t base = ko * g.size * g.inner + j0;
-      A acc[B] = {};
-      for (int64_t k = 0; k < g.size; ++k) {
-        const T* p = in + base + k * g.inner;
-        Out* q = o + base + k * g.inner;
+  parallel_for(g.outer * nblocks, std::max<int64_t>(1, kGrainSize / (g.size * B)),
+               [&](int64_t b0, int64_t e0) {
+                 for (int64_t t = b0; t < e0; ++t) {
+                   int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, g.inner - j0);
+                   int64_t base = ko * g.size * g.inner + j0;
+                   A acc[B] = {};
+                   for (int64_t k = 0; k < g.size; ++k) {
+                     const T* p = in + base + k * g.inner;
+                     Out* q = o + base + k * g.inner;
 #pragma omp simd
-        for (int64_t j = 0; j < jn; ++j) {
-          acc[j] = add(acc[j], load<A>(p + j));
-          q[j] = store_as<Out>(acc[j]);
-        }
-        end_of_row();
-      }
-    }
-  });
+                     for (int64_t j = 0; j < jn; ++j) {
+                       acc[j] = add(acc[j], load<A>(p + j));
+                       q[j] = store_as<Out>(acc[j]);
+                     }
+                     end_of_row();
+                   }
+                 }
+               });
 }
 
 void cumsum_kernel(const OpCall& c, std::span<Tensor> outs) {
@@ -94,8 +100,10 @@ void cumsum_kernel(const OpCall& c, std::span<Tensor> outs) {
       return;
     }
     Tensor x = (is_floating_point(x_in.dtype()) ? x_in.to(od) : x_in).contiguous();
-    Tensor target = od == kInt64 ? out : kiln::detail::make_empty(out.sizes().vec(), kInt64, out.device());
-    KILN_DISPATCH_INTEGRAL_AND_BOOL(x.dtype(), "cumsum", [&] { cumsum_impl<scalar_t, int64_t, int64_t>(x, target, dim); });
+    Tensor target =
+        od == kInt64 ? out : kiln::detail::make_empty(out.sizes().vec(), kInt64, out.device());
+    KILN_DISPATCH_INTEGRAL_AND_BOOL(
+        x.dtype(), "cumsum", [&] { cumsum_impl<scalar_t, int64_t, int64_t>(x, target, dim); });
     if (od != kInt64) out.copy_(target);
   });
 }
@@ -105,12 +113,61 @@ void cumsum_kernel(const OpCall& c, std::span<Tensor> outs) {
 // log_softmax = (x - m) - log s. Computed in float for float16/bfloat16/float32.
 // ---------------------------------------------------------------------------------------------
 
+// Short rows (10 classes, a few heads) go a block of rows at a time: the exponentials of the
+// whole block are one flat vector loop, where one row's would be mostly loop overhead.
+inline constexpr int64_t kShortSoftmaxRow = 32;
+inline constexpr int64_t kShortSoftmaxBlock = 256;  // rows per block
+
+template <class T, bool Log>
+void softmax_short_rows(const T* in, T* out, int64_t rows, int64_t n, opmath_t<T>* buffer) {
+  using A = opmath_t<T>;
+  A m[kShortSoftmaxBlock];
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* p = in + r * n;
+    A mr = lowest<A>();
+    for (int64_t k = 0; k < n; ++k) mr = nan_max(mr, load<A>(p + k));
+    for (int64_t k = 0; k < n; ++k) buffer[r * n + k] = load<A>(p + k) - mr;
+    m[r] = mr;
+  }
+#pragma omp simd
+  for (int64_t i = 0; i < rows * n; ++i) buffer[i] = math::Exp{}(buffer[i]);
+  for (int64_t r = 0; r < rows; ++r) {
+    const A* ex = buffer + r * n;
+    A sum = 0;
+    for (int64_t k = 0; k < n; ++k) sum += ex[k];
+    T* q = out + r * n;
+    if constexpr (Log) {
+      const A log_sum = std::log(sum);
+      for (int64_t k = 0; k < n; ++k)
+        q[k] = store_as<T>((load<A>(in + r * n + k) - m[r]) - log_sum);
+    } else {
+      const A inv = A(1) / sum;
+      for (int64_t k = 0; k < n; ++k) q[k] = store_as<T>(ex[k] * inv);
+    }
+  }
+}
+
 template <class T, bool Log>
 void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
   using A = opmath_t<T>;
   // float16/bfloat16 rows hold their exponentials in a float buffer per thread, allocated here:
   // nothing may throw inside the parallel region.
   const int threads = max_threads();
+  if (n <= kShortSoftmaxRow) {
+    std::vector<A> buffers(threads * kShortSoftmaxBlock * n);
+    const int64_t blocks = (rows + kShortSoftmaxBlock - 1) / kShortSoftmaxBlock;
+    parallel_for(blocks, std::max<int64_t>(1, kGrainSize / (kShortSoftmaxBlock * n)),
+                 [&](int64_t b, int64_t e) {
+                   A* buffer =
+                       buffers.data() + (omp_get_thread_num() % threads) * kShortSoftmaxBlock * n;
+                   for (int64_t blk = b; blk < e; ++blk) {
+                     const int64_t r0 = blk * kShortSoftmaxBlock,
+                                   count = std::min(kShortSoftmaxBlock, rows - r0);
+                     softmax_short_rows<T, Log>(in + r0 * n, out + r0 * n, count, n, buffer);
+                   }
+                 });
+    return;
+  }
   std::vector<A> buffers(std::is_same_v<T, A> || Log ? 0 : threads * n);
   parallel_for(rows, std::max<int64_t>(1, kGrainSize / n), [&](int64_t b, int64_t e) {
     A* buffer = buffers.data() + (omp_get_thread_num() % threads) * n;
@@ -125,8 +182,10 @@ void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
         for (int64_t k = 0; k < n; ++k) q[k] = store_as<T>((load<A>(p + k) - m) - log_sum);
       } else {
         A* ex;
-        if constexpr (std::is_same_v<T, A>) ex = q;
-        else ex = buffer;
+        if constexpr (std::is_same_v<T, A>)
+          ex = q;
+        else
+          ex = buffer;
 #pragma omp simd
         for (int64_t k = 0; k < n; ++k) ex[k] = math::Exp{}(load<A>(p + k) - m);
         const A inv = A(1) / reduce_run(SumOp<A>{}, static_cast<const A*>(ex), n, 1);
@@ -143,38 +202,41 @@ void softmax_columns(const T* in, T* out, const Around& g) {
   using S = std::conditional_t<std::is_same_v<A, float>, double, A>;  // the sum over the dim
   constexpr int64_t B = block<A>();
   const int64_t nblocks = (g.inner + B - 1) / B;
-  parallel_for(g.outer * nblocks, std::max<int64_t>(1, kGrainSize / (g.size * B)), [&](int64_t b0, int64_t e0) {
-    for (int64_t t = b0; t < e0; ++t) {
-      int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, g.inner - j0);
-      const T* p = in + ko * g.size * g.inner + j0;
-      T* q = out + ko * g.size * g.inner + j0;
-      A m[B], shift[B];
-      S s[B] = {};
-      for (int64_t j = 0; j < B; ++j) m[j] = lowest<A>();
-      for (int64_t k = 0; k < g.size; ++k) {
+  parallel_for(
+      g.outer * nblocks, std::max<int64_t>(1, kGrainSize / (g.size * B)),
+      [&](int64_t b0, int64_t e0) {
+        for (int64_t t = b0; t < e0; ++t) {
+          int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, g.inner - j0);
+          const T* p = in + ko * g.size * g.inner + j0;
+          T* q = out + ko * g.size * g.inner + j0;
+          A m[B], shift[B];
+          S s[B] = {};
+          for (int64_t j = 0; j < B; ++j) m[j] = lowest<A>();
+          for (int64_t k = 0; k < g.size; ++k) {
 #pragma omp simd
-        for (int64_t j = 0; j < jn; ++j) m[j] = nan_max(m[j], load<A>(p + k * g.inner + j));
-        end_of_row();
-      }
-      for (int64_t k = 0; k < g.size; ++k) {
+            for (int64_t j = 0; j < jn; ++j) m[j] = nan_max(m[j], load<A>(p + k * g.inner + j));
+            end_of_row();
+          }
+          for (int64_t k = 0; k < g.size; ++k) {
 #pragma omp simd
-        for (int64_t j = 0; j < jn; ++j) s[j] += static_cast<S>(math::Exp{}(load<A>(p + k * g.inner + j) - m[j]));
-        end_of_row();
-      }
-      for (int64_t j = 0; j < jn; ++j)
-        shift[j] = static_cast<A>(Log ? std::log(s[j]) : S(1) / s[j]);
-      for (int64_t k = 0; k < g.size; ++k) {
-        const T* pk = p + k * g.inner;
-        T* qk = q + k * g.inner;
+            for (int64_t j = 0; j < jn; ++j)
+              s[j] += static_cast<S>(math::Exp{}(load<A>(p + k * g.inner + j) - m[j]));
+            end_of_row();
+          }
+          for (int64_t j = 0; j < jn; ++j)
+            shift[j] = static_cast<A>(Log ? std::log(s[j]) : S(1) / s[j]);
+          for (int64_t k = 0; k < g.size; ++k) {
+            const T* pk = p + k * g.inner;
+            T* qk = q + k * g.inner;
 #pragma omp simd
-        for (int64_t j = 0; j < jn; ++j) {
-          A v = load<A>(pk + j);
-          qk[j] = store_as<T>(Log ? (v - m[j]) - shift[j] : math::Exp{}(v - m[j]) * shift[j]);
+            for (int64_t j = 0; j < jn; ++j) {
+              A v = load<A>(pk + j);
+              qk[j] = store_as<T>(Log ? (v - m[j]) - shift[j] : math::Exp{}(v - m[j]) * shift[j]);
+            }
+            end_of_row();
+          }
         }
-        end_of_row();
-      }
-    }
-  });
+      });
 }
 
 template <bool Log>
@@ -188,8 +250,10 @@ void softmax_kernel(const OpCall& c, std::span<Tensor> outs) {
     KILN_DISPATCH_FLOATING(x.dtype(), c.name(), [&] {
       const scalar_t* in = static_cast<const scalar_t*>(x.impl().data());
       scalar_t* o = static_cast<scalar_t*>(out.impl().data());
-      if (g.inner == 1) softmax_rows<scalar_t, Log>(in, o, g.outer, g.size);
-      else softmax_columns<scalar_t, Log>(in, o, g);
+      if (g.inner == 1)
+        softmax_rows<scalar_t, Log>(in, o, g.outer, g.size);
+      else
+        softmax_columns<scalar_t, Log>(in, o, g);
     });
   });
 }

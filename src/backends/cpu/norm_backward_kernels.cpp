@@ -1,0 +1,332 @@
+// CPU kernels for native_batch_norm_backward, native_layer_norm_backward and
+// native_group_norm_backward.
+//
+// Each normalizes contiguous blocks (a channel's N runs of H*W values, a row, an (n, group) block)
+// and works block by block: one pass computes the block's reductions (sum(dy), sum(dy * x) or
+// sum(dy * (x - mean))), the next writes dx while the block is still in cache, so the input and
+// the gradient come from memory once. Inner loops are contiguous and vectorized (`omp simd`),
+// in opmath precision (float for float16/bfloat16/float32, double for float64); a block's run
+// sums are added in double. Blocks are split across OpenMP threads; layer_norm's weight and bias
+// gradients (column sums over rows) use one accumulator row per thread.
+//
+// The formulas are aten's (Normalization.cpp batch_norm_backward_cpu_template,
+// layer_norm_kernel.cpp, group_norm_kernel.cpp).
+#include <cmath>
+
+#include "backends/cpu/loops.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln::cpu {
+
+namespace {
+
+// Values of an optional parameter in opmath precision (`fill` when undefined).
+template <class Acc>
+std::vector<Acc> param_values(const Tensor& t, int64_t n, Acc fill) {
+  if (!t.defined()) return std::vector<Acc>(static_cast<size_t>(n), fill);
+  if (t.dtype() == dtype_of_v<Acc> && t.is_contiguous()) {
+    const Acc* p = t.data_ptr<Acc>();
+    return std::vector<Acc>(p, p + n);
+  }
+  std::vector<double> v = t.to_vector<double>();
+  return std::vector<Acc>(v.begin(), v.end());
+}
+
+// Writes `values` (row-major) into t, converting to its dtype.
+template <class Acc>
+void store_values(Tensor& t, const std::vector<Acc>& values) {
+  if (t.numel() == 0) return;
+  if (t.is_contiguous() && t.dtype() == dtype_of_v<Acc>) {
+    std::copy(values.begin(), values.end(), t.data_ptr<Acc>());
+    return;
+  }
+  Tensor src = detail::make_empty(t.sizes().vec(), dtype_of_v<Acc>, t.device());
+  std::copy(values.begin(), values.end(), src.data_ptr<Acc>());
+  t.copy_(src);
+}
+
+// A contiguous tensor of dtype T with t's values.
+Tensor contiguous_as(const Tensor& t, DType dtype) { return as_dtype(t, dtype).contiguous(); }
+
+// Runs body(dx) with a contiguous dx, copying into `out` afterwards when it is not.
+template <class Body>
+void with_contiguous_output(Tensor& out, Body&& body) {
+  Tensor y = out.is_contiguous() ? out : detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
+  body(y);
+  if (!y.same(out)) out.copy_(y);
+}
+
+bool mask_at(const OpCall& c, size_t attr, int i) { return c.ints_attr(attr)[i] != 0; }
+
+// ---------------- batch_norm ----------------
+
+// sum(dy) and sum(dy * (x - mean)) over n contiguous values.
+template <class T, class Acc = opmath_t<T>>
+inline void centered_sums(const T* __restrict x, const T* __restrict dy, int64_t n, Acc mean, Acc& sum_dy,
+                          Acc& dot) {
+  Acc s = 0, d = 0;
+#pragma omp simd reduction(+ : s, d)
+  for (int64_t i = 0; i < n; ++i) {
+    const Acc g = static_cast<Acc>(dy[i]);
+    s += g;
+    d += g * (static_cast<Acc>(x[i]) - mean);
+  }
+  sum_dy = s;
+  dot = d;
+}
+
+template <class T>
+void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
+  using Acc = opmath_t<T>;
+  const DType dt = dtype_of_v<T>;
+  const Tensor x = call.input(1).contiguous();
+  const Tensor dy = contiguous_as(call.input(0), dt);
+  const bool train = call.bool_attr(0);
+  const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
+  const int64_t n = x.sizes()[0], channels = x.sizes()[1];
+  const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
+  const int64_t count = n * plane;
+  const std::vector<Acc> weight = param_values<Acc>(call.input(2), channels, Acc(1));
+  const std::vector<Acc> mean = param_values<Acc>(call.input(3), channels, Acc(0));
+  const std::vector<Acc> invstd = param_values<Acc>(call.input(4), channels, Acc(1));
+  std::vector<Acc> grad_weight(static_cast<size_t>(channels)), grad_bias(static_cast<size_t>(channels));
+  const T* xp = x.data_ptr<T>();
+  const T* gp = dy.data_ptr<T>();
+
+  auto run = [&](T* dx) {
+    parallel_for(channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, count)), [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        const Acc m = mean[c], inv = invstd[c];
+        double sum_dy = 0, dot = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t at = (i * channels + c) * plane;
+          Acc s, d;
+          centered_sums(xp + at, gp + at, plane, m, s, d);
+          sum_dy += s;
+          dot += d;
+        }
+        grad_weight[c] = static_cast<Acc>(dot * inv);
+        grad_bias[c] = static_cast<Acc>(sum_dy);
+        if (!dx) continue;
+        if (train) {
+          // dx = (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
+          const Acc k = count > 0 ? static_cast<Acc>(dot / count) * inv * inv : Acc(0);
+          const Acc grad_mean = count > 0 ? static_cast<Acc>(sum_dy / count) : Acc(0);
+          const Acc scale = inv * weight[c];
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t at = (i * channels + c) * plane;
+            const T* __restrict xr = xp + at;
+            const T* __restrict gr = gp + at;
+            T* __restrict o = dx + at;
+#pragma omp simd
+            for (int64_t j = 0; j < plane; ++j)
+              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - grad_mean - (static_cast<Acc>(xr[j]) - m) * k) * scale);
+          }
+        } else {
+          const Acc scale = inv * weight[c];
+          for (int64_t i = 0; i < n; ++i) {
+            const int64_t at = (i * channels + c) * plane;
+            const T* __restrict gr = gp + at;
+            T* __restrict o = dx + at;
+#pragma omp simd
+            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(static_cast<Acc>(gr[j]) * scale);
+          }
+        }
+      }
+    });
+  };
+  if (need_input) {
+    with_contiguous_output(outs[0], [&](Tensor& dx) { run(dx.data_ptr<T>()); });
+  } else if (need_weight || need_bias) {
+    run(nullptr);
+  }
+  if (need_weight) store_values(outs[1], grad_weight);
+  if (need_bias) store_values(outs[2], grad_bias);
+}
+
+void batch_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  KILN_DISPATCH_FLOATING(call.input(1).dtype(), "native_batch_norm_backward",
+                         [&] { batch_norm_backward_typed<scalar_t>(call, outs); });
+}
+
+// ---------------- layer_norm ----------------
+
+template <class T>
+void layer_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
+  using Acc = opmath_t<T>;
+  const DType dt = dtype_of_v<T>;
+  const Tensor x = call.input(1).contiguous();
+  const Tensor dy = contiguous_as(call.input(0), dt);
+  int64_t row_size = 1;
+  for (int64_t d : call.ints_attr(0)) row_size *= d;
+  const int64_t rows = row_size == 0 ? call.input(2).numel() : x.numel() / row_size;
+  const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
+  const std::vector<Acc> mean = param_values<Acc>(call.input(2), rows, Acc(0));
+  const std::vector<Acc> rstd = param_values<Acc>(call.input(3), rows, Acc(1));
+  const std::vector<Acc> weight = param_values<Acc>(call.input(4), row_size, Acc(1));
+  const T* xp = x.data_ptr<T>();
+  const T* gp = dy.data_ptr<T>();
+  const bool need_params = need_weight || need_bias;
+
+  // Per-thread accumulators for the weight and bias gradients.
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), rows * row_size / kGrainSize));
+  std::vector<Acc> partial_weight(need_params ? static_cast<size_t>(chunks * row_size) : 0, Acc(0));
+  std::vector<Acc> partial_bias(need_params ? static_cast<size_t>(chunks * row_size) : 0, Acc(0));
+
+  auto run = [&](T* dx) {
+    parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
+      for (int64_t chunk = cb; chunk < ce; ++chunk) {
+        Acc* __restrict pw = need_params ? partial_weight.data() + chunk * row_size : nullptr;
+        Acc* __restrict pb = need_params ? partial_bias.data() + chunk * row_size : nullptr;
+        const Acc* __restrict w = weight.data();
+        for (int64_t r = rows * chunk / chunks; r < rows * (chunk + 1) / chunks; ++r) {
+          const T* __restrict xr = xp + r * row_size;
+          const T* __restrict gr = gp + r * row_size;
+          const Acc m = mean[r], rs = rstd[r];
+          if (need_params) {
+#pragma omp simd
+            for (int64_t j = 0; j < row_size; ++j) {
+              const Acc g = static_cast<Acc>(gr[j]);
+              pw[j] += g * (static_cast<Acc>(xr[j]) - m) * rs;
+              pb[j] += g;
+            }
+          }
+          if (!dx) continue;
+          // ds = sum(dy * w * x), db = sum(dy * w); dx = rs * dy * w + b * x + c.
+          Acc ds = 0, db = 0;
+#pragma omp simd reduction(+ : ds, db)
+          for (int64_t j = 0; j < row_size; ++j) {
+            const Acc gw = static_cast<Acc>(gr[j]) * w[j];
+            ds += gw * static_cast<Acc>(xr[j]);
+            db += gw;
+          }
+          const Acc scale = Acc(1) / static_cast<Acc>(row_size);
+          const Acc b = (db * m - ds) * rs * rs * rs * scale;
+          const Acc c = -b * m - db * rs * scale;
+          T* __restrict o = dx + r * row_size;
+#pragma omp simd
+          for (int64_t j = 0; j < row_size; ++j)
+            o[j] = static_cast<T>(rs * static_cast<Acc>(gr[j]) * w[j] + b * static_cast<Acc>(xr[j]) + c);
+        }
+      }
+    });
+  };
+  if (need_input) {
+    with_contiguous_output(outs[0], [&](Tensor& dx) { run(dx.data_ptr<T>()); });
+  } else if (need_params) {
+    run(nullptr);
+  }
+  if (need_params) {
+    std::vector<Acc> gw(static_cast<size_t>(row_size), Acc(0)), gb(static_cast<size_t>(row_size), Acc(0));
+    for (int64_t chunk = 0; chunk < chunks; ++chunk)
+      for (int64_t j = 0; j < row_size; ++j) {
+        gw[j] += partial_weight[chunk * row_size + j];
+        gb[j] += partial_bias[chunk * row_size + j];
+      }
+    if (need_weight) store_values(outs[1], gw);
+    if (need_bias) store_values(outs[2], gb);
+  }
+}
+
+void layer_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  KILN_DISPATCH_FLOATING(call.input(1).dtype(), "native_layer_norm_backward",
+                         [&] { layer_norm_backward_typed<scalar_t>(call, outs); });
+}
+
+// ---------------- group_norm ----------------
+
+template <class T>
+void group_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
+  using Acc = opmath_t<T>;
+  const DType dt = dtype_of_v<T>;
+  const Tensor x = call.input(1).contiguous();
+  const Tensor dy = contiguous_as(call.input(0), dt);
+  const int64_t groups = call.int_attr(0);
+  const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
+  const int64_t n = x.sizes()[0], channels = x.sizes()[1];
+  const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
+  const int64_t per_group = channels / groups;
+  const std::vector<Acc> mean = param_values<Acc>(call.input(2), n * groups, Acc(0));
+  const std::vector<Acc> rstd = param_values<Acc>(call.input(3), n * groups, Acc(1));
+  const std::vector<Acc> weight = param_values<Acc>(call.input(4), channels, Acc(1));
+  // Per (n, c): sum(dy * x) and sum(dy) over the plane.
+  std::vector<Acc> ds(static_cast<size_t>(n * channels)), db(static_cast<size_t>(n * channels));
+  const T* xp = x.data_ptr<T>();
+  const T* gp = dy.data_ptr<T>();
+
+  auto run = [&](T* dx) {
+    const int64_t blocks = n * groups;
+    parallel_for(blocks, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, per_group * plane)),
+                 [&](int64_t b, int64_t e) {
+                   for (int64_t block = b; block < e; ++block) {
+                     const int64_t i = block / groups, g = block % groups;
+                     Acc ds_g = 0, db_g = 0;
+                     for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+                       const T* __restrict xr = xp + (i * channels + c) * plane;
+                       const T* __restrict gr = gp + (i * channels + c) * plane;
+                       Acc s = 0, d = 0;
+#pragma omp simd reduction(+ : s, d)
+                       for (int64_t j = 0; j < plane; ++j) {
+                         const Acc gv = static_cast<Acc>(gr[j]);
+                         s += gv * static_cast<Acc>(xr[j]);
+                         d += gv;
+                       }
+                       ds[i * channels + c] = s;
+                       db[i * channels + c] = d;
+                       ds_g += s * weight[c];
+                       db_g += d * weight[c];
+                     }
+                     if (!dx) continue;
+                     const Acc m = mean[block], rs = rstd[block];
+                     const Acc scale = Acc(1) / static_cast<Acc>(per_group * plane);
+                     const Acc c2 = (db_g * m - ds_g) * rs * rs * rs * scale;
+                     const Acc c3 = -c2 * m - db_g * rs * scale;
+                     for (int64_t c = g * per_group; c < (g + 1) * per_group; ++c) {
+                       const Acc c1 = rs * weight[c];
+                       const int64_t at = (i * channels + c) * plane;
+                       const T* __restrict xr = xp + at;
+                       const T* __restrict gr = gp + at;
+                       T* __restrict o = dx + at;
+#pragma omp simd
+                       for (int64_t j = 0; j < plane; ++j)
+                         o[j] = static_cast<T>(c1 * static_cast<Acc>(gr[j]) + c2 * static_cast<Acc>(xr[j]) + c3);
+                     }
+                   }
+                 });
+  };
+  if (need_input) {
+    with_contiguous_output(outs[0], [&](Tensor& dx) { run(dx.data_ptr<T>()); });
+  } else if (need_weight || need_bias) {
+    run(nullptr);
+  }
+  if (need_weight || need_bias) {
+    std::vector<Acc> gw(static_cast<size_t>(channels), Acc(0)), gb(static_cast<size_t>(channels), Acc(0));
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < channels; ++c) {
+        const int64_t block = i * groups + c / per_group;
+        gw[c] += (ds[i * channels + c] - db[i * channels + c] * mean[block]) * rstd[block];
+        gb[c] += db[i * channels + c];
+      }
+    if (need_weight) store_values(outs[1], gw);
+    if (need_bias) store_values(outs[2], gb);
+  }
+}
+
+void group_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  KILN_DISPATCH_FLOATING(call.input(1).dtype(), "native_group_norm_backward",
+                         [&] { group_norm_backward_typed<scalar_t>(call, outs); });
+}
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("native_batch_norm_backward", DeviceType::cpu, batch_norm_backward_kernel);
+  register_kernel("native_layer_norm_backward", DeviceType::cpu, layer_norm_backward_kernel);
+  register_kernel("native_group_norm_backward", DeviceType::cpu, group_norm_backward_kernel);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kiln::cpu

@@ -1,0 +1,212 @@
+// CPU kernels for max_pool2d_with_indices_backward, avg_pool2d_backward and
+// adaptive_avg_pool2d_backward.
+//
+// All three write the input gradient plane by plane (one (n, c) plane per task, split across
+// OpenMP threads), so overlapping windows accumulate without races. float16/bfloat16 compute
+// in float32 and convert once at the end, so overlapping contributions are not rounded one by one.
+#include <limits>
+
+#include "backends/cpu/loops.h"
+#include "core/tensor_factory.h"
+#include "kiln/op_table.h"
+#include "kiln/ops.h"
+
+namespace kiln::cpu {
+
+namespace {
+
+int64_t pair_at(IntArrayRef v, int d) { return v.size() == 1 ? v[0] : v[d]; }
+
+// grad_output viewed as planes x OH x OW, the input gradient as planes x H x W.
+struct PlaneGeometry {
+  int64_t planes, h, w, oh, ow;
+};
+
+PlaneGeometry plane_geometry(const Tensor& grad, const Tensor& out) {
+  const int64_t d = out.dim();
+  const int64_t h = out.sizes()[d - 2], w = out.sizes()[d - 1];
+  return {h * w == 0 ? 0 : out.numel() / (h * w), h, w, grad.sizes()[d - 2], grad.sizes()[d - 1]};
+}
+
+// Runs body(grad, dx) on a contiguous grad_output and a contiguous, zeroed output of a dtype the
+// loops handle (float32 for float16/bfloat16), then writes the result into `out`.
+template <class Body>
+void run_backward(const Tensor& grad_output, Tensor& out, Body&& body) {
+  const DType compute = grad_output.dtype() == DType::float16 || grad_output.dtype() == DType::bfloat16
+                            ? DType::float32
+                            : grad_output.dtype();
+  const Tensor grad = as_dtype(grad_output, compute).contiguous();
+  const bool direct = out.is_contiguous() && out.dtype() == compute;
+  Tensor dx = direct ? out : detail::make_empty(out.sizes().vec(), compute, out.device());
+  if (dx.numel() > 0) std::fill_n(static_cast<char*>(dx.impl().data()), dx.nbytes(), char(0));
+  if (grad.numel() > 0) body(grad, dx);
+  if (!direct) out.copy_(dx);
+}
+
+// ---------------- max_pool2d ----------------
+
+template <class T>
+void max_pool_backward_loop(const Tensor& grad, const Tensor& indices, Tensor& dx) {
+  const PlaneGeometry g = plane_geometry(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  const int64_t* ip = indices.data_ptr<int64_t>();
+  T* o = dx.data_ptr<T>();
+  const int64_t in_plane = g.h * g.w, out_plane = g.oh * g.ow;
+  int bad = 0;
+  parallel_for(g.planes, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, in_plane + out_plane)),
+               [&](int64_t b, int64_t e) {
+                 bool out_of_range = false;
+                 for (int64_t p = b; p < e; ++p) {
+                   const T* gr = gp + p * out_plane;
+                   const int64_t* ir = ip + p * out_plane;
+                   T* dst = o + p * in_plane;
+                   for (int64_t i = 0; i < out_plane; ++i) {
+                     const int64_t at = ir[i];
+                     if (at < 0 || at >= in_plane) {
+                       out_of_range = true;
+                       continue;
+                     }
+                     dst[at] += gr[i];
+                   }
+                 }
+                 if (out_of_range) {
+#pragma omp atomic write
+                   bad = 1;
+                 }
+               });
+  KILN_CHECK(bad == 0, IndexError,
+             "[kiln::max_pool2d_with_indices_backward] an index is out of range for an input plane of " +
+                 std::to_string(in_plane) + " elements. Pass the indices max_pool2d_with_indices returned.");
+}
+
+void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const Tensor indices = call.input(1).contiguous();
+  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
+    KILN_DISPATCH_FLOATING(grad.dtype(), "max_pool2d_with_indices_backward", [&] {
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
+        max_pool_backward_loop<scalar_t>(grad, indices, dx);
+    });
+  });
+}
+
+// ---------------- avg_pool2d ----------------
+
+struct AvgWindow {
+  int64_t kernel[2], stride[2], pad[2];
+  bool count_include_pad;
+  std::optional<int64_t> divisor_override;
+};
+
+// Attrs: input_sizes, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override.
+AvgWindow avg_window(const OpCall& c) {
+  AvgWindow win{};
+  for (int d = 0; d < 2; ++d) {
+    win.kernel[d] = pair_at(c.ints_attr(1), d);
+    win.stride[d] = c.ints_attr(2).empty() ? win.kernel[d] : pair_at(c.ints_attr(2), d);
+    win.pad[d] = pair_at(c.ints_attr(3), d);
+  }
+  win.count_include_pad = c.bool_attr(5);
+  if (c.has_attr(6)) win.divisor_override = c.int_attr(6);
+  return win;
+}
+
+// The same windows and divisors as the forward loop (pool_kernels.cpp avg_pool_loop).
+template <class T>
+void avg_pool_backward_loop(const Tensor& grad, Tensor& dx, const AvgWindow& win) {
+  const PlaneGeometry g = plane_geometry(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  parallel_for(g.planes, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.h * g.w)), [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const T* gr = gp + p * g.oh * g.ow;
+      T* dst = o + p * g.h * g.w;
+      for (int64_t oh = 0; oh < g.oh; ++oh) {
+        int64_t hstart = oh * win.stride[0] - win.pad[0];
+        int64_t hend = std::min(hstart + win.kernel[0], g.h + win.pad[0]);
+        const int64_t pool_h = hend - hstart;
+        hstart = std::max<int64_t>(hstart, 0);
+        hend = std::min(hend, g.h);
+        for (int64_t ow = 0; ow < g.ow; ++ow) {
+          int64_t wstart = ow * win.stride[1] - win.pad[1];
+          int64_t wend = std::min(wstart + win.kernel[1], g.w + win.pad[1]);
+          const int64_t pool_w = wend - wstart;
+          wstart = std::max<int64_t>(wstart, 0);
+          wend = std::min(wend, g.w);
+          if (hstart >= hend || wstart >= wend) continue;
+          const int64_t divisor = win.divisor_override ? *win.divisor_override
+                                  : win.count_include_pad ? pool_h * pool_w
+                                                          : (hend - hstart) * (wend - wstart);
+          const T v = gr[oh * g.ow + ow] / static_cast<T>(divisor);
+          for (int64_t ih = hstart; ih < hend; ++ih) {
+            T* row = dst + ih * g.w;
+            for (int64_t iw = wstart; iw < wend; ++iw) row[iw] += v;
+          }
+        }
+      }
+    }
+  });
+}
+
+void avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const AvgWindow win = avg_window(call);
+  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
+    KILN_DISPATCH_FLOATING(grad.dtype(), "avg_pool2d_backward", [&] {
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
+        avg_pool_backward_loop<scalar_t>(grad, dx, win);
+    });
+  });
+}
+
+// ---------------- adaptive_avg_pool2d ----------------
+
+// Windows as the forward computes them: [floor(i * in / out), ceil((i + 1) * in / out)).
+template <class T>
+void adaptive_avg_pool_backward_loop(const Tensor& grad, Tensor& dx) {
+  const PlaneGeometry g = plane_geometry(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  const int64_t hw = g.h * g.w;
+  parallel_for(g.planes, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, hw)), [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      const T* gr = gp + p * g.oh * g.ow;
+      T* dst = o + p * hw;
+      if (g.oh == 1 && g.ow == 1) {  // global average pooling: a broadcast
+        const T v = gr[0] / static_cast<T>(hw);
+#pragma omp simd
+        for (int64_t i = 0; i < hw; ++i) dst[i] = v;
+        continue;
+      }
+      for (int64_t oh = 0; oh < g.oh; ++oh) {
+        const int64_t hstart = oh * g.h / g.oh, hend = ((oh + 1) * g.h + g.oh - 1) / g.oh;
+        for (int64_t ow = 0; ow < g.ow; ++ow) {
+          const int64_t wstart = ow * g.w / g.ow, wend = ((ow + 1) * g.w + g.ow - 1) / g.ow;
+          const T v = gr[oh * g.ow + ow] / static_cast<T>((hend - hstart) * (wend - wstart));
+          for (int64_t ih = hstart; ih < hend; ++ih) {
+            T* row = dst + ih * g.w;
+            for (int64_t iw = wstart; iw < wend; ++iw) row[iw] += v;
+          }
+        }
+      }
+    }
+  });
+}
+
+void adaptive_avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
+    KILN_DISPATCH_FLOATING(grad.dtype(), "adaptive_avg_pool2d_backward", [&] {
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
+        adaptive_avg_pool_backward_loop<scalar_t>(grad, dx);
+    });
+  });
+}
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("max_pool2d_with_indices_backward", DeviceType::cpu, max_pool2d_backward_kernel);
+  register_kernel("avg_pool2d_backward", DeviceType::cpu, avg_pool2d_backward_kernel);
+  register_kernel("adaptive_avg_pool2d_backward", DeviceType::cpu, adaptive_avg_pool2d_backward_kernel);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kiln::cpu
