@@ -140,3 +140,21 @@ TEST(Autograd, RequiresGradOnlyForFloatingTensors) {
   EXPECT_THROW(arange(3).requires_grad_(), DTypeError);
   EXPECT_NO_THROW(arange(3).requires_grad_(false));
 }
+
+TEST(Autograd, GradcheckHandlesOutputsThatViewTheInputs) {
+  Tensor x = randn({4, 3}, kFloat64).requires_grad_();
+  std::string report;
+  EXPECT_TRUE(autograd::gradcheck([](const TensorList& in) { return TensorList{in[0].t().narrow(0, 1, 2)}; },
+                                  {x}, 1e-6, 1e-5, 1e-3, &report))
+      << report;
+}
+
+TEST(Autograd, GradcheckDetectsAWrongDerivative) {
+  // A function whose recorded graph (x * 2) disagrees with its values (x * 3 off the graph).
+  Tensor x = randn({3}, kFloat64).requires_grad_();
+  auto fn = [](const TensorList& in) {
+    Tensor off_graph = in[0].detach() * 1.0;
+    return TensorList{in[0] * 2.0 + off_graph};
+  };
+  EXPECT_FALSE(autograd::gradcheck(fn, {x}));
+}

@@ -5,6 +5,8 @@
 // the backward ops' own derivatives; the float32 (oneDNN) and bfloat16 backward against the
 // float64 backward of the same values; and the backward ops' input checks.
 #include <cmath>
+#include <limits>
+#include <tuple>
 
 #include "reference.h"
 
@@ -48,8 +50,8 @@ struct Conv {
 // Gradients of sum(conv(x, w, b) * g) for x, w, b of dtype t (made from float64 values).
 TensorList conv_grads(const Conv& conv, const Tensor& x64, const Tensor& w64, const Tensor& b64, const Tensor& g64,
                       DType t) {
-  Tensor x = x64.to(t).requires_grad_(), w = w64.to(t).requires_grad_();
-  Tensor b = b64.defined() ? b64.to(t).requires_grad_() : Tensor();
+  Tensor x = x64.to(t, /*copy=*/true).requires_grad_(), w = w64.to(t, /*copy=*/true).requires_grad_();
+  Tensor b = b64.defined() ? b64.to(t, /*copy=*/true).requires_grad_() : Tensor();
   conv(x, w, b).backward(g64.to(t));
   return {x.grad(), w.grad(), b.defined() ? b.grad() : Tensor()};
 }
@@ -121,6 +123,7 @@ TEST(GradcheckConv, Conv2dDoubleBackwardThroughConvolutionBackward) {
   // Mixed second derivatives: d/dw of grad_x and d/dx of grad_w.
   Conv conv{{1, 1}, {1, 1}, {1, 1}, 1};
   autograd::Function gx = [&](const TensorList& in) {
+    EnableGradGuard grad_mode;  // gradcheck evaluates the function under NoGradGuard too
     Tensor y = conv(in[0], in[1]);
     return TensorList{autograd::grad({y}, {in[0]}, {ones_like(y)}, true, true)[0]};
   };
@@ -168,7 +171,7 @@ TEST(GradcheckConv, Float32OneDnnBackwardMatchesFloat64) {
       EXPECT_TRUE(close_to(g32[i], g64[i], 1e-5)) << "case x " << shape_str(c.x) << " grad " << i;
     }
     // The weight gradient alone (input not requiring grad) takes another plan.
-    Tensor w32 = w.to(kFloat32).requires_grad_();
+    Tensor w32 = w.to(kFloat32, /*copy=*/true).requires_grad_();
     c.conv(x.to(kFloat32), w32, Tensor()).backward(g.to(kFloat32));
     EXPECT_TRUE(close_to(w32.grad(), g64[1], 1e-5));
   }
@@ -194,7 +197,7 @@ TEST(GradcheckConv, SavedInputModifiedInPlaceIsDetected) {
   Tensor x = randn({1, 2, 4, 4}).requires_grad_() * 1.0f;
   Tensor y = conv2d(x, w);
   x.mul_(2.0f);
-  EXPECT_THROW(y.sum().backward(), Error);
+  EXPECT_THROW(y.backward(ones_like(y)), Error);
 }
 
 TEST(GradcheckConv, ConvolutionBackwardRejectsBadInputs) {
@@ -258,6 +261,49 @@ TEST(GradcheckConv, MaxPool2dTrainingRecordsIndicesAndAccumulatesOverlaps) {
   // Inference still returns the same values.
   NoGradGuard ng;
   EXPECT_TRUE(matches(max_pool2d(x, {2, 2}, {1, 1}), {1, 1, 2, 2}, values(y)));
+}
+
+// PyTorch's argmax: the first position (row-major over the window, padding skipped) holding a
+// strictly greater value than all earlier ones.
+std::vector<double> naive_argmax(const Tensor& x, int64_t k, int64_t s, int64_t p, int64_t d, int64_t oh, int64_t ow) {
+  const auto v = values(x);
+  const int64_t planes = x.size(0) * x.size(1), h = x.size(2), w = x.size(3);
+  std::vector<double> out;
+  for (int64_t pl = 0; pl < planes; ++pl)
+    for (int64_t i = 0; i < oh; ++i)
+      for (int64_t j = 0; j < ow; ++j) {
+        int64_t best = -1;
+        double best_v = 0;
+        for (int64_t a = 0; a < k; ++a)
+          for (int64_t b = 0; b < k; ++b) {
+            const int64_t ih = i * s - p + a * d, iw = j * s - p + b * d;
+            if (ih < 0 || ih >= h || iw < 0 || iw >= w) continue;
+            const double val = v[(pl * h + ih) * w + iw];
+            if (best < 0 || val > best_v) {
+              best = ih * w + iw;
+              best_v = val;
+            }
+          }
+        out.push_back(static_cast<double>(best));
+      }
+  return out;
+}
+
+TEST(GradcheckConv, MaxPoolIndicesBreakTiesAndInfinitiesLikePyTorch) {
+  manual_seed(11);
+  // Values in {0, 1, 2}: most windows hold ties. Float32 takes oneDNN's argmax, float64 the loop.
+  Tensor x = randint(0, 3, {2, 4, 11, 11}).to(kFloat32);
+  for (DType t : {kFloat32, kFloat64, kBFloat16}) {
+    for (auto [k, s, p, d] : {std::tuple{3L, 2L, 1L, 1L}, std::tuple{2L, 1L, 0L, 2L}, std::tuple{3L, 3L, 1L, 1L}}) {
+      auto [y, idx] = max_pool2d_with_indices(x.to(t), {k, k}, {s, s}, {p, p}, {d, d});
+      EXPECT_TRUE(matches(idx, idx.sizes().vec(), naive_argmax(x, k, s, p, d, idx.size(2), idx.size(3))))
+          << dtype_name(t) << " kernel " << k << " stride " << s << " dilation " << d;
+    }
+  }
+  // A window of -inf only: the first position, as in PyTorch.
+  Tensor inf = full({1, 1, 4, 4}, -std::numeric_limits<double>::infinity(), kFloat32);
+  auto [y, idx] = max_pool2d_with_indices(inf, {2, 2});
+  EXPECT_TRUE(matches(idx, {1, 1, 2, 2}, {0, 2, 8, 10}));
 }
 
 TEST(GradcheckConv, MaxPoolBackwardRejectsBadIndices) {
@@ -328,7 +374,7 @@ TEST(GradcheckConv, PoolingBackwardInFloat32AndBfloat16MatchesFloat64) {
   manual_seed(10);
   Tensor x64 = randn({4, 16, 32, 32}, kFloat64);
   auto grads = [&](DType t, const std::function<Tensor(const Tensor&)>& f) {
-    Tensor x = x64.to(t).requires_grad_();
+    Tensor x = x64.to(t, /*copy=*/true).requires_grad_();
     Tensor y = f(x);
     Tensor g = linspace(-1, 1, y.numel(), kFloat64).view(y.sizes());
     y.backward(g.to(t));

@@ -10,6 +10,9 @@ using kiln::testing::values;
 
 namespace {
 
+// Backpropagates ones from y (the gradient of y.sum(), without needing sum's derivative).
+void backward_ones(const Tensor& y) { y.backward(ones_like(y)); }
+
 Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).requires_grad_(); }
 
 // y * y: makes a bilinear op's gradient depend on its own inputs, so that gradgradcheck also
@@ -52,7 +55,7 @@ TEST(GradcheckLinalg, MmGradientValuesAndLayout) {
   // d(sum(a @ b))/da = ones @ b^T, d/db = a^T @ ones.
   Tensor a = tensor<float>({1, 2, 3, 4, 5, 6}, {2, 3}).requires_grad_();
   Tensor b = tensor<float>({1, -1, 2, 0, 3, 1}, {3, 2}).requires_grad_();
-  mm(a, b).sum().backward();
+  backward_ones(mm(a, b));
   EXPECT_EQ(a.grad().dtype(), kFloat32);
   EXPECT_TRUE(matches(a.grad(), {2, 3}, {0, 2, 4, 0, 2, 4}));
   EXPECT_TRUE(matches(b.grad(), {3, 2}, {5, 5, 7, 7, 9, 9}));
@@ -60,7 +63,7 @@ TEST(GradcheckLinalg, MmGradientValuesAndLayout) {
   // the transpose back), as aten's mm_mat2_backward arranges.
   Tensor w = randn({4, 3}).requires_grad_();
   Tensor x = randn({5, 3});
-  mm(x, w.t()).sum().backward();
+  backward_ones(mm(x, w.t()));
   EXPECT_TRUE(w.grad().is_contiguous());
   EXPECT_TRUE(matches(w.grad(), {4, 3}, values(x.sum({0}).unsqueeze(0).expand({4, 3}))));
 }
@@ -91,14 +94,14 @@ TEST(GradcheckLinalg, AddmmBetaZeroGivesSelfAZeroGradient) {
   Tensor self = randn({2, 2}, kFloat64).requires_grad_();
   Tensor a = randn({2, 3}, kFloat64).requires_grad_();
   Tensor b = randn({3, 2}, kFloat64).requires_grad_();
-  addmm(self, a, b, 0.0, 3.0).sum().backward();
+  backward_ones(addmm(self, a, b, 0.0, 3.0));
   EXPECT_TRUE(matches(self.grad(), {2, 2}, {0, 0, 0, 0}));
   // alpha scales the matrix gradients: d/da = alpha * ones @ b^T.
   EXPECT_TRUE(matches(a.grad(), {2, 3}, values(mm(ones({2, 2}, kFloat64), b.detach().t()) * 3.0)));
   // An input that needs no gradient gets none, and the others are still right.
   Tensor frozen = randn({3, 2}, kFloat64);
   Tensor a2 = randn({2, 3}, kFloat64).requires_grad_();
-  addmm(self.detach(), a2, frozen).sum().backward();
+  backward_ones(addmm(self.detach(), a2, frozen));
   EXPECT_TRUE(matches(a2.grad(), {2, 3}, values(mm(ones({2, 2}, kFloat64), frozen.t()))));
 }
 
@@ -142,9 +145,11 @@ TEST(GradcheckLinalg, Outer) {
 TEST(GradcheckLinalg, Float32InputsGetFloat32GradientsMatchingFloat64) {
   manual_seed(8);
   Tensor a64 = randn({6, 5}, kFloat64), b64 = randn({5, 4}, kFloat64), bias64 = randn({4}, kFloat64);
+  Tensor g = randn({6, 4}, kFloat64);
   auto grads = [&](DType t) {
-    Tensor a = a64.to(t).requires_grad_(), b = b64.to(t).requires_grad_(), bias = bias64.to(t).requires_grad_();
-    Tensor g = randn({6, 4}, kFloat64);
+    Tensor a = a64.to(t, /*copy=*/true).requires_grad_();
+    Tensor b = b64.to(t, /*copy=*/true).requires_grad_();
+    Tensor bias = bias64.to(t, /*copy=*/true).requires_grad_();
     linear(a, b.t(), bias).backward(g.to(t));
     return TensorList{a.grad(), b.grad(), bias.grad()};
   };

@@ -13,6 +13,9 @@ using kiln::testing::values;
 
 namespace {
 
+// Backpropagates ones from y (the gradient of y.sum(), without needing sum's derivative).
+void backward_ones(const Tensor& y) { y.backward(ones_like(y)); }
+
 Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).requires_grad_(); }
 
 ::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
@@ -44,9 +47,9 @@ Tensor weighted(const Tensor& y) {
 // Gradients of sum(f(x, w, b) * g) for x, w, b of dtype t (from float64 values).
 TensorList grads_in(DType t, const Tensor& x64, const Tensor& w64, const Tensor& b64,
                     const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& f) {
-  Tensor x = x64.to(t).requires_grad_();
-  Tensor w = w64.defined() ? w64.to(t).requires_grad_() : Tensor();
-  Tensor b = b64.defined() ? b64.to(t).requires_grad_() : Tensor();
+  Tensor x = x64.to(t, /*copy=*/true).requires_grad_();
+  Tensor w = w64.defined() ? w64.to(t, /*copy=*/true).requires_grad_() : Tensor();
+  Tensor b = b64.defined() ? b64.to(t, /*copy=*/true).requires_grad_() : Tensor();
   Tensor y = f(x, w, b);
   Tensor g = linspace(-1, 2, y.numel(), kFloat64).view(y.sizes()).sin();
   y.backward(g.to(t));
@@ -84,7 +87,7 @@ TEST(GradcheckNorm, BatchNormEvalIsAffineInRunningStatistics) {
   // dx = dy * w / sqrt(running_var + eps), exactly.
   Tensor x = randn({2, 3, 2, 2}, kFloat64).requires_grad_();
   Tensor w = randn({3}, kFloat64);
-  batch_norm(x, running_mean, running_var, w, Tensor(), false, 0.1, 1e-5).sum().backward();
+  backward_ones(batch_norm(x, running_mean, running_var, w, Tensor(), false, 0.1, 1e-5));
   Tensor expected = (w / (running_var + 1e-5).sqrt()).view({1, 3, 1, 1}).expand({2, 3, 2, 2});
   EXPECT_TRUE(matches(x.grad(), {2, 3, 2, 2}, values(expected)));
 }
@@ -110,9 +113,9 @@ TEST(GradcheckNorm, BatchNormThenInPlaceReluBackpropagates) {
   Tensor x = randn({4, 2, 3, 3}, kFloat64).requires_grad_();
   Tensor w = randn({2}, kFloat64).requires_grad_();
   Tensor y = batch_norm(x, Tensor(), Tensor(), w, Tensor(), true, 0.1, 1e-5);
-  weighted(y.relu_()).sum().backward();
+  backward_ones(weighted(y.relu_()));
   Tensor x2 = x.detach().clone().requires_grad_(), w2 = w.detach().clone().requires_grad_();
-  weighted(relu(batch_norm(x2, Tensor(), Tensor(), w2, Tensor(), true, 0.1, 1e-5))).sum().backward();
+  backward_ones(weighted(relu(batch_norm(x2, Tensor(), Tensor(), w2, Tensor(), true, 0.1, 1e-5))));
   EXPECT_TRUE(matches(x.grad(), {4, 2, 3, 3}, values(x2.grad())));
   EXPECT_TRUE(matches(w.grad(), {2}, values(w2.grad())));
 }
@@ -140,6 +143,39 @@ TEST(GradcheckNorm, BatchNormFloat32AndBfloat16BackwardMatchFloat64) {
   }
 }
 
+TEST(GradcheckNorm, BatchNormForwardStatisticsMatchLoopsAtKernelPathSizes) {
+  // The statistics the backward reads: per-run merges (large planes, split across threads),
+  // column sums (small planes) and (N, C) inputs, in float32 against float64 loops.
+  manual_seed(12);
+  const OpDef& bn = *OpTable::instance().find("native_batch_norm");
+  for (const std::vector<int64_t>& sizes :
+       {std::vector<int64_t>{8, 32, 16, 16}, std::vector<int64_t>{64, 48, 2, 2}, std::vector<int64_t>{300, 40}}) {
+    Tensor x64 = randn(sizes, kFloat64) * 3.0 + 2.0;
+    const int64_t n = sizes[0], c = sizes[1], plane = x64.numel() / (n * c);
+    const auto v = values(x64);
+    std::vector<double> mean(c, 0.0), invstd(c, 0.0);
+    for (int64_t k = 0; k < c; ++k) {
+      double s = 0, q = 0;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < plane; ++j) s += v[(i * c + k) * plane + j];
+      mean[k] = s / static_cast<double>(n * plane);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < plane; ++j) q += std::pow(v[(i * c + k) * plane + j] - mean[k], 2);
+      invstd[k] = 1.0 / std::sqrt(q / static_cast<double>(n * plane) + 1e-5);
+    }
+    std::vector<double> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) {
+      const int64_t k = static_cast<int64_t>(i) / plane % c;
+      out[i] = (v[i] - mean[k]) * invstd[k];
+    }
+    TensorList r = call_op(bn, {x64.to(kFloat32), Tensor(), Tensor(), Tensor(), Tensor()}, {true, 0.1, 1e-5});
+    kiln::testing::Tolerance tol{1e-5, 1e-5};
+    EXPECT_TRUE(matches(r[1], {c}, mean, tol)) << shape_str(sizes);
+    EXPECT_TRUE(matches(r[2], {c}, invstd, tol)) << shape_str(sizes);
+    EXPECT_TRUE(matches(r[0], sizes, out, tol)) << shape_str(sizes);
+  }
+}
+
 TEST(GradcheckNorm, BatchNormBackwardHonoursOutputMask) {
   manual_seed(6);
   Tensor x = randn({4, 3, 2, 2}, kFloat64);  // no grad for the input
@@ -156,9 +192,9 @@ TEST(GradcheckNorm, BatchNormBackwardHonoursOutputMask) {
 TEST(GradcheckNorm, DoubleBackwardThroughNormalizationIsAClearError) {
   Tensor x = randn({2, 2, 2}, kFloat64).requires_grad_();
   Tensor y = batch_norm(x, Tensor(), Tensor(), Tensor(), Tensor(), true, 0.1, 1e-5);
-  Tensor gx = autograd::grad({weighted(y).sum()}, {x}, {}, true, true)[0];
+  Tensor gx = autograd::grad({weighted(y)}, {x}, {ones_like(y)}, true, true)[0];
   try {
-    gx.sum().backward();
+    backward_ones(gx);
     FAIL() << "expected an error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("native_batch_norm_backward"), std::string::npos) << e.what();

@@ -3,6 +3,7 @@
 // (which read the weights by their key names), GPT's causal property and length check,
 // safetensors round trips, and mlp().
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <numbers>
 #include <numeric>
@@ -807,6 +808,41 @@ TEST(GPT, ModulesPrintUnderNanoGptClassNames) {
   EXPECT_NE(s.find("(gelu): GELU(approximate='tanh')"), std::string::npos);
   EXPECT_NE(s.find("(lm_head): Linear(in_features=8, out_features=11, bias=False)"),
             std::string::npos);
+}
+
+// ======================= training =======================
+
+TEST(Training, SmallDenseNetResNetAndGptMemoriseABatchUnderAdam) {
+  manual_seed(19);
+  auto check = [](nn::Module& model, const Tensor& input, const Tensor& labels,
+                  const std::function<Tensor(const Tensor&, const Tensor&)>& loss_fn) {
+    optim::Adam optimizer(model.parameters(), {.lr = 1e-2});
+    double first = 0, last = 0;
+    for (int step = 0; step < 15; ++step) {
+      optimizer.zero_grad();
+      Tensor loss = loss_fn(model.forward(input), labels);
+      loss.backward();
+      optimizer.step();
+      last = loss.item<double>();
+      if (step == 0) first = last;
+    }
+    for (const Tensor& p : model.parameters()) EXPECT_TRUE(p.grad().defined());
+    EXPECT_LT(last, 0.7 * first) << model.name();
+  };
+  auto ce = [](const Tensor& logits, const Tensor& y) { return cross_entropy(logits, y); };
+  auto dense = std::make_shared<models::DenseNet>(small_densenet_config());
+  check(*dense, randn({4, 3, 16, 16}), randint(5, {4}), ce);
+  auto res = std::make_shared<models::ResNet>(models::ResNetBlock::basic,
+                                              std::array<int64_t, 4>{1, 1, 1, 1},
+                                              models::ResNetOptions{.num_classes = 5});
+  check(*res, randn({4, 3, 32, 32}), randint(5, {4}), ce);
+  auto gpt = models::gpt(small_gpt_config());
+  Tensor tokens = randint(11, {4, 8});  // learn to echo each token
+  check(*gpt, tokens, tokens, [](const Tensor& logits, const Tensor& y) {
+    return cross_entropy(logits.reshape({-1, 11}), y.reshape({-1}));
+  });
+  // Tied weights: one parameter, one gradient (from both the embedding and the head).
+  EXPECT_TRUE(gpt->lm_head->weight.grad().same(gpt->wte->weight.grad()));
 }
 
 // ======================= save / load round trips =======================

@@ -870,3 +870,51 @@ TEST(ReduceLayouts, KernelsWriteIntoStridedOutputs) {
   EXPECT_TRUE(
       matches(soft, {4, 5, 6}, along(x, 1, [](const auto& v) { return ref_softmax(v, false); })));
 }
+
+TEST(ReduceLayouts, ShortRowsAndNarrowColumnsMatchReference) {
+  // Short last dims (outputs in vector lanes) and narrow matrices reduced over rows (lanes that
+  // cycle through the outputs), with ties, NaN and -inf, and sizes that do and do not divide
+  // the vector width.
+  for (int64_t width : {1, 2, 3, 4, 7, 8, 16, 17}) {
+    for (int64_t rows : {int64_t{5}, int64_t{1000}, int64_t{70000}}) {
+      Tensor x = int_tensor({rows, width}, kFloat32, 171 + width, -3, 4);
+      if (rows == 1000) {
+        x.select(0, 10).select(0, 0).fill_(kNaN);
+        x.select(0, 20).select(0, width - 1).fill_(-kInf);
+      }
+      Groups g_last = group(x, {1}), g_first = group(x, {0});
+      EXPECT_TRUE(matches(x.sum({1}), g_last.out_sizes, each(g_last, ref_sum)))
+          << width << " " << rows;
+      EXPECT_TRUE(matches(x.amax({1}), g_last.out_sizes, each(g_last, ref_max)));
+      EXPECT_TRUE(matches(argmax(x, 1), g_last.out_sizes,
+                          each(g_last, [](const auto& e) { return ref_argmax(e, true); })));
+      EXPECT_TRUE(matches(x.sum({0}), g_first.out_sizes, each(g_first, ref_sum)))
+          << width << " " << rows;
+      EXPECT_TRUE(matches(x.amin({0}), g_first.out_sizes, each(g_first, ref_min)));
+      EXPECT_TRUE(matches(any(x, 0), g_first.out_sizes, each(g_first, [](const auto& e) {
+                            return std::any_of(e.begin(), e.end(), [](double d) { return d != 0; })
+                                       ? 1.0
+                                       : 0.0;
+                          })));
+      if (rows <= 1000) {
+        EXPECT_TRUE(matches(x.softmax(1), {rows, width},
+                            along(x, 1, [](const auto& v) { return ref_softmax(v, false); })));
+        EXPECT_TRUE(matches(x.log_softmax(1), {rows, width},
+                            along(x, 1, [](const auto& v) { return ref_softmax(v, true); })));
+      }
+    }
+  }
+  Tensor h = random_tensor({300, 10}, kBFloat16, 181);
+  EXPECT_TRUE(matches(h.softmax(1), {300, 10},
+                      along(h, 1, [](const auto& v) { return ref_softmax(v, false); })));
+  for (int64_t width : {3, 4}) {
+    Tensor i = int_tensor({1000, width}, kInt32, 183, -100, 100);
+    Groups gi = group(i, {0});
+    EXPECT_TRUE(matches(i.sum({0}), gi.out_sizes, each(gi, ref_sum)));
+    EXPECT_TRUE(matches(i.sum({1}), {1000}, each(group(i, {1}), ref_sum)));
+  }
+  Tensor d = random_tensor({40000, 8}, kFloat64, 182);
+  Groups gd = group(d, {0});
+  EXPECT_TRUE(matches(d.sum({0}), gd.out_sizes, each(gd, ref_sum)));
+  EXPECT_TRUE(matches(d.mean({0}), gd.out_sizes, each(gd, ref_mean)));
+}

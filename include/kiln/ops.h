@@ -140,7 +140,13 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value);
 Tensor masked_fill(const Tensor& x, const Tensor& mask, const Tensor& value);  // 0-dim value
 
 // ======================= reductions =======================
-// `dims` empty means all dims. Negative dims count from the end.
+// `dims` empty means all dims. Negative dims count from the end; a repeated dim is a ValueError.
+// A 0-dim tensor takes dim 0 or -1. As in PyTorch: integer and bool inputs sum/prod/cumsum to
+// int64 (`dtype` converts the input first); mean/var/std/norm/softmax need floating inputs
+// (DTypeError), logsumexp of integers gives the default float dtype; max/min/amax/amin propagate
+// NaN and, with argmax/argmin, refuse an empty reduction (the first index wins ties, the first
+// NaN wins); any/all give bool (uint8 for uint8 inputs); var/std divide by max(0, N - correction).
+// float16/bfloat16 accumulate in float, float32 sums pairwise (accurate for millions of values).
 Tensor sum(const Tensor& x, IntArrayRef dims = {}, bool keepdim = false, std::optional<DType> dtype = {});
 Tensor mean(const Tensor& x, IntArrayRef dims = {}, bool keepdim = false);
 Tensor prod(const Tensor& x, std::optional<int64_t> dim = {}, bool keepdim = false);
@@ -150,12 +156,14 @@ std::tuple<Tensor, Tensor> max(const Tensor& x, int64_t dim, bool keepdim = fals
 std::tuple<Tensor, Tensor> min(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor amax(const Tensor& x, IntArrayRef dims = {}, bool keepdim = false);
 Tensor amin(const Tensor& x, IntArrayRef dims = {}, bool keepdim = false);
+// Without dim: the flat (row-major) index over all elements.
 Tensor argmax(const Tensor& x, std::optional<int64_t> dim = {}, bool keepdim = false);
 Tensor argmin(const Tensor& x, std::optional<int64_t> dim = {}, bool keepdim = false);
 Tensor var(const Tensor& x, IntArrayRef dims = {}, int64_t correction = 1, bool keepdim = false);
 Tensor std(const Tensor& x, IntArrayRef dims = {}, int64_t correction = 1, bool keepdim = false);
 std::tuple<Tensor, Tensor> var_mean(const Tensor& x, IntArrayRef dims = {}, int64_t correction = 1,
                                     bool keepdim = false);
+// p: 2, 1, inf, -inf, 0 (the count of non-zeros) or any other order (sum |x|^p)^(1/p).
 Tensor norm(const Tensor& x, Scalar p = 2, IntArrayRef dims = {}, bool keepdim = false);
 Tensor logsumexp(const Tensor& x, IntArrayRef dims, bool keepdim = false);
 Tensor any(const Tensor& x);
@@ -163,6 +171,7 @@ Tensor any(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor all(const Tensor& x);
 Tensor all(const Tensor& x, int64_t dim, bool keepdim = false);
 Tensor cumsum(const Tensor& x, int64_t dim, std::optional<DType> dtype = {});
+// Numerically stable (the max is subtracted); `dtype` converts the input first.
 Tensor softmax(const Tensor& x, int64_t dim, std::optional<DType> dtype = {});
 Tensor log_softmax(const Tensor& x, int64_t dim, std::optional<DType> dtype = {});
 

@@ -69,16 +69,16 @@ bool gradcheck(const Function& fn, const TensorList& inputs, double eps, double 
       for (int64_t k = 0; k < in.numel(); ++k) {
         double* p = element(in, k);
         double orig = *p;
-        TensorList plus, minus;
+        // Read the values before the next perturbation: outputs may be views of the inputs.
+        std::vector<double> vp, vm;
         {
           NoGradGuard ng;
           *p = orig + eps;
-          plus = outputs_of(fn, inputs);
+          vp = outputs_of(fn, inputs)[j].to_vector<double>();
           *p = orig - eps;
-          minus = outputs_of(fn, inputs);
+          vm = outputs_of(fn, inputs)[j].to_vector<double>();
           *p = orig;
         }
-        auto vp = plus[j].to_vector<double>(), vm = minus[j].to_vector<double>();
         for (int64_t r = 0; r < m; ++r) {
           double numerical = (vp[r] - vm[r]) / (2 * eps);
           double analytical = 0;

@@ -6,6 +6,7 @@
 // sum/prod/cumsum to int64; mean/var/std/norm/softmax need floating inputs; logsumexp of integers
 // gives the default float dtype; max/min/argmax/argmin refuse empty reductions.
 #include <cmath>
+#include <limits>
 
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -93,6 +94,103 @@ void check_floating(const Tensor& x, const std::string& op, const std::string& w
                  ". Convert the input to a floating dtype first, e.g. x.to(kFloat32).");
 }
 
+// ---------------- derivative helpers ----------------
+//
+// The formulas are PyTorch's (tools/autograd/derivatives.yaml, FunctionsManual.cpp), written in
+// Kiln ops so that a create_graph backward records them.
+
+int64_t ndim_of(const BackwardContext& c) {
+  return static_cast<int64_t>(c.input_info[0].sizes.size());
+}
+
+// g with the reduced dims (set in mask) put back as size 1 unless keepdim left them there
+// (PyTorch's unsqueeze_multiple), so that it broadcasts against the input.
+Tensor restore_reduced(Tensor g, const std::vector<bool>& mask, bool keepdim) {
+  if (keepdim) return g;
+  for (size_t d = 0; d < mask.size(); ++d)
+    if (mask[d]) g = g.unsqueeze(static_cast<int64_t>(d));
+  return g;
+}
+
+int64_t reduced_count(IntArrayRef sizes, const std::vector<bool>& mask) {
+  int64_t n = 1;
+  for (size_t d = 0; d < mask.size(); ++d)
+    if (mask[d]) n *= sizes[d];
+  return n;
+}
+
+// sum: the gradient expanded back over the reduced dims.
+Tensor sum_backward(const Tensor& g, IntArrayRef sizes, IntArrayRef dims, bool keepdim) {
+  auto mask = detail::dim_mask(dims, static_cast<int64_t>(sizes.size()), "sum");
+  return restore_reduced(g, mask, keepdim).expand(sizes);
+}
+
+Tensor mean_backward(const Tensor& g, IntArrayRef sizes, IntArrayRef dims, bool keepdim) {
+  auto mask = detail::dim_mask(dims, static_cast<int64_t>(sizes.size()), "mean");
+  return sum_backward(g, sizes, dims, keepdim) / Scalar(reduced_count(sizes, mask));
+}
+
+// var (PyTorch's var_backward): 2 / (N - correction) * grad * (x - mean). Over all elements with
+// N <= correction the factor is infinite: NaN where x == mean, inf elsewhere.
+Tensor var_backward(Tensor g, const Tensor& x, IntArrayRef dims, int64_t correction, bool keepdim) {
+  if (x.dim() == 0 || dims.empty()) {
+    double dof = static_cast<double>(x.numel()) - static_cast<double>(correction);
+    if (dof <= 0) {
+      return g * where(eq(x, x.mean()), full_like(x, std::numeric_limits<double>::quiet_NaN()),
+                       std::numeric_limits<double>::infinity());
+    }
+    return Scalar(2.0 / dof) * g * (x - x.mean());
+  }
+  auto mask = detail::dim_mask(dims, x.dim(), "var");
+  g = restore_reduced(g, mask, keepdim);
+  double dof = static_cast<double>(reduced_count(x.sizes(), mask)) - static_cast<double>(correction);
+  return Scalar(2.0 / dof) * g * (x - x.mean(dims, true));
+}
+
+// The sum over `dim`, kept as a size-1 dim (a 0-dim tensor is its own sum).
+Tensor sum_keep(const Tensor& t, int64_t dim) {
+  return t.dim() == 0 ? t : t.sum({dim}, true);
+}
+
+int64_t softmax_dim(const BackwardContext& c, int64_t ndim, const std::string& op) {
+  return ndim == 0 ? 0 : wrap_dim(c.int_attr(0), ndim, op);
+}
+
+// The backward table ops of softmax and log_softmax (defined below).
+const OpDef& softmax_backward_op();
+const OpDef& log_softmax_backward_op();
+
+// prod: grad * (product of the other elements of the slice). Without zeros that is
+// result / x (PyTorch's fast path). With zeros the product of the others is built from the
+// product of the non-zero elements `p` and the zero count of the slice: for one zero, p at the
+// zero and 0 elsewhere; for two or more, 0 everywhere (PyTorch's prod_safe_zeros_backward gives
+// the same values through exclusive cumprods). Written so that its own derivative is also right:
+// the zeros enter through `zsum` (their sum: 0, but carrying their gradient).
+Tensor prod_backward(const BackwardContext& c) {
+  const Tensor& x = c.input(0);
+  Tensor g = c.grad(), result = c.output(0);
+  if (x.dim() == 0) return g;
+  const bool has_dim = c.has_attr(0);
+  auto mask = has_dim ? single_dim_mask(x, c.int_attr(0), "prod") : std::vector<bool>(x.dim(), true);
+  const bool keepdim = c.bool_attr(1);
+  g = restore_reduced(g, mask, keepdim);
+  result = restore_reduced(result, mask, keepdim);
+  Tensor zero = eq(x, 0);
+  if (!any(zero).item<bool>()) return g * (result / x);
+  std::vector<int64_t> dims;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (mask[d]) dims.push_back(d);
+  Tensor safe = where(zero, Scalar(1.0), x);
+  Tensor p = has_dim ? safe.prod(dims[0], true) : restore_reduced(safe.prod(), mask, false);
+  Tensor count = zero.sum(dims, true);
+  Tensor zsum = where(zero, x, Scalar(0.0)).sum(dims, true);  // 0, with the zeros' gradient
+  // Product of the zeros of the slice, and of its zeros other than this one.
+  Tensor zeros_prod = where(eq(count, 0), ones_like(zsum), where(eq(count, 1), zsum, Scalar(0.0)));
+  Tensor zeros_prod_others =
+      where(eq(count, 1), ones_like(x), where(eq(count, 2), zsum - x, Scalar(0.0)));
+  return g * where(zero, p * zeros_prod_others, p * zeros_prod / safe);
+}
+
 // ---------------- sum, mean, prod ----------------
 
 const OpDef& kSum = register_op({
@@ -105,6 +203,10 @@ const OpDef& kSum = register_op({
       DType t = c.has_attr(2) ? c.dtype_attr(2) : integral_to_long(x.dtype());
       return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), t)};
     },
+    .derivative = {.formula = "self: grad.unsqueeze(dims unless keepdim).expand(self.sizes())",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {sum_backward(c.grad(), c.input_info[0].sizes, c.ints_attr(0), c.bool_attr(1))};
+                   }},
     .lowering = "reduction",
 });
 
@@ -120,6 +222,10 @@ const OpDef& kMean = register_op({
       auto mask = detail::dim_mask(c.ints_attr(0), x.dim(), "mean");
       return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), x.dtype())};
     },
+    .derivative = {.formula = "self: grad.unsqueeze(dims unless keepdim).expand(self.sizes()) / N",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {mean_backward(c.grad(), c.input_info[0].sizes, c.ints_attr(0), c.bool_attr(1))};
+                   }},
     .lowering = "reduction",
 });
 
@@ -132,6 +238,12 @@ const OpDef& kProd = register_op({
                                 : std::vector<bool>(x.dim(), true);
       return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), integral_to_long(x.dtype()))};
     },
+    .derivative = {.formula = "self: prod_backward(grad, self, result, dim, keepdim)",
+                   .save_inputs = {0},
+                   .save_outputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     return {prod_backward(c)};
+                   }},
     .lowering = "reduction",
 });
 
@@ -146,6 +258,17 @@ OpDef extremum_all_def(const std::string& name) {
         check_nonempty_all(x, name);
         return {out_meta(x, {}, x.dtype())};
       },
+      .derivative = {.formula = "self: evenly_distribute_backward(grad, self, result)",
+                     .save_inputs = {0},
+                     .save_outputs = {0},
+                     .fn = [](const BackwardContext& c) -> TensorList {
+                       // PyTorch's evenly_distribute_backward: the gradient split among the
+                       // elements equal to the result (NaN ones when it is NaN).
+                       const Tensor& x = c.input(0);
+                       const Tensor& value = c.output(0);
+                       Tensor mask = isnan(value).item<bool>() ? isnan(x) : eq(x, value);
+                       return {where(mask, c.grad() / mask.sum(), Scalar(0.0))};
+                     }},
       .lowering = "reduction",
   };
 }
@@ -162,6 +285,22 @@ OpDef extremum_dim_def(const std::string& name) {
         auto sizes = reduced_sizes(x, mask, c.bool_attr(1));
         return {out_meta(x, sizes, x.dtype()), out_meta(x, sizes, kInt64)};
       },
+      .derivative = {.formula = "self: value_selecting_reduction_backward(grad, dim, indices, self.sizes(), keepdim)",
+                     .save_outputs = {1},
+                     .fn = [name](const BackwardContext& c) -> TensorList {
+                       // zeros(self.sizes()).scatter(dim, indices, grad)
+                       Tensor g = c.grad();
+                       int64_t ndim = ndim_of(c);
+                       if (ndim == 0) return {g};
+                       int64_t dim = wrap_dim(c.int_attr(0), ndim, name);
+                       Tensor indices = c.output(1);
+                       if (!c.bool_attr(1)) {
+                         g = g.unsqueeze(dim);
+                         indices = indices.unsqueeze(dim);
+                       }
+                       Tensor z = zeros(c.input_info[0].sizes, TensorOptions(g.dtype(), g.device()));
+                       return {scatter(z, dim, indices, g)};
+                     }},
       .lowering = "reduction",
   };
 }
@@ -176,6 +315,19 @@ OpDef amax_like_def(const std::string& name) {
         check_reduced_dims_nonempty(x, mask, name);
         return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), x.dtype())};
       },
+      .derivative = {.formula = "self: scale_grad_by_count(restore_reduced_dims(grad), "
+                                "restore_reduced_dims(result) == self, dim)",
+                     .save_inputs = {0},
+                     .save_outputs = {0},
+                     .fn = [name](const BackwardContext& c) -> TensorList {
+                       // The gradient split evenly among the elements equal to the result.
+                       const Tensor& x = c.input(0);
+                       auto mask = detail::dim_mask(c.ints_attr(0), x.dim(), name);
+                       bool keepdim = c.bool_attr(1);
+                       Tensor g = restore_reduced(c.grad(), mask, keepdim);
+                       Tensor hit = eq(restore_reduced(c.output(0), mask, keepdim), x);
+                       return {(g / hit.sum(c.ints_attr(0), true)) * hit.to(g.dtype())};
+                     }},
       .lowering = "reduction",
   };
 }
@@ -214,6 +366,34 @@ const OpDef& kArgmin = register_op(argmax_like_def("argmin"));
 
 // ---------------- var, std, var_mean ----------------
 
+Derivative moments_derivative(const std::string& name) {
+  if (name == "var") {
+    return {.formula = "self: var_backward(grad, self, dim, correction, keepdim)",
+            .save_inputs = {0},
+            .fn = [](const BackwardContext& c) -> TensorList {
+              return {var_backward(c.grad(), c.input(0), c.ints_attr(0), c.int_attr(1), c.bool_attr(2))};
+            }};
+  }
+  if (name == "std") {
+    return {.formula = "self: var_backward((grad / (result * 2)).masked_fill(result == 0, 0), self, dim, "
+                       "correction, keepdim)",
+            .save_inputs = {0},
+            .save_outputs = {0},
+            .fn = [](const BackwardContext& c) -> TensorList {
+              const Tensor& result = c.output(0);
+              Tensor grad_var = masked_fill(c.grad() / (result * Scalar(2)), eq(result, 0), Scalar(0));
+              return {var_backward(grad_var, c.input(0), c.ints_attr(0), c.int_attr(1), c.bool_attr(2))};
+            }};
+  }
+  return {.formula = "self: var_backward(grads[0], ...) + mean_backward(grads[1], ...)",
+          .save_inputs = {0},
+          .fn = [](const BackwardContext& c) -> TensorList {
+            const Tensor& x = c.input(0);
+            return {var_backward(c.grad(0), x, c.ints_attr(0), c.int_attr(1), c.bool_attr(2)) +
+                    mean_backward(c.grad(1), x.sizes(), c.ints_attr(0), c.bool_attr(2))};
+          }};
+}
+
 OpDef moments_def(const std::string& name, bool with_mean) {
   return OpDef{
       .name = name,
@@ -229,6 +409,7 @@ OpDef moments_def(const std::string& name, bool with_mean) {
         if (with_mean) out.push_back(out_meta(x, sizes, x.dtype()));
         return out;
       },
+      .derivative = moments_derivative(name),
       .lowering = "reduction",
   };
 }
@@ -245,6 +426,33 @@ std::string ord_str(double p) {
   s.erase(s.find_last_not_of('0') + 1);
   if (!s.empty() && s.back() == '.') s.pop_back();
   return s;
+}
+
+// PyTorch's norm_backward: p = 1 sign; p = 2 x / norm (0 where the norm is 0); +-inf the
+// gradient split among the elements whose |x| equals the norm; other p the general formula,
+// with the norm == 0 (p > 1) and x == 0 (p < 1) subgradients 0. p = 0 has zero gradient.
+Tensor norm_backward(const BackwardContext& c) {
+  const Tensor& x = c.input(0);
+  double p = c.scalar_attr(0).to_double();
+  IntArrayRef dims = c.ints_attr(1);
+  auto mask = detail::dim_mask(dims, x.dim(), "norm");
+  Tensor g = restore_reduced(c.grad(), mask, c.bool_attr(2));
+  Tensor n = restore_reduced(c.output(0), mask, c.bool_attr(2));
+  if (p == 0.0) return zeros_like(x, TensorOptions(g.dtype(), x.device()));
+  if (p == 1.0) return sign(x) * g;
+  if (p == 2.0) return g * masked_fill(x / n, eq(n, 0), Scalar(0));
+  if (std::isinf(p)) {
+    Tensor a = abs(x);
+    Tensor hit = logical_or(eq(a, n), isnan(a));
+    return sign(x) * ((g / hit.sum(dims, true)) * hit.to(g.dtype()));
+  }
+  if (p < 1.0) {
+    Tensor scaled = sign(x) * masked_fill(pow(abs(x), Scalar(p - 1)), eq(x, 0), Scalar(0));
+    return scaled * g * pow(n, Scalar(1 - p));
+  }
+  Tensor scaled = p < 2.0 ? sign(x) * pow(abs(x), Scalar(p - 1)) : x * pow(abs(x), Scalar(p - 2));
+  Tensor scale = masked_fill(g / pow(n, Scalar(p - 1)), eq(n, 0), Scalar(0));
+  return scaled * scale;
 }
 
 const OpDef& kNorm = register_op({
@@ -268,6 +476,10 @@ const OpDef& kNorm = register_op({
       }
       return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(2)), x.dtype())};
     },
+    .derivative = {.formula = "self: norm_backward(grad, self, p, result, dim, keepdim)",
+                   .save_inputs = {0},
+                   .save_outputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList { return {norm_backward(c)}; }},
     .lowering = "reduction",
 });
 
@@ -281,6 +493,17 @@ const OpDef& kLogsumexp = register_op({
       DType t = x.is_floating_point() ? x.dtype() : default_dtype();
       return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), t)};
     },
+    .derivative = {.formula = "self: grad * (self - result).exp() (reduced dims restored unless keepdim)",
+                   .save_inputs = {0},
+                   .save_outputs = {0},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     const Tensor& x = c.input(0);
+                     auto mask = detail::dim_mask(c.ints_attr(0), x.dim(), "logsumexp");
+                     bool keepdim = c.bool_attr(1);
+                     Tensor g = restore_reduced(c.grad(), mask, keepdim);
+                     Tensor r = restore_reduced(c.output(0), mask, keepdim);
+                     return {g * exp(x - r)};
+                   }},
     .lowering = "decomposition",
 });
 
@@ -315,6 +538,18 @@ const OpDef& kCumsum = register_op({
       DType t = c.has_attr(1) ? c.dtype_attr(1) : integral_to_long(x.dtype());
       return {out_meta(x, x.sizes().vec(), t)};
     },
+    .derivative = {.formula = "self: grad.flip(dim).cumsum(dim).flip(dim)",
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     // The reversed cumsum, the flips done with index_select.
+                     const Tensor& g = c.grad();
+                     int64_t ndim = ndim_of(c);
+                     if (ndim == 0 || g.numel() <= 1) return {g};
+                     int64_t dim = wrap_dim(c.int_attr(0), ndim, "cumsum");
+                     int64_t n = g.sizes()[dim];
+                     if (n == 1) return {g};
+                     Tensor rev = arange(n - 1, -1, -1, TensorOptions(kInt64, g.device()));
+                     return {index_select(cumsum(index_select(g, dim, rev), dim), dim, rev)};
+                   }},
     .lowering = "extern",
 });
 
@@ -332,12 +567,98 @@ OpDef softmax_def(const std::string& name) {
                        "(x, dim, kFloat32)) or convert the input first.");
         return {out_meta(x, x.sizes().vec(), t)};
       },
+      .derivative = {.formula = "self: _" + name + "_backward_data(grad, result, dim, self.scalar_type())",
+                     .save_outputs = {0},
+                     .fn = [name](const BackwardContext& c) -> TensorList {
+                       if (!c.needs_grad(0)) return {Tensor()};
+                       const OpDef& op = name == "softmax" ? softmax_backward_op() : log_softmax_backward_op();
+                       return {call_op1(op, {c.grad(), c.output(0)}, {c.attrs[0], c.input_info[0].dtype})};
+                     }},
       .lowering = "decomposition",
   };
 }
 
 const OpDef& kSoftmax = register_op(softmax_def("softmax"));
 const OpDef& kLogSoftmax = register_op(softmax_def("log_softmax"));
+
+// _softmax_backward_data(grad_output, output, dim, input_dtype) = output * (grad_output -
+// sum(grad_output * output, dim)); _log_softmax_backward_data(...) = grad_output -
+// exp(output) * sum(grad_output, dim). Fused CPU kernels in softmax_backward_kernels.cpp; the
+// result has the forward input's dtype. Their own derivatives (PyTorch's) make double backward
+// through softmax and log_softmax work.
+OpDef softmax_backward_def(const std::string& name) {
+  const bool log = name == "_log_softmax_backward_data";
+  Derivative d;
+  if (log) {
+    d = {.formula = "grad_output: grad - (grad * output.exp()).sum(dim, true); "
+                    "output: -grad_output.sum(dim, true) * output.exp() * grad",
+         .save_inputs = {0, 1},
+         .fn = [name](const BackwardContext& c) -> TensorList {
+           const Tensor& go = c.input(0);
+           const Tensor& y = c.input(1);
+           int64_t dim = softmax_dim(c, y.dim(), name);
+           Tensor G = c.grad().to(y.dtype());
+           Tensor ey = exp(y);
+           Tensor d_go = c.needs_grad(0) ? G - sum_keep(G * ey, dim) : Tensor();
+           Tensor d_y = c.needs_grad(1) ? -sum_keep(go, dim) * ey * G : Tensor();
+           return {d_go, d_y};
+         }};
+  } else {
+    d = {.formula = "grad_output: _softmax_backward_data(grad, output, dim, output.scalar_type()); "
+                    "output: grad_output * grad - (output * grad_output).sum(dim, true) * grad - "
+                    "grad_output * (output * grad).sum(dim, true)",
+         .save_inputs = {0, 1},
+         .fn = [name](const BackwardContext& c) -> TensorList {
+           const Tensor& go = c.input(0);
+           const Tensor& y = c.input(1);
+           int64_t dim = softmax_dim(c, y.dim(), name);
+           Tensor G = c.grad().to(y.dtype());
+           Tensor d_go = c.needs_grad(0)
+                             ? call_op1(softmax_backward_op(), {G, y}, {c.attrs[0], y.dtype()})
+                             : Tensor();
+           Tensor d_y = c.needs_grad(1)
+                            ? go * G - sum_keep(y * go, dim) * G - go * sum_keep(y * G, dim)
+                            : Tensor();
+           return {d_go, d_y};
+         }};
+  }
+  return OpDef{
+      .name = name,
+      .schema = name + "(Tensor grad_output, Tensor output, int dim, ScalarType input_dtype) -> Tensor",
+      .meta = [name](const OpCall& c) -> std::vector<TensorMeta> {
+        const Tensor& g = c.input(0);
+        const Tensor& y = c.input(1);
+        KILN_CHECK(g.sizes() == y.sizes(), ShapeError,
+                   "[kiln::" + name + "] grad_output of size " + shape_str(g.sizes()) +
+                       " does not match output of size " + shape_str(y.sizes()) +
+                       ". Pass the gradient of the forward output.");
+        KILN_CHECK(g.device() == y.device(), DeviceError,
+                   "[kiln::" + name + "] expected grad_output to be on the same device as output (" +
+                       y.device().str() + "), but it is on " + g.device().str() + ". Move it with .to(...).");
+        KILN_CHECK(y.is_floating_point() && g.dtype() == y.dtype(), DTypeError,
+                   "[kiln::" + name + "] expected grad_output and output of one floating dtype, got " +
+                       torch_name(g.dtype()) + " and " + torch_name(y.dtype()) +
+                       ". Convert grad_output to the output's dtype.");
+        KILN_CHECK(is_floating_point(c.dtype_attr(1)), DTypeError,
+                   "[kiln::" + name + "] input_dtype must be floating, got " +
+                       torch_name(c.dtype_attr(1)) + ".");
+        wrap_dim(c.int_attr(0), y.dim(), name);
+        return {out_meta(y, y.sizes().vec(), c.dtype_attr(1))};
+      },
+      .derivative = std::move(d),
+      .lowering = "extern",
+  };
+}
+
+const OpDef& kSoftmaxBackward = register_op(softmax_backward_def("_softmax_backward_data"));
+const OpDef& kLogSoftmaxBackward = register_op(softmax_backward_def("_log_softmax_backward_data"));
+
+const OpDef& softmax_backward_op() {
+  return kSoftmaxBackward;
+}
+const OpDef& log_softmax_backward_op() {
+  return kLogSoftmaxBackward;
+}
 
 Attr optional_dtype(std::optional<DType> t) {
   return t ? Attr(*t) : Attr();

@@ -4,8 +4,9 @@
 // per shape/parameter set and kept in a process-wide cache; oneDNN picks its blocked layouts
 // ("any") and the plan reorders the plain NCHW input/output around the convolution, except for
 // 1x1/stride-1 convolutions, which run on plain NCHW directly (oneDNN's GEMM path there beats
-// reordering). float16 computes through float32. float64, and any configuration oneDNN
-// rejects, use im2col + GEMM (also the path for everything when KILN_ONEDNN=0).
+// reordering; KILN_CONV_1X1=blocked turns that off). float16 computes through float32. float64,
+// and any configuration oneDNN rejects, use im2col + GEMM (also the path for everything when
+// KILN_ONEDNN=0).
 //
 // convolution_backward mirrors this: a cached backward plan per configuration and output mask
 // holds oneDNN's backward-data and backward-weights primitives (built against a forward_training
@@ -145,6 +146,11 @@ struct ConvPlan {
 // 1x1/stride-1 convolutions run on plain NCHW (oneDNN's GEMM path there beats reordering);
 // everything else lets oneDNN pick blocked layouts.
 bool plain_layout(const ConvShape& s) {
+  static const bool blocked_1x1 = [] {  // kill switch: KILN_CONV_1X1=blocked
+    const char* v = std::getenv("KILN_CONV_1X1");
+    return v != nullptr && std::string_view(v) == "blocked";
+  }();
+  if (blocked_1x1) return false;
   return s.kh == 1 && s.kw == 1 && s.stride[0] == 1 && s.stride[1] == 1 && s.pad[0] == 0 && s.pad[1] == 0 &&
          s.groups == 1;
 }

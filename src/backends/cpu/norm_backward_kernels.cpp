@@ -1,13 +1,14 @@
 // CPU kernels for native_batch_norm_backward, native_layer_norm_backward and
 // native_group_norm_backward.
 //
-// Each normalizes contiguous blocks (a channel's N runs of H*W values, a row, an (n, group) block)
-// and works block by block: one pass computes the block's reductions (sum(dy), sum(dy * x) or
-// sum(dy * (x - mean))), the next writes dx while the block is still in cache, so the input and
-// the gradient come from memory once. Inner loops are contiguous and vectorized (`omp simd`),
-// in opmath precision (float for float16/bfloat16/float32, double for float64); a block's run
-// sums are added in double. Blocks are split across OpenMP threads; layer_norm's weight and bias
-// gradients (column sums over rows) use one accumulator row per thread.
+// layer_norm and group_norm work block by block (a row, an (n, group) block): one pass computes
+// the block's reductions (sum(dy * w), sum(dy * w * x)), the next writes dx while the block is
+// still in cache. batch_norm's channel is N strided runs, so it streams through memory order
+// twice instead (faster than gathering a channel): pass 1 accumulates per-channel sum(dy) and
+// sum(dy * (x - mean)) into one partial row per thread, pass 2 writes dx. Inner loops are
+// contiguous and vectorized (`omp simd`) in opmath precision (float for float16/bfloat16/float32,
+// double for float64); run sums are combined in double. layer_norm's weight and bias gradients
+// (column sums over rows) use one accumulator row per thread.
 //
 // The formulas are aten's (Normalization.cpp batch_norm_backward_cpu_template,
 // layer_norm_kernel.cpp, group_norm_kernel.cpp).
@@ -62,6 +63,36 @@ bool mask_at(const OpCall& c, size_t attr, int i) { return c.ints_attr(attr)[i] 
 
 // ---------------- batch_norm ----------------
 
+// Below this plane size batch_norm works on "columns" (the C * plane values of one sample),
+// vectorized across them, as the forward does (norm_kernels.cpp).
+inline constexpr int64_t kSmallPlane = 32;
+
+template <class V>
+std::vector<V> expand_to_columns(const std::vector<V>& per_channel, int64_t plane) {
+  std::vector<V> out(per_channel.size() * static_cast<size_t>(plane));
+  for (size_t c = 0; c < per_channel.size(); ++c)
+    std::fill_n(out.begin() + static_cast<std::ptrdiff_t>(c * plane), plane, per_channel[c]);
+  return out;
+}
+
+// Sums over rows [0, n), split by rows across threads: accumulate(partial, row) adds one row into
+// a thread's `width` partial sums; returns their total.
+template <class Accumulate>
+std::vector<double> sum_rows(int64_t n, int64_t row_size, int64_t width, Accumulate&& accumulate) {
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), n, n * row_size / kGrainSize}));
+  std::vector<double> partial(static_cast<size_t>(chunks * width), 0.0);
+  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t chunk = cb; chunk < ce; ++chunk)
+      for (int64_t i = n * chunk / chunks; i < n * (chunk + 1) / chunks; ++i)
+        accumulate(partial.data() + chunk * width, i);
+  });
+  for (int64_t chunk = 1; chunk < chunks; ++chunk)
+    for (int64_t k = 0; k < width; ++k) partial[k] += partial[chunk * width + k];
+  partial.resize(static_cast<size_t>(width));
+  return partial;
+}
+
 // sum(dy) and sum(dy * (x - mean)) over n contiguous values.
 template <class T, class Acc = opmath_t<T>>
 inline void centered_sums(const T* __restrict x, const T* __restrict dy, int64_t n, Acc mean, Acc& sum_dy,
@@ -87,63 +118,110 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
   const int64_t n = x.sizes()[0], channels = x.sizes()[1];
   const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
-  const int64_t count = n * plane;
+  const int64_t rows = n * channels, count = n * plane;
   const std::vector<Acc> weight = param_values<Acc>(call.input(2), channels, Acc(1));
   const std::vector<Acc> mean = param_values<Acc>(call.input(3), channels, Acc(0));
   const std::vector<Acc> invstd = param_values<Acc>(call.input(4), channels, Acc(1));
-  std::vector<Acc> grad_weight(static_cast<size_t>(channels)), grad_bias(static_cast<size_t>(channels));
   const T* xp = x.data_ptr<T>();
   const T* gp = dy.data_ptr<T>();
 
-  auto run = [&](T* dx) {
-    parallel_for(channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, count)), [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) {
-        const Acc m = mean[c], inv = invstd[c];
-        double sum_dy = 0, dot = 0;
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t at = (i * channels + c) * plane;
-          Acc s, d;
-          centered_sums(xp + at, gp + at, plane, m, s, d);
-          sum_dy += s;
-          dot += d;
+  // Pass 1 (memory order): per-channel sum(dy) and sum(dy * (x - mean)), one partial row of
+  // channels (of columns, for small planes) per thread.
+  std::vector<double> sum_dy(static_cast<size_t>(channels), 0.0), dot(static_cast<size_t>(channels), 0.0);
+  const bool small = plane < kSmallPlane;
+  const int64_t columns = channels * plane;
+  if ((train || need_weight || need_bias) && rows > 0 && plane > 0) {
+    if (small) {
+      const std::vector<Acc> column_mean = expand_to_columns(mean, plane);
+      std::vector<double> sums = sum_rows(n, columns, 2 * columns, [&](double* __restrict s, int64_t i) {
+        const T* __restrict xr = xp + i * columns;
+        const T* __restrict gr = gp + i * columns;
+        const Acc* __restrict m = column_mean.data();
+        double* __restrict d = s + columns;
+#pragma omp simd
+        for (int64_t k = 0; k < columns; ++k) {
+          const Acc g = static_cast<Acc>(gr[k]);
+          s[k] += static_cast<double>(g);
+          d[k] += static_cast<double>(g * (static_cast<Acc>(xr[k]) - m[k]));
         }
-        grad_weight[c] = static_cast<Acc>(dot * inv);
-        grad_bias[c] = static_cast<Acc>(sum_dy);
-        if (!dx) continue;
-        if (train) {
-          // dx = (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))) * invstd * w
-          const Acc k = count > 0 ? static_cast<Acc>(dot / count) * inv * inv : Acc(0);
-          const Acc grad_mean = count > 0 ? static_cast<Acc>(sum_dy / count) : Acc(0);
-          const Acc scale = inv * weight[c];
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t at = (i * channels + c) * plane;
-            const T* __restrict xr = xp + at;
-            const T* __restrict gr = gp + at;
-            T* __restrict o = dx + at;
+      });
+      for (int64_t c = 0; c < channels; ++c)
+        for (int64_t j = 0; j < plane; ++j) {
+          sum_dy[c] += sums[c * plane + j];
+          dot[c] += sums[columns + c * plane + j];
+        }
+    } else {
+      std::vector<double> sums = sum_rows(rows, plane, 2 * channels, [&](double* __restrict s, int64_t r) {
+        const int64_t c = r % channels;
+        Acc sd, d;
+        centered_sums(xp + r * plane, gp + r * plane, plane, mean[c], sd, d);
+        s[c] += sd;
+        s[channels + c] += d;
+      });
+      for (int64_t c = 0; c < channels; ++c) {
+        sum_dy[c] = sums[c];
+        dot[c] = sums[channels + c];
+      }
+    }
+  }
+
+  // Pass 2 (memory order): dx = (dy - mean(dy) - (x - mean) * k) * invstd * w in training, where
+  // k = invstd^2 * mean(dy * (x - mean)); dy * invstd * w in evaluation.
+  if (need_input) {
+    std::vector<Acc> scale(static_cast<size_t>(channels)), shift(static_cast<size_t>(channels)),
+        k(static_cast<size_t>(channels));
+    for (int64_t c = 0; c < channels; ++c) {
+      scale[c] = invstd[c] * weight[c];
+      k[c] = train && count > 0 ? static_cast<Acc>(dot[c] / static_cast<double>(count)) * invstd[c] * invstd[c]
+                                : Acc(0);
+      shift[c] = train && count > 0 ? static_cast<Acc>(sum_dy[c] / static_cast<double>(count)) : Acc(0);
+    }
+    with_contiguous_output(outs[0], [&](Tensor& dx_t) {
+      T* dx = dx_t.data_ptr<T>();
+      if (small) {  // per-column parameters, vectorized across a sample's columns
+        const std::vector<Acc> cm = expand_to_columns(mean, plane), ck = expand_to_columns(k, plane),
+                               csh = expand_to_columns(shift, plane), csc = expand_to_columns(scale, plane);
+        parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) {
+            const T* __restrict xr = xp + i * columns;
+            const T* __restrict gr = gp + i * columns;
+            T* __restrict o = dx + i * columns;
+            const Acc* __restrict m = cm.data();
+            const Acc* __restrict kk = ck.data();
+            const Acc* __restrict sh = csh.data();
+            const Acc* __restrict sc = csc.data();
+#pragma omp simd
+            for (int64_t j = 0; j < columns; ++j)
+              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
+          }
+        });
+        return;
+      }
+      parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
+          const int64_t c = r % channels;
+          const T* __restrict xr = xp + r * plane;
+          const T* __restrict gr = gp + r * plane;
+          T* __restrict o = dx + r * plane;
+          const Acc m = mean[c], kc = k[c], sh = shift[c], sc = scale[c];
+          if (train) {
 #pragma omp simd
             for (int64_t j = 0; j < plane; ++j)
-              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - grad_mean - (static_cast<Acc>(xr[j]) - m) * k) * scale);
-          }
-        } else {
-          const Acc scale = inv * weight[c];
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t at = (i * channels + c) * plane;
-            const T* __restrict gr = gp + at;
-            T* __restrict o = dx + at;
+              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - sh - (static_cast<Acc>(xr[j]) - m) * kc) * sc);
+          } else {
 #pragma omp simd
-            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(static_cast<Acc>(gr[j]) * scale);
+            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(static_cast<Acc>(gr[j]) * sc);
           }
         }
-      }
+      });
     });
-  };
-  if (need_input) {
-    with_contiguous_output(outs[0], [&](Tensor& dx) { run(dx.data_ptr<T>()); });
-  } else if (need_weight || need_bias) {
-    run(nullptr);
   }
-  if (need_weight) store_values(outs[1], grad_weight);
-  if (need_bias) store_values(outs[2], grad_bias);
+  if (need_weight) {
+    std::vector<Acc> gw(static_cast<size_t>(channels));
+    for (int64_t c = 0; c < channels; ++c) gw[c] = static_cast<Acc>(dot[c] * static_cast<double>(invstd[c]));
+    store_values(outs[1], gw);
+  }
+  if (need_bias) store_values(outs[2], sum_dy);
 }
 
 void batch_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {

@@ -4,7 +4,8 @@
 // layer_norm one row of the trailing dims, group_norm one (n, group) block. Statistics use two
 // passes (mean, then the sum of squared deviations) over data that stays in cache, in opmath
 // precision (float for float16/bfloat16/float32 rows, double for float64); the output pass is a
-// vectorized x * scale + shift. Work is split across OpenMP threads by channel, row or block.
+// vectorized x * scale + shift. Work is split across OpenMP threads by row or block; batch_norm
+// reads its input in memory order and merges per-run statistics per channel (Chan's formula).
 #include <cmath>
 
 #include "backends/cpu/loops.h"
@@ -74,6 +75,115 @@ void with_contiguous_output(Tensor& out, Body&& body) {
 
 // ---------------- batch_norm ----------------
 
+// Chan's merge of (count, mean, M2) partial statistics: b into a.
+inline void merge_stats(double& count, double& mean, double& m2, double count_b, double mean_b, double m2_b) {
+  const double total = count + count_b;
+  if (total == 0) return;
+  const double delta = mean_b - mean;
+  mean += delta * (count_b / total);
+  m2 += m2_b + delta * delta * (count * count_b / total);
+  count = total;
+}
+
+// Below this plane size batch_norm works on "columns": the C * plane values of one sample, which
+// all samples share. Sums run down the columns (vectorized across them) and per-channel values
+// are expanded to one per column, so no loop runs over a handful of values at a time.
+inline constexpr int64_t kSmallPlane = 32;
+
+// Per-channel value repeated for each of the channel's `plane` columns.
+template <class V>
+std::vector<V> expand_to_columns(const std::vector<V>& per_channel, int64_t plane) {
+  std::vector<V> out(per_channel.size() * static_cast<size_t>(plane));
+  for (size_t c = 0; c < per_channel.size(); ++c)
+    std::fill_n(out.begin() + static_cast<std::ptrdiff_t>(c * plane), plane, per_channel[c]);
+  return out;
+}
+
+// Column sums over rows [0, n) of an (n, columns) array, split by rows across threads:
+// accumulate(chunk_sums, row) adds one row into a chunk's `width` partial sums. Returns the total
+// per partial slot.
+template <class Accumulate>
+std::vector<double> sum_rows(int64_t n, int64_t columns, int64_t width, Accumulate&& accumulate) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), n, n * columns / kGrainSize}));
+  std::vector<double> partial(static_cast<size_t>(chunks * width), 0.0);
+  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t chunk = cb; chunk < ce; ++chunk)
+      for (int64_t i = n * chunk / chunks; i < n * (chunk + 1) / chunks; ++i)
+        accumulate(partial.data() + chunk * width, i);
+  });
+  for (int64_t chunk = 1; chunk < chunks; ++chunk)
+    for (int64_t k = 0; k < width; ++k) partial[k] += partial[chunk * width + k];
+  partial.resize(static_cast<size_t>(width));
+  return partial;
+}
+
+// Per-channel mean and biased variance of an (N, C, plane) input, read in memory order (a
+// channel's runs are strided, and streaming through memory is faster than gathering them). Large
+// planes: each thread takes a contiguous range of (n, c) runs, computes a run's mean and squared
+// deviations while it sits in L1, and merges runs into per-channel statistics with Chan's formula
+// in double. Small planes: column sums (two passes: mean, then squared deviations).
+template <class T>
+void channel_stats(const T* in, int64_t n, int64_t channels, int64_t plane, std::vector<double>& mean,
+                   std::vector<double>& var) {
+  using Acc = opmath_t<T>;
+  const int64_t rows = n * channels;
+  if (rows == 0 || plane == 0) return;
+  const double count = static_cast<double>(n * plane);
+  if (plane < kSmallPlane) {
+    const int64_t columns = channels * plane;
+    std::vector<double> sums = sum_rows(n, columns, columns, [&](double* __restrict s, int64_t i) {
+      const T* __restrict row = in + i * columns;
+#pragma omp simd
+      for (int64_t k = 0; k < columns; ++k) s[k] += static_cast<double>(static_cast<Acc>(row[k]));
+    });
+    for (int64_t c = 0; c < channels; ++c) {
+      double t = 0;
+      for (int64_t j = 0; j < plane; ++j) t += sums[c * plane + j];
+      mean[c] = t / count;
+    }
+    const std::vector<double> column_mean = expand_to_columns(mean, plane);
+    std::vector<double> squares = sum_rows(n, columns, columns, [&](double* __restrict q, int64_t i) {
+      const T* __restrict row = in + i * columns;
+      const double* __restrict m = column_mean.data();
+#pragma omp simd
+      for (int64_t k = 0; k < columns; ++k) {
+        const double d = static_cast<double>(static_cast<Acc>(row[k])) - m[k];
+        q[k] += d * d;
+      }
+    });
+    for (int64_t c = 0; c < channels; ++c) {
+      double t = 0;
+      for (int64_t j = 0; j < plane; ++j) t += squares[c * plane + j];
+      var[c] = t / count;
+    }
+    return;
+  }
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), rows, rows * plane / kGrainSize}));
+  const size_t slots = static_cast<size_t>(chunks * channels);
+  std::vector<double> counts(slots, 0.0), mu(slots, 0.0), m2(slots, 0.0);
+  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t chunk = cb; chunk < ce; ++chunk) {
+      for (int64_t r = rows * chunk / chunks; r < rows * (chunk + 1) / chunks; ++r) {
+        const T* x = in + r * plane;
+        const Acc row_mean = row_sum(x, plane) / static_cast<Acc>(plane);
+        const Acc row_m2 = row_sq_dev(x, plane, row_mean);
+        const size_t at = static_cast<size_t>(chunk * channels + r % channels);
+        merge_stats(counts[at], mu[at], m2[at], static_cast<double>(plane), static_cast<double>(row_mean),
+                    static_cast<double>(row_m2));
+      }
+    }
+  });
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+      const size_t at = static_cast<size_t>(chunk * channels + c);
+      merge_stats(counts[c], mu[c], m2[c], counts[at], mu[at], m2[at]);
+    }
+    mean[c] = mu[c];
+    var[c] = counts[c] > 0 ? m2[c] / counts[c] : 0.0;
+  }
+}
+
 template <class T>
 void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
@@ -89,19 +199,12 @@ void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
   std::vector<Acc> mean(static_cast<size_t>(channels)), invstd(static_cast<size_t>(channels));
   std::vector<double> var(static_cast<size_t>(channels));
   if (training) {
-    parallel_for(channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, count)), [&](int64_t b, int64_t e) {
-      for (int64_t c = b; c < e; ++c) {
-        double sum = 0;
-        for (int64_t i = 0; i < n; ++i) sum += row_sum(in + (i * channels + c) * plane, plane);
-        const Acc m = count > 0 ? static_cast<Acc>(sum / static_cast<double>(count)) : Acc(0);
-        double sq = 0;
-        for (int64_t i = 0; i < n; ++i) sq += row_sq_dev(in + (i * channels + c) * plane, plane, m);
-        const double v = count > 0 ? sq / static_cast<double>(count) : 0.0;
-        mean[c] = m;
-        var[c] = v;
-        invstd[c] = static_cast<Acc>(1.0 / std::sqrt(v + eps));
-      }
-    });
+    std::vector<double> m(static_cast<size_t>(channels));
+    channel_stats(in, n, channels, plane, m, var);
+    for (int64_t c = 0; c < channels; ++c) {
+      mean[c] = static_cast<Acc>(m[c]);
+      invstd[c] = static_cast<Acc>(1.0 / std::sqrt(var[c] + eps));
+    }
     // Running statistics take the unbiased batch variance, as in PyTorch.
     if (count > 0 && running_mean.defined()) {
       std::vector<double> rm = running_mean.to_vector<double>();
@@ -131,6 +234,22 @@ void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
   }
   with_contiguous_output(outs[0], [&](Tensor& y) {
     T* o = y.data_ptr<T>();
+    if (plane < kSmallPlane) {  // one affine map per column of a sample
+      const int64_t columns = channels * plane;
+      const std::vector<Acc> column_scale = expand_to_columns(scale, plane);
+      const std::vector<Acc> column_shift = expand_to_columns(shift, plane);
+      parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          const T* __restrict x = in + i * columns;
+          T* __restrict out = o + i * columns;
+          const Acc* __restrict sc = column_scale.data();
+          const Acc* __restrict sh = column_shift.data();
+#pragma omp simd
+          for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<T>(static_cast<Acc>(x[k]) * sc[k] + sh[k]);
+        }
+      });
+      return;
+    }
     parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) {
         const int64_t c = r % channels;

@@ -28,17 +28,21 @@ PlaneGeometry plane_geometry(const Tensor& grad, const Tensor& out) {
   return {h * w == 0 ? 0 : out.numel() / (h * w), h, w, grad.sizes()[d - 2], grad.sizes()[d - 1]};
 }
 
-// Runs body(grad, dx) on a contiguous grad_output and a contiguous, zeroed output of a dtype the
-// loops handle (float32 for float16/bfloat16), then writes the result into `out`.
+// Runs body(grad, dx) on a contiguous grad_output and a contiguous output of a dtype the loops
+// handle (float32 for float16/bfloat16), zeroed unless the body writes every element, then
+// writes the result into `out`.
 template <class Body>
-void run_backward(const Tensor& grad_output, Tensor& out, Body&& body) {
+void run_backward(const Tensor& grad_output, Tensor& out, Body&& body, bool zero = true) {
   const DType compute = grad_output.dtype() == DType::float16 || grad_output.dtype() == DType::bfloat16
                             ? DType::float32
                             : grad_output.dtype();
   const Tensor grad = as_dtype(grad_output, compute).contiguous();
   const bool direct = out.is_contiguous() && out.dtype() == compute;
   Tensor dx = direct ? out : detail::make_empty(out.sizes().vec(), compute, out.device());
-  if (dx.numel() > 0) std::fill_n(static_cast<char*>(dx.impl().data()), dx.nbytes(), char(0));
+  if ((zero || grad.numel() == 0) && dx.numel() > 0) {
+    char* p = static_cast<char*>(dx.impl().data());
+    parallel_for(dx.nbytes(), kGrainSize * 8, [&](int64_t b, int64_t e) { std::fill(p + b, p + e, char(0)); });
+  }
   if (grad.numel() > 0) body(grad, dx);
   if (!direct) out.copy_(dx);
 }
@@ -147,14 +151,63 @@ void avg_pool_backward_loop(const Tensor& grad, Tensor& dx, const AvgWindow& win
   });
 }
 
+// Non-overlapping full windows (kernel == stride, no padding, none cut by ceil_mode; DenseNet's
+// transitions): every input element gets its window's gradient / divisor or, past the last
+// window, zero; each is written once, row by row, with no zero fill first.
+template <class T>
+void avg_pool_backward_tiled(const Tensor& grad, Tensor& dx, const AvgWindow& win) {
+  const PlaneGeometry g = plane_geometry(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  const int64_t kh = win.kernel[0], kw = win.kernel[1];
+  const T inv = T(1) / static_cast<T>(win.divisor_override ? *win.divisor_override : kh * kw);
+  const int64_t covered = g.ow * kw;
+  parallel_for(g.planes * g.h, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.w)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t p = r / g.h, ih = r % g.h, oh = ih / kh;
+      T* __restrict dst = o + r * g.w;
+      if (oh >= g.oh) {
+        std::fill(dst, dst + g.w, T(0));
+        continue;
+      }
+      const T* __restrict src = gp + (p * g.oh + oh) * g.ow;
+      if (kw == 2) {
+#pragma omp simd
+        for (int64_t ow = 0; ow < g.ow; ++ow) {
+          const T v = src[ow] * inv;
+          dst[2 * ow] = v;
+          dst[2 * ow + 1] = v;
+        }
+      } else {
+        for (int64_t ow = 0; ow < g.ow; ++ow) {
+          const T v = src[ow] * inv;
+          for (int64_t j = 0; j < kw; ++j) dst[ow * kw + j] = v;
+        }
+      }
+      std::fill(dst + covered, dst + g.w, T(0));
+    }
+  });
+}
+
 void avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const AvgWindow win = avg_window(call);
-  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
-    KILN_DISPATCH_FLOATING(grad.dtype(), "avg_pool2d_backward", [&] {
-      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
-        avg_pool_backward_loop<scalar_t>(grad, dx, win);
-    });
-  });
+  const Tensor& grad_output = call.input(0);
+  const int64_t d = grad_output.dim();
+  const IntArrayRef in = call.ints_attr(0);
+  const bool tiled = win.kernel[0] == win.stride[0] && win.kernel[1] == win.stride[1] && win.pad[0] == 0 &&
+                     win.pad[1] == 0 && grad_output.sizes()[d - 2] * win.kernel[0] <= in[d - 2] &&
+                     grad_output.sizes()[d - 1] * win.kernel[1] <= in[d - 1];
+  run_backward(
+      grad_output, outs[0],
+      [&](const Tensor& grad, Tensor& dx) {
+        KILN_DISPATCH_FLOATING(grad.dtype(), "avg_pool2d_backward", [&] {
+          if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+            if (tiled) avg_pool_backward_tiled<scalar_t>(grad, dx, win);
+            else avg_pool_backward_loop<scalar_t>(grad, dx, win);
+          }
+        });
+      },
+      /*zero=*/!tiled);
 }
 
 // ---------------- adaptive_avg_pool2d ----------------

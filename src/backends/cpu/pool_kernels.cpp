@@ -2,11 +2,13 @@
 //
 // max_pool2d and avg_pool2d run on oneDNN for float32/bfloat16 directly on the plain NCHW data
 // (pooling is memory-bound; a layout reorder would cost more than it saves), with a cached
-// primitive per configuration. The rest use direct loops, parallel over (plane, output row):
-// max_pool2d_with_indices (PyTorch's flat H * W indices, which oneDNN's workspace does not
-// give), other dtypes, avg_pool2d cases whose divisor oneDNN computes differently
-// (divisor_override, or ceil_mode windows past the padding with count_include_pad), and
-// adaptive_avg_pool2d. KILN_ONEDNN=0 sends everything to the loops.
+// primitive per configuration. max_pool2d_with_indices runs oneDNN's training-mode pooling and
+// turns its workspace (each output's position inside its window) into PyTorch's flat H * W
+// indices; inputs with NaN or infinities take the loop, whose tie and NaN rules are PyTorch's.
+// The rest use direct loops, parallel over (plane, output row): other dtypes, avg_pool2d cases
+// whose divisor oneDNN computes differently (divisor_override, or ceil_mode windows past the
+// padding with count_include_pad), and adaptive_avg_pool2d. KILN_ONEDNN=0 sends everything to
+// the loops.
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
@@ -237,7 +239,7 @@ struct PoolKeyHash {
 
 struct PoolPlan {
   dnnl::pooling_v2_forward pool;
-  memory::desc src, dst, scratchpad;
+  memory::desc src, dst, scratchpad, workspace;  // workspace: training (max pooling's argmax) only
 };
 
 // Right/bottom padding that makes oneDNN produce `out` windows: the symmetric padding unless
@@ -247,13 +249,14 @@ int64_t right_padding(int64_t in, int64_t out, int64_t kernel, int64_t stride, i
   return std::max(needed, pad);
 }
 
+// training: forward_training, whose workspace holds each window's argmax (max pooling).
 std::shared_ptr<const PoolPlan> find_pool_plan(const PoolGeometry& g, const Window& win, dnnl::algorithm alg,
-                                               DType dtype) {
+                                               DType dtype, bool training = false) {
   const int64_t pr_h = right_padding(g.h, g.oh, win.kernel[0], win.stride[0], win.pad[0], win.dilation[0]);
   const int64_t pr_w = right_padding(g.w, g.ow, win.kernel[1], win.stride[1], win.pad[1], win.dilation[1]);
   const PoolKey key{{g.planes, g.h, g.w, g.oh, g.ow, win.kernel[0], win.kernel[1], win.stride[0], win.stride[1],
                      win.pad[0], win.pad[1], win.dilation[0], win.dilation[1], pr_h * 1000003 + pr_w},
-                    static_cast<int>(alg), dtype};
+                    static_cast<int>(alg) * 2 + (training ? 1 : 0), dtype};
   static std::mutex mutex;
   static std::unordered_map<PoolKey, std::shared_ptr<const PoolPlan>, PoolKeyHash> cache;
   {
@@ -267,7 +270,9 @@ std::shared_ptr<const PoolPlan> find_pool_plan(const PoolGeometry& g, const Wind
     // Planes go in the channel dim: pooling treats every (n, c) plane the same way.
     const memory::desc src({1, g.planes, g.h, g.w}, dt, memory::format_tag::nchw);
     const memory::desc dst({1, g.planes, g.oh, g.ow}, dt, memory::format_tag::nchw);
-    dnnl::pooling_v2_forward::desc desc(dnnl::prop_kind::forward_inference, alg, src, dst,
+    dnnl::pooling_v2_forward::desc desc(training ? dnnl::prop_kind::forward_training
+                                                 : dnnl::prop_kind::forward_inference,
+                                        alg, src, dst,
                                         {win.stride[0], win.stride[1]}, {win.kernel[0], win.kernel[1]},
                                         {win.dilation[0] - 1, win.dilation[1] - 1}, {win.pad[0], win.pad[1]},
                                         {pr_h, pr_w});
@@ -276,7 +281,9 @@ std::shared_ptr<const PoolPlan> find_pool_plan(const PoolGeometry& g, const Wind
     dnnl::pooling_v2_forward::primitive_desc pd(desc, attr, cpu_engine());
     // oneDNN's reference kernel (e.g. for dilated windows) is no faster than the loops here.
     if (!std::string_view(pd.impl_info_str()).starts_with("ref"))
-      plan = std::make_shared<PoolPlan>(PoolPlan{dnnl::pooling_v2_forward(pd), src, dst, pd.scratchpad_desc()});
+      plan = std::make_shared<PoolPlan>(
+          PoolPlan{dnnl::pooling_v2_forward(pd), src, dst, pd.scratchpad_desc(),
+                   training ? pd.workspace_desc() : memory::desc()});
   } catch (const dnnl::error&) {
     plan = nullptr;
   }
@@ -284,11 +291,35 @@ std::shared_ptr<const PoolPlan> find_pool_plan(const PoolGeometry& g, const Wind
   return cache.emplace(key, std::move(plan)).first->second;
 }
 
-// Pools with oneDNN; false when oneDNN has no implementation for this configuration.
-bool onednn_pool(const Tensor& x, Tensor& out, const Window& win, dnnl::algorithm alg) {
+// PyTorch's flat H * W argmax positions from oneDNN's workspace, which holds each output's
+// position inside its window (ki * kW + kj; u8 or s32).
+template <class W>
+void indices_from_workspace(const W* ws, int64_t* indices, const PoolGeometry& g, const Window& win) {
+  // Flat offset of each window position from the window's top-left corner.
+  std::vector<int64_t> offset(static_cast<size_t>(win.kernel[0] * win.kernel[1]));
+  for (int64_t ki = 0; ki < win.kernel[0]; ++ki)
+    for (int64_t kj = 0; kj < win.kernel[1]; ++kj)
+      offset[ki * win.kernel[1] + kj] = ki * win.dilation[0] * g.w + kj * win.dilation[1];
+  const int64_t kmax = static_cast<int64_t>(offset.size()) - 1;
+  const int64_t* table = offset.data();
+  for_each_output_row(g, g.ow, [&](int64_t p, int64_t oh) {
+    const int64_t at = (p * g.oh + oh) * g.ow;
+    const int64_t corner = (oh * win.stride[0] - win.pad[0]) * g.w - win.pad[1];
+    const W* __restrict w = ws + at;
+    int64_t* __restrict out = indices + at;
+    for (int64_t ow = 0; ow < g.ow; ++ow)
+      out[ow] = corner + ow * win.stride[1] + table[std::min<int64_t>(static_cast<int64_t>(w[ow]), kmax)];
+  });
+}
+
+// Pools with oneDNN; false when oneDNN has no implementation for this configuration. With
+// `indices` (max pooling), also writes the argmax positions as PyTorch numbers them.
+bool onednn_pool(const Tensor& x, Tensor& out, const Window& win, dnnl::algorithm alg, int64_t* indices = nullptr) {
   const PoolGeometry g = geometry(x, out);
-  auto plan = find_pool_plan(g, win, alg, x.dtype());
+  auto plan = find_pool_plan(g, win, alg, x.dtype(), indices != nullptr);
   if (!plan) return false;
+  const auto ws_type = indices ? plan->workspace.data_type() : memory::data_type::u8;
+  if (indices && ws_type != memory::data_type::u8 && ws_type != memory::data_type::s32) return false;
   dnnl::engine& engine = cpu_engine();
   dnnl::stream& stream = thread_stream();
   std::vector<char> scratch(plan->scratchpad.get_size());
@@ -296,8 +327,19 @@ bool onednn_pool(const Tensor& x, Tensor& out, const Window& win, dnnl::algorith
   memory dst(plan->dst, engine, out.impl().data());
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}};
   if (!scratch.empty()) args.emplace(DNNL_ARG_SCRATCHPAD, memory(plan->scratchpad, engine, scratch.data()));
+  Tensor workspace;
+  if (indices) {
+    workspace = detail::make_empty({static_cast<int64_t>(plan->workspace.get_size())}, kUInt8, x.device());
+    args.emplace(DNNL_ARG_WORKSPACE, memory(plan->workspace, engine, workspace.impl().data()));
+  }
   plan->pool.execute(stream, args);
   stream.wait();
+  if (indices) {
+    if (ws_type == memory::data_type::u8)
+      indices_from_workspace(workspace.data_ptr<uint8_t>(), indices, g, win);
+    else
+      indices_from_workspace(static_cast<const int32_t*>(workspace.impl().data()), indices, g, win);
+  }
   return true;
 }
 
@@ -338,6 +380,15 @@ bool contains_nan(const Tensor& x) {
   return contains_nan_bits<uint16_t, 0x7fffu, 0x7f80u>(static_cast<const uint16_t*>(x.impl().data()), x.numel());
 }
 
+// Whether a contiguous float32/bfloat16 tensor holds a NaN or an infinity. oneDNN's argmax of a
+// window of -inf values differs from PyTorch's (the first position), so those take the loop.
+bool contains_non_finite(const Tensor& x) {
+  if (x.dtype() == DType::float32)
+    return contains_nan_bits<uint32_t, 0x7fffffffu, 0x7f7fffffu>(static_cast<const uint32_t*>(x.impl().data()),
+                                                                   x.numel());
+  return contains_nan_bits<uint16_t, 0x7fffu, 0x7f7fu>(static_cast<const uint16_t*>(x.impl().data()), x.numel());
+}
+
 // Runs body(x, y) with a contiguous input and a contiguous output, copying into `out` after.
 template <class Body>
 void with_contiguous(const Tensor& input, Tensor& out, Body&& body) {
@@ -365,6 +416,9 @@ void max_pool2d_with_indices_kernel(const OpCall& call, std::span<Tensor> outs) 
   Tensor indices = indices_out.is_contiguous() ? indices_out
                                                : detail::make_empty(indices_out.sizes().vec(), kInt64, indices_out.device());
   with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
+    if (onednn_dtype(x.dtype()) && !contains_non_finite(x) &&
+        onednn_pool(x, y, win, dnnl::algorithm::pooling_max, indices.data_ptr<int64_t>()))
+      return;
     KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d_with_indices",
                           [&] { max_pool_loop<scalar_t>(x, y, indices.data_ptr<int64_t>(), win); });
   });

@@ -76,8 +76,12 @@ void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices
   const int64_t D = red.size, s = red.stride;
   const Dim* kept = plan.kept.data();
 
-  if (!plan.kept.empty() && plan.kept.back().stride == 1) {
-    // Vertical: outputs j of a block in lanes, rows along the reduced dim.
+  // Adjacent outputs in vector lanes: when the reduced dim is outer to a contiguous kept dim
+  // (lanes 1 apart, rows s apart), and for short contiguous rows of adjacent outputs (lanes D
+  // apart, rows 1 apart: argmax over a last dim of 4).
+  const int64_t lane_stride = plan.kept.empty() ? 0 : plan.kept.back().stride;
+  if (lane_stride == 1 || (s == 1 && D <= kShortRow && lane_stride == D)) {
+    const int64_t row_stride = lane_stride == 1 ? s : 1;
     constexpr int64_t B = 64;
     const int64_t J = plan.kept.back().size, nblocks = (J + B - 1) / B;
     const size_t nouter = plan.kept.size() - 1;
@@ -85,15 +89,15 @@ void arg_reduce(const Tensor& x, const std::vector<bool>& mask, int64_t* indices
                  [&](int64_t b0, int64_t e0) {
                    for (int64_t t = b0; t < e0; ++t) {
                      int64_t ko = t / nblocks, j0 = (t % nblocks) * B, jn = std::min(B, J - j0);
-                     const T* p = base + offset_of(ko, kept, nouter) + j0;
+                     const T* p = base + offset_of(ko, kept, nouter) + j0 * lane_stride;
                      A best[B];
                      int64_t idx[B] = {};
-                     for (int64_t b = 0; b < jn; ++b) best[b] = load<A>(p + b);
+                     for (int64_t b = 0; b < jn; ++b) best[b] = load<A>(p + b * lane_stride);
                      for (int64_t r = 1; r < D; ++r) {
-                       const T* row = p + r * s;
+                       const T* row = p + r * row_stride;
 #pragma omp simd
                        for (int64_t b = 0; b < jn; ++b) {
-                         A v = load<A>(row + b);
+                         A v = load<A>(row + b * lane_stride);
                          bool take = better<A, IsMax>(v, best[b]);
                          best[b] = take ? v : best[b];
                          idx[b] = take ? r : idx[b];

@@ -44,6 +44,14 @@
 #endif
 // clang-format on
 
+// On the functions whose loops must vectorize: inlines everything they call (the ops' map and
+// combine, math::Exp, the loads), whatever budget the inliner has left in a large file.
+#if defined(__GNUC__)
+#define KILN_FLATTEN __attribute__((flatten))
+#else
+#define KILN_FLATTEN
+#endif
+
 namespace kiln::cpu::reduce {
 
 // ---------------------------------------------------------------------------------------------
@@ -126,7 +134,8 @@ constexpr int64_t block() {
 // ops with long dependency chains (the NaN-propagating max) keep enough loads in flight; the lanes
 // fold as a tree at the end.
 template <class T, class Op>
-typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename Op::acc_t prm) {
+KILN_FLATTEN typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n,
+                                                typename Op::acc_t prm) {
   using A = typename Op::acc_t;
   constexpr int64_t L = lanes<A>();
   if (n < L) {
@@ -163,8 +172,8 @@ typename Op::acc_t contiguous_leaf(const Op& op, const T* p, int64_t n, typename
 
 // n elements with stride s: four accumulators.
 template <class T, class Op>
-typename Op::acc_t strided_leaf(const Op& op, const T* p, int64_t n, int64_t s,
-                                typename Op::acc_t prm) {
+KILN_FLATTEN typename Op::acc_t strided_leaf(const Op& op, const T* p, int64_t n, int64_t s,
+                                             typename Op::acc_t prm) {
   using A = typename Op::acc_t;
   A a0 = op.identity(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
@@ -208,8 +217,8 @@ inline void prefetch(const T* p, int64_t n) {
 // prefetch their part of each row 8 groups ahead: with many short row segments in flight the
 // hardware prefetcher alone leaves a third of the memory bandwidth unused.
 template <int64_t B, class T, class Op>
-void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn,
-               typename Op::acc_t* acc, const typename Op::acc_t* prm = nullptr) {
+KILN_FLATTEN void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn,
+                            typename Op::acc_t* acc, const typename Op::acc_t* prm = nullptr) {
   using A = typename Op::acc_t;
   constexpr int64_t W = std::min<int64_t>(B, 256 / sizeof(A));
   A zero[B] = {};
@@ -234,6 +243,20 @@ void rows_leaf(const Op& op, const T* const* rows, int64_t nrows, int64_t jn,
     const T* row = rows[r];
 #pragma omp simd
     for (int64_t b = j0; b < jn; ++b) acc[b] = op.combine(acc[b], op.map(load<A>(row + b), prm[b]));
+    end_of_row();
+  }
+}
+
+// acc[b] = the reduction of the L contiguous elements at p + b * L, for b < jn (<= B).
+template <int64_t B, class T, class Op>
+KILN_FLATTEN void short_rows_leaf(const Op& op, const T* p, int64_t L, int64_t jn,
+                                  typename Op::acc_t* acc) {
+  using A = typename Op::acc_t;
+  for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
+  for (int64_t k = 0; k < L; ++k) {
+#pragma omp simd
+    for (int64_t b = 0; b < jn; ++b)
+      acc[b] = op.combine(acc[b], op.map(load<A>(p + b * L + k), A{}));
     end_of_row();
   }
 }
@@ -330,7 +353,7 @@ struct ExtremumOp {
   A combine(A a, A b) const { return IsMax ? nan_max(a, b) : nan_min(a, b); }
 
   template <class T>
-  A leaf(const T* p, int64_t n, int64_t s) const {
+  KILN_FLATTEN A leaf(const T* p, int64_t n, int64_t s) const {
     constexpr int64_t L = lanes<A>();
     if (s != 1 || n < 2 * L) return elementwise_leaf(*this, p, n, s);
     A m0[L], m1[L], nan[L];
@@ -637,15 +660,9 @@ class ReduceLoop {
                    for (int64_t t = t0; t < t1; ++t) {
                      const int64_t ko = t / nblocks, j0 = (t % nblocks) * B;
                      const int64_t jn = std::min(B, J - j0);
-                     const T* p = base_ + offset_of(ko, outer, nouter) + j0 * L;
                      A acc[B];
-                     for (int64_t b = 0; b < B; ++b) acc[b] = op.identity();
-                     for (int64_t k = 0; k < L; ++k) {
-#pragma omp simd
-                       for (int64_t b = 0; b < jn; ++b)
-                         acc[b] = op.combine(acc[b], op.map(load<A>(p + b * L + k), A{}));
-                       end_of_row();
-                     }
+                     short_rows_leaf<B>(op, base_ + offset_of(ko, outer, nouter) + j0 * L, L, jn,
+                                        acc);
                      for (int64_t b = 0; b < jn; ++b) store(ko * J + j0 + b, acc[b]);
                    }
                  });
@@ -741,7 +758,8 @@ class ReduceLoop {
 
   // out[j] for j < J over n (a multiple of J) contiguous elements at p, n <= kChunk.
   template <class Op>
-  Period<typename Op::acc_t> periodic_leaf(const Op& op, const T* p, int64_t n, int64_t J) const {
+  KILN_FLATTEN Period<typename Op::acc_t> periodic_leaf(const Op& op, const T* p, int64_t n,
+                                                        int64_t J) const {
     using A = typename Op::acc_t;
     constexpr int64_t L = lanes<A>();
     A acc[L], acc1[L];
@@ -753,6 +771,10 @@ class ReduceLoop {
         acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), A{}));
         acc1[l] = op.combine(acc1[l], op.map(load<A>(p + i + L + l), A{}));
       }
+    }
+    for (; i + L <= n; i += L) {
+#pragma omp simd
+      for (int64_t l = 0; l < L; ++l) acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), A{}));
     }
     for (int64_t l = 0; i + l < n; ++l)
       acc[l] = op.combine(acc[l], op.map(load<A>(p + i + l), A{}));
