@@ -4,7 +4,8 @@
 // Sizes: batch 16 of 3x128x128 images (about a second per step on two cores). With the
 // environment variable KILN_EXAMPLE_QUICK=1 it trains on a batch of 4 images of 3x32x32 instead
 // and prints the same lines; the tests set it, and examples/expected/train_densenet.txt holds the
-// quick-mode output.
+// quick-mode output (losses after the first step as {num}: their later digits depend on
+// summation order).
 #include <kiln/kiln.h>
 
 #include <cstdlib>

@@ -616,6 +616,34 @@ void conv_backward_im2col(const ConvShape& s, const T* x, const T* w, const T* d
   }
 }
 
+// Weight gradient of a 1x1/stride-1 float32 convolution: dW (O x C) = sum_n dy[n] (O x P) x[n]^T
+// (P x C). dW is split into one block of rows or columns per thread, and each thread runs
+// single-threaded GEMMs over the images into its own block: no reduction across threads.
+void pointwise_weight_grad(const ConvShape& s, const float* x, const float* dy, float* dw) {
+  const int64_t p = s.h * s.w;
+  const bool split_columns = s.c >= s.o;
+  const int64_t extent = split_columns ? s.c : s.o;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, extent / 16));
+  parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      // Block boundaries on multiples of 16 (one AVX-512 vector of floats).
+      const int64_t lo = extent * part / parts / 16 * 16;
+      const int64_t hi = part + 1 == parts ? extent : extent * (part + 1) / parts / 16 * 16;
+      if (hi <= lo) continue;
+      for (int64_t n = 0; n < s.n; ++n) {
+        const float* dyn = dy + n * s.o * p;
+        const float* xn = x + n * s.c * p;
+        const float beta = n == 0 ? 0.0f : 1.0f;
+        if (split_columns)
+          gemm<float>(false, true, s.o, hi - lo, p, dyn, p, xn + lo * p, p, beta, dw + lo, s.c);
+        else
+          gemm<float>(false, true, hi - lo, s.c, p, dyn + lo * p, p, xn, p, beta, dw + lo * s.c, s.c);
+      }
+    }
+  });
+}
+
 // Per-channel sum of dy (N x O x P) over N and P.
 template <class T>
 void bias_grad(const ConvShape& s, const T* dy, T* db) {
@@ -680,15 +708,23 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   OutputBuffer dx(outs[0]), dw(outs[1]), db(outs[2]);
   bool done = false;
   if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled() && (need_dx || need_dw)) {
-    if (auto plan = find_backward_plan(s, t, need_dx, need_dw)) {
-      Tensor db32 = need_db && plan->bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf
-                                                                                           : empty({s.o}, kFloat32))
-                                          : Tensor();
-      run_backward_plan(*plan, need_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
-                        dy.impl().data(), need_dx ? dx.data() : nullptr, need_dw ? dw.data() : nullptr,
-                        db32.defined() ? db32.data_ptr<float>() : nullptr);
+    // 1x1 float32 weight gradients: threaded GEMMs here (oneDNN's GEMM convolution parallelizes
+    // its backward-weights poorly); the rest through a oneDNN plan.
+    const bool own_dw = t == DType::float32 && need_dw && plain_layout(s);
+    const bool plan_dw = need_dw && !own_dw;
+    std::shared_ptr<const BackwardPlan> plan;
+    if (need_dx || plan_dw) plan = find_backward_plan(s, t, need_dx, plan_dw);
+    if (plan || !(need_dx || plan_dw)) {
+      if (own_dw) pointwise_weight_grad(s, x.data_ptr<float>(), dy.data_ptr<float>(), static_cast<float*>(dw.data()));
+      const bool onednn_bias = need_db && plan && plan->bias;
+      Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
+                                : Tensor();
+      if (plan)
+        run_backward_plan(*plan, plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
+                          dy.impl().data(), need_dx ? dx.data() : nullptr, plan_dw ? dw.data() : nullptr,
+                          db32.defined() ? db32.data_ptr<float>() : nullptr);
       if (db32.defined() && !db32.same(db.buf)) db.buf.copy_(db32);
-      if (need_db && !plan->bias) {
+      if (need_db && !onednn_bias) {
         if (t == DType::float32) bias_grad<float>(s, dy.data_ptr<float>(), db.buf.data_ptr<float>());
         else db.buf.copy_(dy.sum({0, 2, 3}, false, kFloat32));
       }
