@@ -158,3 +158,23 @@ TEST(Autograd, GradcheckDetectsAWrongDerivative) {
   };
   EXPECT_FALSE(autograd::gradcheck(fn, {x}));
 }
+
+TEST(Autograd, AnomalyModeNamesTheForwardOpWhoseDerivativeMadeNaN) {
+  Tensor x = tensor<double>({4.0, 0.0}).requires_grad_();
+  Tensor y = sqrt(x) * 0.0;  // forward is finite; d sqrt / dx at 0 is inf, times 0 is NaN
+  {
+    autograd::DetectAnomalyGuard anomaly;
+    try {
+      y.sum().backward();
+      FAIL() << "expected an anomaly error";
+    } catch (const Error& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("SqrtBackward0"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("'sqrt'"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_FALSE(autograd::is_anomaly_enabled());
+  x.set_grad(Tensor());
+  y = sqrt(x) * 0.0;
+  EXPECT_NO_THROW(y.sum().backward());  // without anomaly mode the NaN just propagates
+}
