@@ -18,6 +18,7 @@
 
 #include "core/shape.h"
 #include "kiln/op_table.h"
+#include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -44,20 +45,7 @@ Pair expand_pair(IntArrayRef v, const std::string& op, const char* name) {
   return v.size() == 1 ? Pair{v[0], v[0]} : Pair{v[0], v[1]};
 }
 
-void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
-  const Tensor* first = nullptr;
-  for (const Tensor* t : tensors) {
-    if (!t->defined()) continue;
-    if (!first) {
-      first = t;
-      continue;
-    }
-    KILN_CHECK(t->device() == first->device(), DeviceError,
-               "[kiln::" + op + "] expected all tensors to be on the same device, but found at least "
-               "two devices, " + first->device().str() + " and " + t->device().str() +
-                   ". Move them to one device with .to(...).");
-  }
-}
+using detail::check_same_device;
 
 // ---------------- conv2d ----------------
 

@@ -9,6 +9,7 @@
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
+#include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -17,20 +18,7 @@ namespace {
 
 std::string dtype_str(DType t) { return std::string(dtype_name(t)); }
 
-void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
-  const Tensor* first = nullptr;
-  for (const Tensor* t : tensors) {
-    if (!t->defined()) continue;
-    if (!first) {
-      first = t;
-      continue;
-    }
-    KILN_CHECK(t->device() == first->device(), DeviceError,
-               "[kiln::" + op + "] expected all tensors to be on the same device, but found at least "
-               "two devices, " + first->device().str() + " and " + t->device().str() +
-                   ". Move them to one device with .to(...).");
-  }
-}
+using detail::check_same_device;
 
 // Same dtype for both GEMM operands (PyTorch does not promote in mm), and not bool.
 void check_gemm_dtypes(const std::string& op, const Tensor& a, const Tensor& b) {

@@ -15,6 +15,7 @@
 // a double backward through a normalization raises "not implemented".
 #include "core/shape.h"
 #include "kiln/op_table.h"
+#include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -27,20 +28,7 @@ DType stat_dtype(DType input) {
   return input == DType::float16 || input == DType::bfloat16 ? DType::float32 : input;
 }
 
-void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
-  const Tensor* first = nullptr;
-  for (const Tensor* t : tensors) {
-    if (!t->defined()) continue;
-    if (!first) {
-      first = t;
-      continue;
-    }
-    KILN_CHECK(t->device() == first->device(), DeviceError,
-               "[kiln::" + op + "] expected all tensors to be on the same device, but found at least "
-               "two devices, " + first->device().str() + " and " + t->device().str() +
-                   ". Move them to one device with .to(...).");
-  }
-}
+using detail::check_same_device;
 
 void check_floating(const std::string& op, const Tensor& t, const char* what) {
   KILN_CHECK(!t.defined() || is_floating_point(t.dtype()), DTypeError,

@@ -10,6 +10,7 @@
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
+#include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -22,28 +23,9 @@ Tensor wrap(const Scalar& s) {
 
 std::string name_of(DType t) { return std::string(dtype_name(t)); }
 
-// The device all tensor inputs share; 0-dim CPU tensors (wrapped scalars) may join any device.
-Device common_device(const OpCall& c) {
-  std::optional<Device> device;
-  for (const Tensor& t : c.inputs) {
-    if (!t.defined() || (t.dim() == 0 && t.is_cpu())) continue;
-    if (!device) {
-      device = t.device();
-    } else {
-      KILN_CHECK(*device == t.device(), DeviceError,
-                 "[kiln::" + c.name() + "] expected all tensors to be on the same device, but found " +
-                     device->str() + " and " + t.device().str() + ". Move them to one device with .to(...).");
-    }
-  }
-  return device.value_or(kCPU);
-}
+using detail::common_device;
 
-std::vector<int64_t> broadcast_inputs(const OpCall& c) {
-  std::vector<int64_t> sizes;
-  for (const Tensor& t : c.inputs)
-    if (t.defined()) sizes = detail::broadcast_sizes(sizes, t.sizes(), c.name());
-  return sizes;
-}
+using detail::broadcast_inputs;
 
 TensorMeta broadcast_meta(const OpCall& c, DType dtype) {
   Device device = common_device(c);

@@ -1,0 +1,46 @@
+#include "ops/meta_checks.h"
+
+#include <optional>
+
+#include "core/shape.h"
+
+namespace kiln::detail {
+
+Device common_device(const OpCall& c) {
+  std::optional<Device> device;
+  for (const Tensor& t : c.inputs) {
+    if (!t.defined() || (t.dim() == 0 && t.is_cpu())) continue;
+    if (!device) {
+      device = t.device();
+    } else {
+      KILN_CHECK(*device == t.device(), DeviceError,
+                 "[kiln::" + c.name() + "] expected all tensors to be on the same device, but found " +
+                     device->str() + " and " + t.device().str() + ". Move them to one device with .to(...).");
+    }
+  }
+  return device.value_or(kCPU);
+}
+
+std::vector<int64_t> broadcast_inputs(const OpCall& c) {
+  std::vector<int64_t> sizes;
+  for (const Tensor& t : c.inputs)
+    if (t.defined()) sizes = broadcast_sizes(sizes, t.sizes(), c.name());
+  return sizes;
+}
+
+void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : tensors) {
+    if (!t->defined()) continue;
+    if (!first) {
+      first = t;
+      continue;
+    }
+    KILN_CHECK(t->device() == first->device(), DeviceError,
+               "[kiln::" + op + "] expected all tensors to be on the same device, but found at least "
+               "two devices, " + first->device().str() + " and " + t->device().str() +
+                   ". Move them to one device with .to(...).");
+  }
+}
+
+}  // namespace kiln::detail
