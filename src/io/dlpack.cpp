@@ -40,7 +40,10 @@ std::string describe(DLDataType d) {
   std::string code = d.code < std::size(kCodes) ? kCodes[d.code] : "code ";
   if (d.code >= std::size(kCodes)) code += std::to_string(d.code);
   std::string s = code + std::to_string(d.bits);
-  if (d.lanes != 1) s += "x" + std::to_string(d.lanes);
+  if (d.lanes != 1) {  // two appends: GCC 12's -Wrestrict misfires on "x" + to_string(...)
+    s += 'x';
+    s += std::to_string(d.lanes);
+  }
   return s;
 }
 

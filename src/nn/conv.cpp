@@ -16,7 +16,13 @@ std::string Size2::str() const {
 }
 
 std::string Size2::tuple_str() const {
-  return "(" + std::to_string(values_[0]) + ", " + std::to_string(values_[1]) + ")";
+  // Appended piece by piece: GCC 12's -Wrestrict misfires on "(" + to_string(...).
+  std::string s = "(";
+  s += std::to_string(values_[0]);
+  s += ", ";
+  s += std::to_string(values_[1]);
+  s += ')';
+  return s;
 }
 
 namespace {
