@@ -42,6 +42,22 @@ void parallel_for(int64_t n, int64_t grain, F&& f) {
   }
 }
 
+// A tensor seen as (outer, size, inner) around one dim: the 3-D shape that scans and softmax
+// over `dim` walk.
+struct DimSplit {
+  int64_t outer = 1, size = 1, inner = 1;
+};
+inline DimSplit split_around(const Tensor& x, int64_t dim) {
+  DimSplit a;
+  for (int64_t d = 0; d < x.dim(); ++d) {
+    int64_t n = x.sizes()[d];
+    if (d < dim) a.outer *= n;
+    else if (d == dim) a.size = n;
+    else a.inner *= n;
+  }
+  return a;
+}
+
 // N operands (output first) walked over one shape with per-operand element strides, after
 // dropping size-1 dims and merging dims that are contiguous for every operand.
 template <size_t N>

@@ -15,24 +15,6 @@ namespace {
 
 using namespace reduce;
 
-struct Around {
-  int64_t outer = 1, size = 1, inner = 1;
-};
-
-Around around(const Tensor& x, int64_t dim) {
-  Around a;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    int64_t n = x.sizes()[d];
-    if (d < dim)
-      a.outer *= n;
-    else if (d == dim)
-      a.size = n;
-    else
-      a.inner *= n;
-  }
-  return a;
-}
-
 // ---------------------------------------------------------------------------------------------
 // cumsum: sequential per row, accumulated in double for float32/float64 (as PyTorch's CPU kernel
 // does), float for float16/bfloat16, int64 (wrapping) for integers.
@@ -40,7 +22,7 @@ Around around(const Tensor& x, int64_t dim) {
 
 template <class T, class A, class Out>
 void cumsum_impl(const Tensor& x, Tensor& out, int64_t dim) {
-  const Around g = around(x, dim);
+  const DimSplit g = split_around(x, dim);
   if (x.numel() == 0) return;
   const T* in = static_cast<const T*>(x.impl().data());
   Out* o = static_cast<Out*>(out.impl().data());
@@ -197,7 +179,7 @@ void softmax_rows(const T* in, T* out, int64_t rows, int64_t n) {
 }
 
 template <class T, bool Log>
-void softmax_columns(const T* in, T* out, const Around& g) {
+void softmax_columns(const T* in, T* out, const DimSplit& g) {
   using A = opmath_t<T>;
   using S = std::conditional_t<std::is_same_v<A, float>, double, A>;  // the sum over the dim
   constexpr int64_t B = block<A>();
@@ -246,7 +228,7 @@ void softmax_kernel(const OpCall& c, std::span<Tensor> outs) {
   into_contiguous(outs[0], [&](Tensor& out) {
     Tensor x = as_dtype(x_in, out.dtype()).contiguous();
     if (x.numel() == 0) return;
-    const Around g = around(x, dim);
+    const DimSplit g = split_around(x, dim);
     KILN_DISPATCH_FLOATING(x.dtype(), c.name(), [&] {
       const scalar_t* in = static_cast<const scalar_t*>(x.impl().data());
       scalar_t* o = static_cast<scalar_t*>(out.impl().data());

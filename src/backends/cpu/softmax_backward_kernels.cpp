@@ -23,24 +23,6 @@ namespace kiln::cpu {
 
 namespace {
 
-struct Around {
-  int64_t outer = 1, size = 1, inner = 1;
-};
-
-Around around(const Tensor& x, int64_t dim) {
-  Around a;
-  for (int64_t d = 0; d < x.dim(); ++d) {
-    int64_t n = x.sizes()[d];
-    if (d < dim)
-      a.outer *= n;
-    else if (d == dim)
-      a.size = n;
-    else
-      a.inner *= n;
-  }
-  return a;
-}
-
 template <class T>
 inline opmath_t<T> ld(const T* p) {
   return static_cast<opmath_t<T>>(*p);
@@ -139,7 +121,7 @@ void backward_rows(const T* g, const T* y, T* out, int64_t rows, int64_t n) {
 
 // The dim is not innermost: blocks of B adjacent columns, one vector lane per column.
 template <class T, bool Log>
-void backward_columns(const T* g, const T* y, T* out, const Around& a) {
+void backward_columns(const T* g, const T* y, T* out, const DimSplit& a) {
   using A = opmath_t<T>;
   constexpr int64_t B = std::max<int64_t>(64, 1024 / sizeof(A));
   const int64_t nblocks = (a.inner + B - 1) / B;
@@ -190,7 +172,7 @@ void softmax_backward_kernel(const OpCall& c, std::span<Tensor> outs) {
   const bool direct = out.dtype() == t && out.is_contiguous();
   Tensor o = direct ? out : kiln::detail::make_empty(out.sizes().vec(), t, out.device());
   if (y.numel() > 0) {
-    const Around a = around(y, dim);
+    const DimSplit a = split_around(y, dim);
     KILN_DISPATCH_FLOATING(t, c.name(), [&] {
       const scalar_t* gp = static_cast<const scalar_t*>(g.impl().data());
       const scalar_t* yp = static_cast<const scalar_t*>(y.impl().data());
