@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include "backends/cpu/loops.h"
+#include "backends/cpu/norm_loops.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -62,36 +63,6 @@ void with_contiguous_output(Tensor& out, Body&& body) {
 bool mask_at(const OpCall& c, size_t attr, int i) { return c.ints_attr(attr)[i] != 0; }
 
 // ---------------- batch_norm ----------------
-
-// Below this plane size batch_norm works on "columns" (the C * plane values of one sample),
-// vectorized across them, as the forward does (norm_kernels.cpp).
-inline constexpr int64_t kSmallPlane = 32;
-
-template <class V>
-std::vector<V> expand_to_columns(const std::vector<V>& per_channel, int64_t plane) {
-  std::vector<V> out(per_channel.size() * static_cast<size_t>(plane));
-  for (size_t c = 0; c < per_channel.size(); ++c)
-    std::fill_n(out.begin() + static_cast<std::ptrdiff_t>(c * plane), plane, per_channel[c]);
-  return out;
-}
-
-// Sums over rows [0, n), split by rows across threads: accumulate(partial, row) adds one row into
-// a thread's `width` partial sums; returns their total.
-template <class Accumulate>
-std::vector<double> sum_rows(int64_t n, int64_t row_size, int64_t width, Accumulate&& accumulate) {
-  const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), n, n * row_size / kGrainSize}));
-  std::vector<double> partial(static_cast<size_t>(chunks * width), 0.0);
-  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
-    for (int64_t chunk = cb; chunk < ce; ++chunk)
-      for (int64_t i = n * chunk / chunks; i < n * (chunk + 1) / chunks; ++i)
-        accumulate(partial.data() + chunk * width, i);
-  });
-  for (int64_t chunk = 1; chunk < chunks; ++chunk)
-    for (int64_t k = 0; k < width; ++k) partial[k] += partial[chunk * width + k];
-  partial.resize(static_cast<size_t>(width));
-  return partial;
-}
 
 // sum(dy) and sum(dy * (x - mean)) over n contiguous values.
 template <class T, class Acc = opmath_t<T>>
