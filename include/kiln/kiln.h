@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kiln/autograd.h"
+#include "kiln/compiler.h"
 #include "kiln/device.h"
 #include "kiln/dtype.h"
 #include "kiln/error.h"

@@ -129,6 +129,10 @@ struct OpDef {
   // The derivative (autograd) and the compiler's lowering; `kiln ops` shows both.
   Derivative derivative;
   std::string lowering;  // "pointwise", "reduction", "extern", "decomposition", ...
+  // int attrs that differ on every call (the random ops' seed and offset): compile() passes them
+  // to the graph as run-time scalars instead of specializing on them. Scalar and double attrs are
+  // always run-time scalars.
+  std::vector<int> runtime_attrs;
 
   bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
 };

@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "autograd/node.h"
+#include "compiler/capture/runtime.h"
 #include "kiln/ops.h"
 
 namespace kiln::autograd {
@@ -38,8 +39,8 @@ void check_anomaly(const Node& node, const TensorList& grads) {
 
 // Runs the graph below `roots`. When `capture` is non-empty, gradients arriving at those edges
 // are returned (autograd::grad) instead of being accumulated into leaves.
-TensorList run_backward(const TensorList& tensors, const TensorList& grad_tensors, bool keep_graph,
-                        bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves) {
+TensorList run_backward_eager(const TensorList& tensors, const TensorList& grad_tensors, bool keep_graph,
+                              bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves) {
   KILN_CHECK(grad_tensors.empty() || grad_tensors.size() == tensors.size(), ValueError,
              "[kiln::backward] got " + std::to_string(tensors.size()) + " tensors and " +
                  std::to_string(grad_tensors.size()) + " gradients; give one gradient per tensor.");
@@ -164,6 +165,29 @@ TensorList run_backward(const TensorList& tensors, const TensorList& grad_tensor
     }
   }
   return captured;
+}
+
+// A backward through a graph that a compiled function captured, run outside compiled code, is
+// captured and compiled as well (that function's backward graph; AOTAutograd's role in Dynamo).
+TensorList run_backward(const TensorList& tensors, const TensorList& grad_tensors, bool keep_graph,
+                        bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves) {
+  std::shared_ptr<void> owner;
+  if (!compiler::detail::active_capture() && !create_graph) {
+    for (const Tensor& t : tensors) {
+      if (!t.defined()) continue;
+      auto* m = meta_if_exists(t);
+      if (m && m->grad_fn && m->grad_fn->compiled_owner) {
+        owner = m->grad_fn->compiled_owner;
+        break;
+      }
+    }
+  }
+  if (!owner) return run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves);
+  TensorList result;
+  compiler::detail::run_captured_backward(owner, [&] {
+    result = run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves);
+  });
+  return result;
 }
 
 }  // namespace

@@ -84,6 +84,9 @@ struct Node : std::enable_shared_from_this<Node> {
   // Per output slot: hooks registered on the non-leaf tensor, and tensors retaining their grad.
   std::vector<std::vector<TensorHook>> pre_hooks;
   std::vector<std::weak_ptr<detail::TensorImpl>> retained;
+  // The compiled function that captured this node's forward (a compiler::detail::FunctionState),
+  // or null: a backward() run later outside compiled code is captured as that function's graph.
+  std::shared_ptr<void> compiled_owner;
 };
 
 // The node of one op-table call.

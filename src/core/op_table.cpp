@@ -6,6 +6,8 @@
 #include <memory>
 
 #include "autograd/node.h"
+#include "compiler/capture/capture.h"
+#include "core/dispatch.h"
 #include "core/profiler.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -116,7 +118,38 @@ void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std:
 
 }  // namespace
 
+
+namespace detail {
+
+void check_out_targets(const OpDef& op, const std::vector<TensorMeta>& metas, std::span<Tensor> outputs) {
+  KILN_CHECK(metas.size() == outputs.size(), Error,
+             "[kiln::" + op.name + "] expected " + std::to_string(metas.size()) + " outputs, got " +
+                 std::to_string(outputs.size()) + ".");
+  for (size_t i = 0; i < metas.size(); ++i) {
+    const Tensor& out = outputs[i];
+    const TensorMeta& m = metas[i];
+    if (!(out.sizes() == IntArrayRef(m.sizes))) {
+      throw ShapeError("[kiln::" + op.name + "_] output with shape " + shape_str(out.sizes()) +
+                       " doesn't match the broadcast shape " + shape_str(m.sizes) +
+                       ". In-place ops cannot change the shape of their target; use the out-of-place form.");
+    }
+    if (!can_cast(m.dtype, out.dtype())) {
+      throw DTypeError("[kiln::" + op.name + "_] result type " + std::string(dtype_name(m.dtype)) +
+                       " can't be cast to the desired output type " +
+                       std::string(dtype_name(out.dtype())) + ". Use the out-of-place form, or convert first.");
+    }
+    if (out.device() != m.device) {
+      throw DeviceError("[kiln::" + op.name + "_] the output is on " + out.device().str() +
+                        " but the inputs are on " + m.device.str() + ". Move them to one device.");
+    }
+  }
+}
+
+}  // namespace detail
+
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
+  if (auto* cap = compiler::detail::active_capture()) [[unlikely]]
+    return compiler::detail::capture_op(*cap, op, inputs, attrs);
   detail::OpTimer timer(op.name);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
@@ -143,31 +176,18 @@ Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> a
 
 void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
                  std::span<Tensor> outputs) {
+  if (auto* cap = compiler::detail::active_capture()) [[unlikely]] {
+    compiler::detail::capture_op_out(*cap, op, inputs, attrs, outputs);
+    return;
+  }
   detail::OpTimer timer(op.name, /*inplace=*/true);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
-  KILN_CHECK(metas.size() == outputs.size(), Error,
-             "[kiln::" + op.name + "] expected " + std::to_string(metas.size()) + " outputs, got " +
-                 std::to_string(outputs.size()) + ".");
+  detail::check_out_targets(op, metas, outputs);
   bool need_temp = false;
   for (size_t i = 0; i < metas.size(); ++i) {
     const Tensor& out = outputs[i];
-    const TensorMeta& m = metas[i];
-    if (!(out.sizes() == IntArrayRef(m.sizes))) {
-      throw ShapeError("[kiln::" + op.name + "_] output with shape " + shape_str(out.sizes()) +
-                       " doesn't match the broadcast shape " + shape_str(m.sizes) +
-                       ". In-place ops cannot change the shape of their target; use the out-of-place form.");
-    }
-    if (!can_cast(m.dtype, out.dtype())) {
-      throw DTypeError("[kiln::" + op.name + "_] result type " + std::string(dtype_name(m.dtype)) +
-                       " can't be cast to the desired output type " +
-                       std::string(dtype_name(out.dtype())) + ". Use the out-of-place form, or convert first.");
-    }
-    if (out.device() != m.device) {
-      throw DeviceError("[kiln::" + op.name + "_] the output is on " + out.device().str() +
-                        " but the inputs are on " + m.device.str() + ". Move them to one device.");
-    }
-    if (m.dtype != out.dtype()) need_temp = true;
+    if (metas[i].dtype != out.dtype()) need_temp = true;
     for (size_t k = 0; k < inputs.size(); ++k) {
       const Tensor& in = inputs[k];
       if (k == 0 && i == 0 && op.out_may_alias_input0 && same_layout(in, out)) continue;

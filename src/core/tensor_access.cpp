@@ -1,12 +1,18 @@
 // Host access to tensor data: data_ptr, item, to_vector, operator bool.
 #include <cstring>
 
+#include "compiler/capture/capture.h"
 #include "core/tensor_factory.h"
 #include "kiln/ops.h"
 
 namespace kiln {
 
+// Every host access below is a graph break inside compile(): the pending graph runs first, so the
+// host sees the values eager mode would have computed by now.
+using compiler::detail::host_read;
+
 void* Tensor::raw_data_ptr() const {
+  host_read("Tensor::data_ptr()");
   KILN_CHECK(is_cpu(), DeviceError,
              "[kiln::data_ptr] the tensor is on " + device().str() + "; host pointers need a CPU "
              "tensor. Call .cpu() first.");
@@ -21,13 +27,21 @@ T* Tensor::data_ptr() const {
   return static_cast<T*>(raw_data_ptr());
 }
 
+namespace {
+Scalar read_one(const Tensor& t) {
+  compiler::detail::SuspendCapture eager;
+  Tensor c = t.is_cpu() ? t : t.cpu();
+  const void* p = c.impl().data();
+  return KILN_DISPATCH_ALL(t.dtype(), "item", [&]() -> Scalar { return Scalar(*static_cast<const scalar_t*>(p)); });
+}
+}  // namespace
+
 Scalar Tensor::item() const {
   KILN_CHECK(numel() == 1, ValueError,
              "[kiln::item] a Tensor with " + std::to_string(numel()) +
                  " elements cannot be converted to Scalar. Reduce it first (e.g. .sum()).");
-  Tensor c = is_cpu() ? *this : cpu();
-  const void* p = c.impl().data();
-  return KILN_DISPATCH_ALL(dtype(), "item", [&]() -> Scalar { return Scalar(*static_cast<const scalar_t*>(p)); });
+  host_read("Tensor::item()");
+  return read_one(*this);
 }
 
 template <class T>
@@ -37,6 +51,8 @@ T Tensor::item() const {
 
 template <class T>
 std::vector<T> Tensor::to_vector() const {
+  host_read("Tensor::to_vector()");
+  compiler::detail::SuspendCapture eager;
   Tensor c = to(kCPU).to(dtype_of_v<T>).contiguous();
   std::vector<T> out(static_cast<size_t>(c.numel()));
   if (!out.empty()) std::memcpy(static_cast<void*>(out.data()), c.impl().data(), out.size() * sizeof(T));
@@ -47,7 +63,8 @@ Tensor::operator bool() const {
   KILN_CHECK(numel() == 1, ValueError,
              "[kiln::bool] Boolean value of Tensor with " + std::to_string(numel()) +
                  " elements is ambiguous. Use .any() or .all().");
-  return item().to_bool();
+  host_read("Tensor::operator bool (data-dependent control flow)");
+  return read_one(*this).to_bool();
 }
 
 Tensor& Tensor::requires_grad_(bool on) {

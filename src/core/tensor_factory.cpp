@@ -39,6 +39,7 @@ Tensor make_view(const Tensor& base, std::vector<int64_t> sizes, std::vector<int
   const TensorImpl& b = base.impl();
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = b.storage;
+  impl->lazy = b.lazy;  // a view of a value being captured is captured too (detach, saved outputs)
   impl->storage_offset = storage_offset;
   impl->sizes = std::move(sizes);
   impl->strides = std::move(strides);
@@ -51,7 +52,7 @@ Tensor make_view(const Tensor& base, std::vector<int64_t> sizes, std::vector<int
 Tensor wrap_scalar(const Scalar& s, std::optional<DType> dtype, Device device) {
   DType t = dtype.value_or(s.dtype());
   Tensor out = make_empty({}, t, kCPU);
-  KILN_DISPATCH_ALL(t, "scalar_tensor", [&] { *static_cast<scalar_t*>(out.raw_data_ptr()) = s.to<scalar_t>(); });
+  KILN_DISPATCH_ALL(t, "scalar_tensor", [&] { *static_cast<scalar_t*>(out.impl().data()) = s.to<scalar_t>(); });
   out.impl().is_wrapped_number = true;
   if (!device.is_cpu()) out = out.to(device);
   return out;

@@ -75,10 +75,10 @@ Tensor tensor(const std::vector<T>& data, IntArrayRef sizes, TensorOptions o) {
                  shape_str(sizes) + " (" + std::to_string(n) + " elements).");
   Tensor t = detail::make_empty(sizes.vec(), dtype_of_v<T>, kCPU);
   if constexpr (std::is_same_v<T, bool>) {
-    bool* p = static_cast<bool*>(t.raw_data_ptr());
+    bool* p = static_cast<bool*>(t.impl().data());
     for (size_t i = 0; i < data.size(); ++i) p[i] = data[i];
   } else if (n > 0) {
-    std::memcpy(t.raw_data_ptr(), data.data(), data.size() * sizeof(T));
+    std::memcpy(t.impl().data(), data.data(), data.size() * sizeof(T));
   }
   DType target = o.dtype.value_or(std::is_same_v<T, double> || std::is_same_v<T, float>
                                       ? (std::is_same_v<T, double> ? DType::float64 : DType::float32)

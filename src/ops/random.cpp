@@ -102,6 +102,7 @@ const OpDef& kUniform = register_op({
     .pointwise = true,
     .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
+    .runtime_attrs = {3, 4},  // seed, offset
 });
 
 // normal(size, mean, std, *, seed, offset, dtype, device)
@@ -121,6 +122,7 @@ const OpDef& kNormal = register_op({
     .pointwise = true,
     .derivative = no_inputs_derivative(),
     .lowering = "pointwise",
+    .runtime_attrs = {3, 4},  // seed, offset
 });
 
 // The range [lo, hi] a dtype holds exactly (for floats: the integers it represents exactly).
@@ -163,6 +165,7 @@ const OpDef& kRandint = register_op({
     },
     .pointwise = true,
     .lowering = "pointwise",
+    .runtime_attrs = {3, 4},  // seed, offset
 });
 
 // bernoulli(p, *, seed, offset): 1 with probability p[i], else 0; dtype of p.
@@ -178,6 +181,7 @@ const OpDef& kBernoulli = register_op({
     .pointwise = true,
     .derivative = zero_sample_derivative(),
     .lowering = "pointwise",
+    .runtime_attrs = {0, 1},  // seed, offset
 });
 
 // bernoulli.p(self, p, *, seed, offset): self's shape and dtype, 1 with probability p.
@@ -192,6 +196,7 @@ const OpDef& kBernoulliP = register_op({
     .pointwise = true,
     .derivative = zero_sample_derivative(),
     .lowering = "pointwise",
+    .runtime_attrs = {1, 2},  // seed, offset
 });
 
 // native_dropout(input, p, train, *, seed, offset) -> (output, mask): in training, keeps each
@@ -219,6 +224,7 @@ const OpDef& kNativeDropout = register_op({
                      return {mul(c.grad() * c.output(1), scale)};
                    }},
     .lowering = "decomposition",
+    .runtime_attrs = {2, 3},  // seed, offset
 });
 
 // ---- front-end helpers ----

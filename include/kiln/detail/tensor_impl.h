@@ -22,6 +22,10 @@ namespace compiler { struct LazyValue; }
 
 namespace detail {
 
+struct TensorImpl;
+// A lazy value's data was asked for: runs its pending graph (compiler/capture/context.cpp).
+void materialize_lazy(const TensorImpl& impl);
+
 // A block of device memory, shared by every view of it.
 struct Storage {
   using FreeFn = void (*)(void* data, void* context);
@@ -70,7 +74,9 @@ struct TensorImpl {
 
   // Recomputes numel and is_contiguous after sizes/strides change.
   void refresh_metadata();
+  // The address of element 0. A lazy value (captured, not yet computed) runs its graph first.
   void* data() const {
+    if (lazy) [[unlikely]] materialize_lazy(*this);
     return static_cast<char*>(storage->data) + storage_offset * itemsize(dtype);
   }
 };

@@ -1,0 +1,69 @@
+// Capture internals: the per-thread capture context, lazy values and segments (DESIGN §2.3).
+//
+// While a thread runs the body of a compiled function, call_op/call_op_out hand every op to
+// capture_op/capture_op_out instead of running kernels. Results are lazy: a TensorImpl with full
+// metadata, `lazy` pointing at its value in the pending segment, and a *pending* Storage (data
+// still null) that all views of it share. A flush compiles or looks up the segment's graph, runs
+// it, and moves each live result's buffer into its pending Storage — every handle and view the
+// program holds becomes real at once.
+#pragma once
+
+#include <memory>
+#include <source_location>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "compiler/capture/call_site.h"
+#include "kiln/compiler.h"
+
+namespace kiln::compiler {
+
+namespace detail {
+struct Segment;
+struct CaptureContext;
+}  // namespace detail
+
+// What TensorImpl::lazy points to while a value is pending.
+struct LazyValue {
+  std::shared_ptr<detail::Segment> segment;
+  int value = -1;
+};
+
+namespace detail {
+
+// The active capture of this thread, or nullptr (also while suspended).
+CaptureContext* active_capture();
+
+// Sets this thread's capture; returns the previous one.
+CaptureContext* exchange_capture(CaptureContext* ctx);
+
+// Suspends capture on this thread while alive (graph execution, eager fallbacks, disable()).
+class SuspendCapture {
+ public:
+  SuspendCapture();
+  ~SuspendCapture();
+  SuspendCapture(const SuspendCapture&) = delete;
+  SuspendCapture& operator=(const SuspendCapture&) = delete;
+
+ private:
+  CaptureContext* saved_;
+};
+
+// Dispatcher hooks (src/core/op_table.cpp calls these when active_capture() is set).
+std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& inputs,
+                               std::vector<Attr>& attrs);
+void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& inputs,
+                    std::vector<Attr>& attrs, std::span<Tensor> outputs);
+
+// A host read of tensor data while capturing: flushes the pending segment (a graph break).
+// `what` names the read ("Tensor::item()").
+void host_read(std::string_view what);
+
+// Makes a lazy tensor real (data() on a pending value): flushes its segment if this thread owns
+// it, else throws.
+void materialize(const kiln::detail::TensorImpl& impl);
+
+}  // namespace detail
+}  // namespace kiln::compiler

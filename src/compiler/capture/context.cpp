@@ -1,0 +1,573 @@
+// Lazy capture: op calls become graph nodes; flushes run the graph and make lazy tensors real.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <utility>
+
+#include "autograd/node.h"
+#include "compiler/capture/runtime.h"
+#include "core/dispatch.h"
+#include "core/shape.h"
+#include "core/tensor_factory.h"
+#include "kiln/autograd.h"
+
+namespace kiln::compiler::detail {
+
+using kiln::detail::Storage;
+using kiln::detail::TensorImpl;
+
+namespace {
+thread_local CaptureContext* t_capture = nullptr;
+
+// FNV-style 64-bit mixing: the structural key of a segment, built as it is captured.
+inline void mix(uint64_t& h, uint64_t v) {
+  h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  h *= 0x100000001b3ull;
+}
+inline void mix_ints(uint64_t& h, const std::vector<int64_t>& v) {
+  mix(h, v.size());
+  for (int64_t x : v) mix(h, static_cast<uint64_t>(x));
+}
+inline void mix_device(uint64_t& h, Device d) { mix(h, static_cast<uint64_t>(d.type) * 1024 + d.index); }
+inline uint64_t str_hash(const std::string& s) { return std::hash<std::string>{}(s); }
+
+constexpr uint64_t kSeed = 0xcbf29ce484222325ull;
+}  // namespace
+
+struct Segment {
+  enum class State { pending, done, failed };
+
+  Graph graph;
+  uint64_t hash = kSeed;
+  std::unordered_map<const TensorImpl*, int> input_ids;
+  std::unordered_map<const Storage*, int> input_groups;
+  std::vector<Tensor> inputs;  // strong references, one per graph input
+  struct Pending {
+    std::weak_ptr<Storage> storage;
+    int value;
+  };
+  std::vector<Pending> pending;                 // one per buffer a node allocates
+  std::vector<std::weak_ptr<TensorImpl>> lazy;  // every lazy handle created, to clear after a flush
+  State state = State::pending;
+  std::string failure;
+  int next_group = 0;
+  std::thread::id thread = std::this_thread::get_id();
+
+  void clear() {
+    graph = Graph();
+    hash = kSeed;
+    input_ids.clear();
+    input_groups.clear();
+    inputs.clear();
+    pending.clear();
+    lazy.clear();
+    state = State::pending;
+    next_group = 0;
+  }
+};
+
+CaptureContext* active_capture() { return t_capture; }
+CaptureContext* exchange_capture(CaptureContext* ctx) { return std::exchange(t_capture, ctx); }
+
+SuspendCapture::SuspendCapture() : saved_(t_capture) { t_capture = nullptr; }
+SuspendCapture::~SuspendCapture() { t_capture = saved_; }
+
+CaptureScope::CaptureScope(CaptureContext* ctx) : saved_(t_capture) { t_capture = ctx; }
+CaptureScope::~CaptureScope() { t_capture = saved_; }
+
+Segment& CaptureContext::pending() {
+  if (!segment) segment = std::make_shared<Segment>();
+  return *segment;
+}
+
+namespace {
+
+ValueInfo info_of(const Tensor& t) {
+  ValueInfo v;
+  const TensorImpl& i = t.impl();
+  v.sizes = i.sizes;
+  v.strides = i.strides;
+  v.storage_offset = i.storage_offset;
+  v.dtype = i.dtype;
+  v.device = i.device;
+  return v;
+}
+
+[[noreturn]] void throw_unusable(const Segment& seg) {
+  if (seg.state == Segment::State::failed) {
+    throw CompileError("[kiln::compile] this tensor was never computed: the graph that produces it failed (" +
+                       seg.failure + "). Fix that error first; the tensor holds no data.");
+  }
+  throw Error(
+      "[kiln::compile] this tensor is still being captured by another thread's compiled call. Pass tensors "
+      "between threads only after the compiled call that produced them has returned.");
+}
+
+// The value id of `t` in `seg`: its lazy value, or a (new) placeholder for a real tensor.
+int value_of(Segment& seg, const Tensor& t) {
+  const TensorImpl& impl = t.impl();
+  if (impl.lazy) {
+    const Segment& owner = *impl.lazy->segment;
+    if (&owner == &seg) return impl.lazy->value;
+    if (owner.state != Segment::State::done) throw_unusable(owner);
+  }
+  auto [it, inserted] = seg.input_ids.try_emplace(&impl, 0);
+  if (!inserted) return it->second;
+  ValueInfo v = info_of(t);
+  auto [g, new_group] = seg.input_groups.try_emplace(impl.storage.get(), seg.next_group);
+  if (new_group) ++seg.next_group;
+  v.storage = g->second;
+  v.is_input = true;
+  int id = static_cast<int>(seg.graph.values.size());
+  uint64_t& h = seg.hash;
+  mix(h, 0x1a);
+  mix(h, static_cast<uint64_t>(v.dtype));
+  mix_device(h, v.device);
+  mix_ints(h, v.sizes);
+  mix_ints(h, v.strides);
+  mix(h, static_cast<uint64_t>(v.storage_offset));
+  mix(h, static_cast<uint64_t>(v.storage));
+  mix(h, impl.is_wrapped_number);
+  seg.graph.values.push_back(std::move(v));
+  seg.graph.inputs.push_back(id);
+  seg.inputs.push_back(t);
+  it->second = id;
+  return id;
+}
+
+bool is_dynamic_attr(const OpDef& op, const Attr& a, size_t index) {
+  if (std::holds_alternative<Scalar>(a) || std::holds_alternative<double>(a)) return true;
+  return std::find(op.runtime_attrs.begin(), op.runtime_attrs.end(), static_cast<int>(index)) !=
+         op.runtime_attrs.end();
+}
+
+void mix_attr(uint64_t& h, const Attr& a, bool dynamic) {
+  mix(h, a.index());
+  if (dynamic) {  // only the kind: int and float scalars promote differently
+    if (auto* s = std::get_if<Scalar>(&a)) mix(h, s->is_floating_point() ? 2 : s->is_boolean() ? 0 : 1);
+    return;
+  }
+  std::visit(
+      [&](const auto& v) {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, std::monostate>) {
+        } else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, int64_t>) {
+          mix(h, static_cast<uint64_t>(v));
+        } else if constexpr (std::is_same_v<T, double>) {
+          uint64_t bits;
+          std::memcpy(&bits, &v, 8);
+          mix(h, bits);
+        } else if constexpr (std::is_same_v<T, Scalar>) {
+          mix(h, static_cast<uint64_t>(v.to_int()));
+        } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+          mix_ints(h, v);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          mix(h, str_hash(v));
+        } else if constexpr (std::is_same_v<T, DType>) {
+          mix(h, static_cast<uint64_t>(v));
+        } else if constexpr (std::is_same_v<T, Device>) {
+          mix_device(h, v);
+        }
+      },
+      a);
+}
+
+// Appends the node for `op` and hashes it. Returns its index.
+int append_node(Segment& seg, const OpDef& op, std::vector<int> in_ids, const std::vector<Attr>& attrs,
+                bool inplace) {
+  int index = static_cast<int>(seg.graph.nodes.size());
+  Node& n = seg.graph.nodes.emplace_back();
+  n.op = &op;
+  n.inputs = std::move(in_ids);
+  n.attrs = attrs;
+  n.inplace = inplace;
+  uint64_t& h = seg.hash;
+  mix(h, reinterpret_cast<uintptr_t>(&op));
+  mix(h, inplace);
+  mix(h, n.inputs.size());
+  for (int v : n.inputs) mix(h, static_cast<uint64_t>(v));
+  mix(h, attrs.size());
+  for (size_t k = 0; k < attrs.size(); ++k) {
+    bool dynamic = is_dynamic_attr(op, attrs[k], k);
+    if (dynamic) seg.graph.scalars.push_back({index, static_cast<int>(k)});
+    mix_attr(h, attrs[k], dynamic);
+  }
+  return index;
+}
+
+int add_result_value(Segment& seg, ValueInfo v) {
+  uint64_t& h = seg.hash;
+  mix(h, 0x2b);
+  mix(h, static_cast<uint64_t>(v.dtype));
+  mix_device(h, v.device);
+  mix_ints(h, v.sizes);
+  mix_ints(h, v.strides);
+  mix(h, static_cast<uint64_t>(v.storage_offset));
+  int id = static_cast<int>(seg.graph.values.size());
+  seg.graph.values.push_back(std::move(v));
+  return id;
+}
+
+void set_lazy(Segment& seg, const std::shared_ptr<Segment>& owner, Tensor& t, int value) {
+  auto lv = std::make_shared<LazyValue>();
+  lv->segment = owner;
+  lv->value = value;
+  t.impl().lazy = std::move(lv);
+  seg.lazy.push_back(t.impl_ptr());
+}
+
+// A lazy result: metadata and a pending storage that a flush fills.
+Tensor make_pending(const TensorMeta& m) {
+  std::vector<int64_t> strides = m.strides.empty() ? kiln::detail::contiguous_strides(m.sizes) : m.strides;
+  int64_t numel = 1;
+  int64_t span = 1;
+  for (size_t i = 0; i < m.sizes.size(); ++i) {
+    numel *= m.sizes[i];
+    span += (m.sizes[i] - 1) * strides[i];
+  }
+  auto storage = std::make_shared<Storage>();
+  storage->nbytes = numel == 0 ? 0 : span * itemsize(m.dtype);
+  storage->device = m.device;
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = m.sizes;
+  impl->strides = std::move(strides);
+  impl->dtype = m.dtype;
+  impl->device = m.device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
+void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
+
+std::string graph_break_reason_for_op(const OpDef& op) {
+  return "call to '" + op.name + "', which is disallowed in graphs (disallow_in_graph)";
+}
+
+bool capturable(const OpDef& op) { return !is_disallowed_in_graph(op); }
+
+// Autograd nodes recorded during capture remember their compiled function, so that a backward()
+// run after the call returns is captured as a graph of that function too.
+void tag_autograd_nodes(CaptureContext& cap, std::span<Tensor> outputs) {
+  for (Tensor& o : outputs) {
+    auto* m = autograd::meta_if_exists(o);
+    if (m && m->grad_fn && !m->grad_fn->compiled_owner) m->grad_fn->compiled_owner = cap.fn->shared_from_this();
+  }
+}
+
+void break_for_op(CaptureContext& cap, const OpDef& op) {
+  std::optional<CallSite> site;
+  if (cap.record_stacks) site = user_call_site(capture_stack());
+  cap.flush(false, graph_break_reason_for_op(op), site ? &*site : nullptr);
+}
+
+}  // namespace
+
+std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& inputs,
+                               std::vector<Attr>& attrs) {
+  if (!capturable(op)) {
+    break_for_op(cap, op);
+    SuspendCapture eager;
+    return call_op(op, std::move(inputs), std::move(attrs));
+  }
+  OpCall call(&op, inputs, attrs);
+  std::vector<TensorMeta> metas = op.meta(call);  // shape errors raise here, as in eager
+
+  std::shared_ptr<Segment>& owner = cap.segment;
+  if (!owner) owner = std::make_shared<Segment>();
+  Segment& seg = *owner;
+  std::vector<int> in_ids;
+  in_ids.reserve(inputs.size());
+  for (const Tensor& t : inputs) in_ids.push_back(t.defined() ? value_of(seg, t) : -1);
+  int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/false);
+  if (!op.runtime_attrs.empty()) cap.random = true;
+
+  std::vector<Tensor> outputs;
+  outputs.reserve(metas.size());
+  std::vector<int> out_ids;
+  out_ids.reserve(metas.size());
+  for (auto& m : metas) {
+    Tensor out;
+    ValueInfo v;
+    if (op.kind == OpKind::view) {
+      out = kiln::detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset);
+      v = info_of(out);
+      v.storage = seg.graph.values[seg.graph.nodes[node].inputs[0]].storage;
+    } else {
+      out = make_pending(m);
+      v = info_of(out);
+      v.storage = seg.next_group++;
+    }
+    int id = add_result_value(seg, std::move(v));
+    if (op.kind != OpKind::view) seg.pending.push_back({out.impl().storage, id});
+    set_lazy(seg, owner, out, id);
+    out_ids.push_back(id);
+    outputs.push_back(std::move(out));
+  }
+  seg.graph.nodes[node].outputs = std::move(out_ids);
+  for (int i : op.mutated_inputs)
+    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (autograd::recording(inputs)) {
+    cap.autograd = true;
+    autograd::record(op, inputs, attrs, outputs);
+    tag_autograd_nodes(cap, outputs);
+  }
+  return outputs;
+}
+
+void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& inputs,
+                    std::vector<Attr>& attrs, std::span<Tensor> outputs) {
+  if (!capturable(op)) {
+    break_for_op(cap, op);
+    SuspendCapture eager;
+    call_op_out(op, std::move(inputs), std::move(attrs), outputs);
+    return;
+  }
+  OpCall call(&op, inputs, attrs);
+  std::vector<TensorMeta> metas = op.meta(call);
+  kiln::detail::check_out_targets(op, metas, outputs);
+
+  bool record = autograd::recording(inputs);
+  if (!record && is_grad_enabled())
+    for (const Tensor& out : outputs) record |= out.requires_grad();
+  std::vector<Tensor> node_inputs;
+  if (record) node_inputs = autograd::prepare_inplace(op, inputs, outputs);  // may capture clones
+
+  std::shared_ptr<Segment>& owner = cap.segment;
+  if (!owner) owner = std::make_shared<Segment>();
+  Segment& seg = *owner;
+  std::vector<int> in_ids;
+  in_ids.reserve(inputs.size());
+  for (const Tensor& t : inputs) in_ids.push_back(t.defined() ? value_of(seg, t) : -1);
+  std::vector<int> out_ids;
+  out_ids.reserve(outputs.size());
+  for (const Tensor& t : outputs) out_ids.push_back(value_of(seg, t));
+  int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/true);
+  for (int v : out_ids) mix(seg.hash, static_cast<uint64_t>(v));
+  seg.graph.nodes[node].outputs = std::move(out_ids);
+  if (!op.runtime_attrs.empty()) cap.random = true;
+
+  for (Tensor& out : outputs) bump_version(out);
+  for (int i : op.mutated_inputs)
+    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (record) {
+    cap.autograd = true;
+    autograd::record(op, node_inputs, attrs, outputs);
+    tag_autograd_nodes(cap, outputs);
+  }
+}
+
+// ---- flush ----
+
+namespace {
+
+// Moves `result`'s buffer into the pending storage of a lazy value (or copies it there when the
+// backend returned memory it does not own exclusively, or in another layout).
+void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) {
+  if (!result.defined() || !(result.sizes() == IntArrayRef(v.sizes)) || result.dtype() != v.dtype ||
+      result.device() != v.device) {
+    throw CompileError("[kiln::compile] the backend returned " +
+                       (result.defined() ? std::string(dtype_name(result.dtype())) + shape_str(result.sizes())
+                                         : std::string("an undefined tensor")) +
+                       " for graph output " + std::to_string(k) + ", which was captured as " +
+                       std::string(dtype_name(v.dtype)) + shape_str(v.sizes) +
+                       ". A backend must return one tensor per graph output with the captured metadata.");
+  }
+  const std::shared_ptr<Storage>& rs = result.impl().storage;
+  bool same_layout = result.strides() == IntArrayRef(v.strides) && result.storage_offset() == v.storage_offset;
+  if (same_layout && rs.use_count() == 1 && rs->free_fn != nullptr && rs->nbytes >= pending.nbytes) {
+    pending.data = rs->data;
+    pending.nbytes = rs->nbytes;
+    pending.free_fn = rs->free_fn;
+    pending.free_context = rs->free_context;
+    rs->free_fn = nullptr;  // ownership moved
+    return;
+  }
+  auto fresh = kiln::detail::allocate_storage(pending.nbytes, v.device);
+  pending.data = fresh->data;
+  pending.free_fn = fresh->free_fn;
+  pending.free_context = fresh->free_context;
+  fresh->free_fn = nullptr;
+  auto view = std::make_shared<TensorImpl>();
+  view->storage = std::shared_ptr<Storage>(std::shared_ptr<Storage>(), &pending);  // non-owning alias
+  view->sizes = v.sizes;
+  view->strides = v.strides;
+  view->storage_offset = v.storage_offset;
+  view->dtype = v.dtype;
+  view->device = v.device;
+  view->refresh_metadata();
+  SuspendCapture suspend;
+  NoGradGuard no_grad;
+  Tensor(std::move(view)).copy_(result);
+}
+
+}  // namespace
+
+void CaptureContext::flush(bool end_of_call, std::string_view reason, const CallSite* site) {
+  if (!end_of_call) {
+    ++breaks;
+    counter_set().graph_breaks.fetch_add(1, std::memory_order_relaxed);
+    BreakReason br;
+    br.reason = std::string(reason);
+    if (site) {
+      br.file = site->file;
+      br.line = site->line;
+      br.function = site->function;
+    }
+    if (fn->options.fullgraph) {
+      throw GraphBreakError("[kiln::compile] graph break in " + fn->where() + " with fullgraph=true: " + br.reason +
+                            (site ? " at " + br.where() : std::string()) +
+                            ". Move the break out of the compiled function, or compile without fullgraph.");
+    }
+    if (log_options().graph_breaks) {
+      log_stream() << "[kiln.compile] Graph break in user code at " << (site ? br.where() : "<unknown>")
+                   << "\nReason: " << br.reason << "\n";
+    }
+    if (explain) {
+      std::lock_guard lock(explain->mutex);
+      explain->out.break_reasons.push_back(br);
+    }
+  }
+  if (!segment || segment->graph.nodes.empty()) return;
+
+  std::shared_ptr<Segment> seg = std::move(segment);
+  segment.reset();
+  Graph& graph = seg->graph;
+  // Outputs: every buffer still referenced from outside the segment.
+  std::vector<std::shared_ptr<Storage>> live;
+  for (const auto& p : seg->pending) {
+    if (auto s = p.storage.lock()) {
+      graph.outputs.push_back(p.value);
+      live.push_back(std::move(s));
+    }
+  }
+  mix(seg->hash, 0x3c);
+  for (int v : graph.outputs) mix(seg->hash, static_cast<uint64_t>(v));
+
+  std::vector<Attr> scalars;
+  scalars.reserve(graph.scalars.size());
+  for (const ScalarSlot& s : graph.scalars) scalars.push_back(graph.nodes[s.node].attrs[s.attr]);
+  Arguments args{seg->inputs, scalars};
+
+  std::vector<Tensor> results;
+  try {
+    std::shared_ptr<CompiledGraph> compiled = find_or_compile(*this, graph, seg->hash, args);
+    {
+      SuspendCapture suspend;
+      NoGradGuard no_grad;
+      results = compiled->fn(args);
+    }
+    counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);
+    if (results.size() != graph.outputs.size()) {
+      throw CompileError("[kiln::compile] the compiled graph " + compiled->id + " returned " +
+                         std::to_string(results.size()) + " tensors for " + std::to_string(graph.outputs.size()) +
+                         " outputs. A backend's callable must return one tensor per graph output.");
+    }
+    for (size_t k = 0; k < results.size(); ++k) bind(*live[k], graph.values[graph.outputs[k]], results[k], k);
+    last_graph = std::move(compiled);
+  } catch (const std::exception& e) {
+    seg->state = Segment::State::failed;
+    seg->failure = e.what();
+    throw;
+  }
+  results.clear();
+  seg->state = Segment::State::done;
+  for (auto& w : seg->lazy)
+    if (auto impl = w.lock(); impl && impl->lazy && impl->lazy->segment == seg) impl->lazy.reset();
+  last_output_storages.clear();
+  for (const auto& s : live) last_output_storages.push_back(s.get());
+  last_inputs = std::move(seg->inputs);
+  last_outputs = graph.outputs;
+  ++flushes;
+  // Reuse the segment's allocations when nothing else refers to it.
+  if (seg.use_count() == 1) {
+    seg->clear();
+    segment = std::move(seg);
+  }
+}
+
+void CaptureContext::abandon(const std::string& why) {
+  if (!segment) return;
+  segment->state = Segment::State::failed;
+  segment->failure = why;
+  segment.reset();
+}
+
+void host_read(std::string_view what) {
+  CaptureContext* cap = t_capture;
+  if (!cap) return;
+  cap->host_reads = true;
+  // A break even when nothing is pending: fullgraph and explain report it, as Dynamo does.
+  std::optional<CallSite> site;
+  if (cap->record_stacks) site = user_call_site(capture_stack());
+  cap->flush(false, "host read: " + std::string(what), site ? &*site : nullptr);
+}
+
+void materialize(const TensorImpl& impl) {
+  if (!impl.lazy) return;
+  Segment& seg = *impl.lazy->segment;
+  if (seg.state == Segment::State::done) return;
+  CaptureContext* cap = t_capture;
+  if (seg.state == Segment::State::pending && cap && cap->segment.get() == &seg) {
+    host_read("data access");
+    return;
+  }
+  if (seg.state == Segment::State::pending && seg.thread == std::this_thread::get_id()) {
+    throw Error(
+        "[kiln::compile] a lazy tensor was read while its compiled call was suspended (inside "
+        "compiler::disable or an eager fallback) before its graph ran. This is a Kiln bug; please report it.");
+  }
+  throw_unusable(seg);
+}
+
+// ---- structural equality (cache hits) ----
+
+bool same_structure(const Graph& a, const Graph& b) {
+  if (a.nodes.size() != b.nodes.size() || a.values.size() != b.values.size() || a.inputs != b.inputs ||
+      a.outputs != b.outputs || a.scalars.size() != b.scalars.size())
+    return false;
+  for (size_t i = 0; i < a.values.size(); ++i) {
+    const ValueInfo& x = a.values[i];
+    const ValueInfo& y = b.values[i];
+    if (x.dtype != y.dtype || x.device != y.device || x.sizes != y.sizes || x.strides != y.strides ||
+        x.storage_offset != y.storage_offset || x.storage != y.storage || x.is_input != y.is_input)
+      return false;
+  }
+  for (size_t i = 0; i < a.nodes.size(); ++i) {
+    const Node& x = a.nodes[i];
+    const Node& y = b.nodes[i];
+    if (x.op != y.op || x.inplace != y.inplace || x.inputs != y.inputs || x.outputs != y.outputs ||
+        x.attrs.size() != y.attrs.size())
+      return false;
+    for (size_t k = 0; k < x.attrs.size(); ++k) {
+      const Attr& p = x.attrs[k];
+      const Attr& q = y.attrs[k];
+      if (p.index() != q.index()) return false;
+      if (is_dynamic_attr(*x.op, p, k)) {
+        auto* s = std::get_if<Scalar>(&p);
+        auto* t = std::get_if<Scalar>(&q);
+        if (s && (s->is_floating_point() != t->is_floating_point() || s->is_boolean() != t->is_boolean()))
+          return false;
+        continue;
+      }
+      bool equal = std::visit(
+          [&](const auto& v) -> bool {
+            using T = std::decay_t<decltype(v)>;
+            const T& w = std::get<T>(q);
+            if constexpr (std::is_same_v<T, Scalar>) {
+              return v.to_double() == w.to_double() && v.is_floating_point() == w.is_floating_point();
+            } else if constexpr (std::is_same_v<T, std::monostate>) {
+              return true;
+            } else {
+              return v == w;
+            }
+          },
+          p);
+      if (!equal) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace kiln::compiler::detail

@@ -1,0 +1,632 @@
+// One call of a compiled callable: stance, frame guards, capture, graph cache, pure replay
+// (DESIGN §2.3-2.4; the per-stance table of spec §1.3).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <unordered_map>
+
+#include "compiler/capture/runtime.h"
+#include "core/shape.h"
+#include "kiln/autograd.h"
+
+namespace kiln::compiler::detail {
+
+namespace {
+
+std::atomic<int> g_next_frame_id{0};
+thread_local int t_disabled_depth = 0;  // inside disable(fn, recursive=true)
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string relative_path(const std::string& path) {
+  std::error_code ec;
+  auto rel = std::filesystem::relative(path, std::filesystem::current_path(ec), ec);
+  if (ec || rel.empty() || rel.native().rfind("..", 0) == 0) return path;
+  return rel.string();
+}
+
+void run_eager(CallHooks& hooks) {
+  counter_set().eager_frames.fetch_add(1, std::memory_order_relaxed);
+  SuspendCapture eager;
+  hooks.body();
+}
+
+std::string fail_on_recompile_message(const FunctionState& st, const std::vector<std::string>& reasons) {
+  std::string m = "Detected recompile when torch.compile stance is 'fail_on_recompile'. filename: '" + st.file +
+                  "', function name: '" + st.name + "', line number: " + std::to_string(st.line);
+  if (!reasons.empty()) {
+    m += "\n    triggered by the following guard failure(s):";
+    for (const auto& r : reasons) m += "\n    - " + r;
+  }
+  return m;
+}
+
+// Entries compiled for the same module/optimizer objects as this call (Dynamo counts the
+// recompile limit per ID_MATCH'd object group, so each module instance gets its own budget).
+int entries_for_same_objects(const FunctionState& st, const std::vector<Leaf>& leaves) {
+  int n = 0;
+  for (const auto& e : st.entries) {
+    const auto& g = e->guards.leaves;
+    bool same = g.size() == leaves.size();
+    for (size_t i = 0; same && i < g.size(); ++i)
+      if ((leaves[i].kind == Leaf::module || leaves[i].kind == Leaf::optimizer) && g[i].object != leaves[i].object)
+        same = false;
+    n += same;
+  }
+  return n;
+}
+
+void check_epoch(FunctionState& st) {
+  uint64_t epoch = reset_epoch();
+  if (st.reset_epoch == epoch) return;
+  st.entries.clear();
+  st.backward_entry.reset();
+  st.graphs.clear();
+  st.graph_counter = 0;
+  st.sightings = 0;
+  st.limit_warned = false;
+  st.graph_limit_warned = false;
+  st.reset_epoch = epoch;
+}
+
+}  // namespace
+
+// ---- pure replay ----
+
+struct FrameEntry::Replay {
+  std::shared_ptr<CompiledGraph> graph;
+  struct Input {
+    int leaf = -1;  // an argument leaf, or
+    Tensor fixed;   // a tensor the body captured from elsewhere (closure, module)
+  };
+  std::vector<Input> inputs;
+  std::vector<Attr> scalars;
+  struct Result {
+    int output = -1;  // graph output index, or
+    int leaf = -1;    // an argument leaf, or
+    Tensor fixed;     // a fixed tensor; non-tensor leaves come from `consts`
+  };
+  std::vector<Result> results;
+  std::vector<Leaf> consts;
+  std::vector<std::string> strings;
+  bool confirmed = false;  // seen twice in a row: later calls replay
+
+  bool same_plan(const Replay& o) const {
+    if (graph != o.graph || inputs.size() != o.inputs.size() || results.size() != o.results.size()) return false;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].leaf != o.inputs[i].leaf || !inputs[i].fixed.same(o.inputs[i].fixed)) return false;
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].output != o.results[i].output || results[i].leaf != o.results[i].leaf ||
+          !results[i].fixed.same(o.results[i].fixed))
+        return false;
+    return true;
+  }
+};
+
+namespace {
+
+// After a pure call: can later calls with the same guards skip the body? Only a capture of one
+// graph with no host reads, no autograd history, no random ops, whose every live output is part
+// of the result, and the same plan on two calls in a row.
+void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vector<Leaf>& leaves,
+                        CallHooks& hooks) {
+  std::lock_guard lock(entry.replay_mutex);
+  auto reject = [&] { entry.replay.reset(); };
+  if (ctx.flushes != 1 || ctx.breaks != 0 || ctx.host_reads || ctx.autograd || ctx.random || !ctx.last_graph ||
+      ctx.last_graph->id == "eager")
+    return reject();
+  auto plan = std::make_shared<FrameEntry::Replay>();
+  plan->graph = ctx.last_graph;
+  const Graph& g = ctx.last_graph->graph;
+  std::unordered_map<const kiln::detail::TensorImpl*, int> leaf_of;
+  for (size_t i = 0; i < leaves.size(); ++i)
+    if (leaves[i].kind == Leaf::tensor) leaf_of.emplace(leaves[i].t->unsafe_impl(), static_cast<int>(i));
+  for (const Tensor& t : ctx.last_inputs) {
+    FrameEntry::Replay::Input in;
+    if (auto it = leaf_of.find(t.unsafe_impl()); it != leaf_of.end()) {
+      in.leaf = it->second;
+    } else {
+      in.fixed = t;
+    }
+    plan->inputs.push_back(std::move(in));
+  }
+  for (const ScalarSlot& s : g.scalars) plan->scalars.push_back(g.nodes[s.node].attrs[s.attr]);
+  std::vector<Leaf> result_leaves;
+  if (hooks.result_leaves) hooks.result_leaves(result_leaves);
+  std::vector<bool> output_used(g.outputs.size(), false);
+  for (const Leaf& l : result_leaves) {
+    FrameEntry::Replay::Result r;
+    if (l.kind == Leaf::tensor) {
+      const kiln::detail::TensorImpl* impl = l.t->unsafe_impl();
+      bool found = false;
+      for (size_t k = 0; k < ctx.last_output_storages.size() && !found; ++k) {
+        const ValueInfo& v = g.values[g.outputs[k]];
+        if (impl->storage.get() == ctx.last_output_storages[k] && impl->sizes == v.sizes &&
+            impl->strides == v.strides && impl->storage_offset == v.storage_offset) {
+          r.output = static_cast<int>(k);
+          output_used[k] = true;
+          found = true;
+        }
+      }
+      if (!found) {
+        if (auto it = leaf_of.find(impl); it != leaf_of.end()) {
+          r.leaf = it->second;
+        } else if (!l.t->impl().lazy) {
+          r.fixed = *l.t;
+        } else {
+          return reject();  // a view of a graph output: not replayable
+        }
+      }
+    }
+    plan->results.push_back(std::move(r));
+    plan->consts.push_back(l);
+    plan->strings.push_back(l.kind == Leaf::string ? *l.s : std::string());
+  }
+  for (bool used : output_used)
+    if (!used) return reject();  // a live value escaped somewhere other than the result
+  for (Leaf& c : plan->consts) {
+    c.t = nullptr;
+    c.s = nullptr;
+  }
+  if (entry.replay && entry.replay->same_plan(*plan)) {
+    entry.replay->confirmed = true;
+  } else {
+    entry.replay = std::move(plan);
+  }
+}
+
+// Runs a confirmed plan. Returns false when a fixed input changed (the caller runs the body).
+bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
+  std::shared_ptr<FrameEntry::Replay> plan;
+  {
+    std::lock_guard lock(entry.replay_mutex);
+    if (!entry.replay || !entry.replay->confirmed) return false;
+    plan = entry.replay;
+  }
+  const Graph& g = plan->graph->graph;
+  std::vector<Tensor> inputs;
+  inputs.reserve(plan->inputs.size());
+  for (size_t k = 0; k < plan->inputs.size(); ++k) {
+    const auto& in = plan->inputs[k];
+    if (in.leaf >= 0) {
+      inputs.push_back(*leaves[in.leaf].t);
+    } else {
+      const ValueInfo& v = g.values[g.inputs[k]];
+      const Tensor& t = in.fixed;
+      if (!(t.sizes() == IntArrayRef(v.sizes)) || !(t.strides() == IntArrayRef(v.strides)) || t.dtype() != v.dtype)
+        return false;
+      inputs.push_back(t);
+    }
+  }
+  std::vector<Tensor> outs;
+  {
+    SuspendCapture suspend;
+    NoGradGuard no_grad;
+    outs = plan->graph->fn(Arguments{inputs, plan->scalars});
+  }
+  std::vector<Tensor> tensors(plan->results.size());
+  for (size_t i = 0; i < plan->results.size(); ++i) {
+    const auto& r = plan->results[i];
+    if (r.output >= 0) tensors[i] = outs.at(r.output);
+    else if (r.leaf >= 0) tensors[i] = *leaves[r.leaf].t;
+    else tensors[i] = r.fixed;
+  }
+  std::vector<Leaf> consts = plan->consts;
+  std::vector<std::string> strings = plan->strings;
+  hooks.replay(tensors, consts, strings);
+  counter_set().replays.fetch_add(1, std::memory_order_relaxed);
+  counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
+// Runs the body under a capture context for `entry` and flushes at the end. On an exception the
+// pending work still runs (as it would have in eager), unless the exception is the capture's own.
+void capture_body(CaptureContext& ctx, const std::function<void()>& body) {
+  CaptureScope scope(&ctx);
+  try {
+    body();
+  } catch (const GraphBreakError&) {
+    ctx.abandon("fullgraph=true found a graph break");
+    throw;
+  } catch (...) {
+    try {
+      ctx.flush(true, "", nullptr);
+    } catch (...) {
+      ctx.abandon("an exception left the compiled function");
+    }
+    throw;
+  }
+  ctx.flush(true, "", nullptr);
+}
+
+}  // namespace
+
+std::string FunctionState::where() const { return "'" + name + "' (" + file + ":" + std::to_string(line) + ")"; }
+int FunctionState::limit() const { return options.recompile_limit.value_or(recompile_limit()); }
+
+std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::string default_name,
+                                                   std::source_location loc) {
+  if (options.mode && !options.options.empty()) {
+    throw CompileError(
+        "[kiln::compile] Either mode or options can be specified, but both can't be specified at the same time.");
+  }
+  if (options.dynamic.value_or(false)) {
+    throw CompileError(
+        "[kiln::compile] dynamic=true is not supported yet: Kiln specializes every size and recompiles when one "
+        "changes. Leave `dynamic` unset (see docs/compiler.md, Dynamic shapes).");
+  }
+  if (options.recompile_limit && *options.recompile_limit < 1) {
+    throw ValueError("[kiln::compile] recompile_limit must be at least 1, got " +
+                     std::to_string(*options.recompile_limit) + ".");
+  }
+  for (const auto& [key, value] : options.options) {
+    if (key != "fallback_to_eager") {
+      throw CompileError("[kiln::compile] Unexpected optimization option " + key +
+                         ", known options are [fallback_to_eager].");
+    }
+    if (!std::holds_alternative<bool>(value)) {
+      throw CompileError("[kiln::compile] Unexpected type of attr " + key + ", should be bool.");
+    }
+  }
+  auto st = std::make_shared<FunctionState>();
+  if (auto* fn = std::get_if<BackendFn>(&options.backend)) {
+    KILN_CHECK(static_cast<bool>(*fn), ValueError, "[kiln::compile] the backend function is empty.");
+    st->backend_fn = *fn;
+    st->backend_name = "custom";
+  } else {
+    st->backend_name = std::get<std::string>(options.backend);
+    if (st->backend_name.empty()) st->backend_name = default_backend();
+    if (st->backend_name == "inductor") st->backend_name = "kiln";
+    lookup_backend(st->backend_name);  // throws "Invalid backend: ..." now, not at the first call
+  }
+  st->name = options.name.empty() ? std::move(default_name) : options.name;
+  st->file = relative_path(loc.file_name());
+  st->line = static_cast<int>(loc.line());
+  st->frame_id = g_next_frame_id.fetch_add(1, std::memory_order_relaxed);
+  st->options = std::move(options);
+  st->reset_epoch = reset_epoch();
+  return st;
+}
+
+bool pure(const FunctionState& state) { return state.options.pure; }
+
+void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
+  CounterSet& counters = counter_set();
+  counters.calls.fetch_add(1, std::memory_order_relaxed);
+  if (active_capture()) {  // a nested compiled call inlines into the outer capture
+    hooks.body();
+    return;
+  }
+  if (t_disabled_depth > 0) return run_eager(hooks);
+  StanceState stance = effective_stance();
+  if (stance.stance == Stance::force_eager) return run_eager(hooks);
+  std::string backend = st.backend_name;
+  if (stance.stance == Stance::default_ && !stance.options.force_backend.empty())
+    backend = stance.options.force_backend == "inductor" ? "kiln" : stance.options.force_backend;
+
+  std::shared_ptr<FrameEntry> entry;
+  {
+    std::unique_lock lock(st.mutex);
+    check_epoch(st);
+    for (auto& e : st.entries) {
+      if (check_guards(e->guards, leaves, backend, stance.options.skip_guard_eval_unsafe) < 0) {
+        entry = e;
+        break;
+      }
+    }
+    if (!entry) {
+      std::vector<std::string> names;
+      if (hooks.leaf_names) hooks.leaf_names(names);
+      std::vector<std::string> reasons;
+      for (auto& e : st.entries) {
+        int f = check_guards(e->guards, leaves, backend, false);
+        if (f < 0) continue;  // only possible with skip_guard_eval_unsafe: count it as a miss anyway
+        e->guards.fail_counts[std::min<int>(f, static_cast<int>(e->guards.leaves.size()))].fetch_add(1);
+        reasons.push_back(std::to_string(st.frame_id) + "/" + std::to_string(e->id) + ": " +
+                          describe_failure(e->guards, f, leaves, names));
+      }
+      switch (stance.stance) {
+        case Stance::eager_on_recompile:
+          lock.unlock();
+          return run_eager(hooks);
+        case Stance::fail_on_recompile: throw RecompileError(fail_on_recompile_message(st, reasons));
+        case Stance::eager_then_compile:
+          if (st.sightings++ == 0) {
+            lock.unlock();
+            return run_eager(hooks);
+          }
+          break;
+        case Stance::aot_eager_then_compile:
+          if (st.sightings++ == 0) backend = "aot_eager";
+          break;
+        default: break;
+      }
+      if (entries_for_same_objects(st, leaves) >= st.limit()) {
+        std::string msg = "kiln.compile hit config.recompile_limit (" + std::to_string(st.limit()) +
+                          ")\n   function: " + st.where() + "\n   last reason: " +
+                          (reasons.empty() ? std::string("Unable to find recompilation reasons") : reasons.front()) +
+                          "\nTo log all recompilation reasons, use KILN_LOGS=recompiles.";
+        if (st.options.fullgraph) {
+          throw RecompileError("[kiln::compile] recompile_limit reached with fullgraph=true. " + msg);
+        }
+        notify_recompile(st, reasons);
+        if (!st.limit_warned) {
+          st.limit_warned = true;
+          lock.unlock();
+          warn(msg);
+        } else {
+          lock.unlock();
+        }
+        return run_eager(hooks);
+      }
+      entry = std::make_shared<FrameEntry>();
+      entry->id = static_cast<int>(st.entries.size());
+      entry->guards = build_guards(leaves, st.options.pure, backend);
+      st.entries.push_back(entry);
+      counters.frame_compiles.fetch_add(1, std::memory_order_relaxed);
+      if (!reasons.empty()) {
+        notify_recompile(st, reasons);
+        if (log_options().recompiles) {
+          std::string m = "[kiln.compile] Recompiling function " + st.name + " in " + st.file + ":" +
+                          std::to_string(st.line) + "\n    triggered by the following guard failure(s):";
+          for (const auto& r : reasons) m += "\n    - " + r;
+          log_stream() << m << "\n";
+        }
+      }
+      if (log_options().guards) {
+        std::string m = "[kiln.compile] [" + std::to_string(st.frame_id) + "/" + std::to_string(entry->id) +
+                        "] guards for " + st.where() + ":";
+        for (const auto& gtext : describe_guards(entry->guards, names)) m += "\n| +- " + gtext;
+        log_stream() << m << "\n";
+      }
+      if (ExplainRecorder* ex = active_explain()) {
+        std::lock_guard elock(ex->mutex);
+        for (auto& gtext : describe_guards(entry->guards, names)) ex->out.out_guards.push_back(std::move(gtext));
+      }
+    }
+  }
+
+  if (st.options.pure && replay(*entry, leaves, hooks)) return;
+
+  CaptureContext ctx;
+  ctx.fn = &st;
+  ctx.entry = entry.get();
+  ctx.backend = backend;
+  ctx.stance = stance;
+  ctx.leaves = &leaves;
+  ctx.leaf_names = hooks.leaf_names;
+  ctx.explain = active_explain();
+  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks || st.options.fullgraph;
+  capture_body(ctx, hooks.body);
+  if (st.options.pure) analyze_for_replay(ctx, *entry, leaves, hooks);
+}
+
+void run_captured_backward(const std::shared_ptr<void>& owner, const std::function<void()>& run) {
+  auto st = std::static_pointer_cast<FunctionState>(owner);
+  StanceState stance = effective_stance();
+  if (stance.stance == Stance::force_eager || t_disabled_depth > 0) {
+    SuspendCapture eager;
+    run();
+    return;
+  }
+  std::shared_ptr<FrameEntry> entry;
+  {
+    std::lock_guard lock(st->mutex);
+    check_epoch(*st);
+    if (!st->backward_entry) {
+      st->backward_entry = std::make_shared<FrameEntry>();
+      st->backward_entry->backward = true;
+      st->backward_entry->id = -1;
+    }
+    entry = st->backward_entry;
+  }
+  CaptureContext ctx;
+  ctx.fn = st.get();
+  ctx.entry = entry.get();
+  ctx.backend = st->backend_name;
+  if (stance.stance == Stance::default_ && !stance.options.force_backend.empty())
+    ctx.backend = stance.options.force_backend;
+  ctx.stance = stance;
+  ctx.explain = active_explain();
+  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks;
+  capture_body(ctx, run);
+}
+
+// ---- the graph cache ----
+
+namespace {
+
+// Placeholder names: the argument a tensor came from ("x", "arg1[0]"), a module's parameter or
+// buffer ("self.lin.weight"), else "input_<k>".
+void name_inputs(CaptureContext& ctx, Graph& g, const Arguments& example) {
+  std::unordered_map<const kiln::detail::TensorImpl*, std::string> names;
+  if (ctx.leaves) {
+    std::vector<std::string> leaf_names;
+    if (ctx.leaf_names) ctx.leaf_names(leaf_names);
+    for (size_t i = 0; i < ctx.leaves->size(); ++i) {
+      const Leaf& l = (*ctx.leaves)[i];
+      std::string n = i < leaf_names.size() ? leaf_names[i] : "arg" + std::to_string(i);
+      if (l.kind == Leaf::tensor) names.emplace(l.t->unsafe_impl(), n);
+      if (l.kind == Leaf::module) {
+        auto* m = static_cast<const nn::Module*>(l.object);
+        for (auto& [pn, t] : m->named_parameters()) names.emplace(t.unsafe_impl(), n + "." + pn);
+        for (auto& [bn, t] : m->named_buffers()) names.emplace(t.unsafe_impl(), n + "." + bn);
+      }
+    }
+  }
+  for (size_t k = 0; k < g.inputs.size(); ++k) {
+    ValueInfo& v = g.values[g.inputs[k]];
+    if (!v.name.empty()) continue;
+    const Tensor& t = example.tensors[k];
+    if (auto it = names.find(t.unsafe_impl()); it != names.end()) v.name = it->second;
+    else if (t.impl().is_wrapped_number) v.name = "scalar_" + std::to_string(k);
+    else v.name = "input_" + std::to_string(k);
+  }
+}
+
+std::shared_ptr<CompiledGraph> uncached(const Graph& graph) {
+  auto cg = std::make_shared<CompiledGraph>();
+  cg->graph = graph;
+  cg->fn = interpreter(graph);
+  cg->backend = "eager";
+  cg->id = "eager";
+  cg->ready = true;
+  counter_set().eager_frames.fetch_add(1, std::memory_order_relaxed);
+  return cg;
+}
+
+}  // namespace
+
+std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph, uint64_t hash,
+                                               const Arguments& example) {
+  FunctionState& st = *ctx.fn;
+  std::shared_ptr<CompiledGraph> cg;
+  bool compile_here = false;
+  {
+    std::unique_lock lock(st.mutex);
+    auto [lo, hi] = st.graphs.equal_range(hash);
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second->backend == ctx.backend && same_structure(it->second->graph, graph)) {
+        cg = it->second;
+        break;
+      }
+    }
+    if (cg) {
+      counter_set().graph_cache_hits.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      switch (ctx.stance.stance) {
+        case Stance::fail_on_recompile:
+          throw RecompileError(fail_on_recompile_message(
+              st, {std::to_string(st.frame_id) + "/" + std::to_string(ctx.entry->id) +
+                   ": a graph not compiled before (the body took a new path after a graph break, or ran "
+                   "different ops)"}));
+        case Stance::eager_on_recompile: lock.unlock(); return uncached(graph);
+        default: break;
+      }
+      if (static_cast<int>(st.graphs.size()) >= 256) {  // Dynamo's accumulated_recompile_limit
+        bool first = !st.graph_limit_warned;
+        st.graph_limit_warned = true;
+        lock.unlock();
+        if (first)
+          warn("kiln.compile hit config.accumulated_recompile_limit (256)\n   function: " + st.where() +
+               "\n   New graphs of this function now run op by op without compiling.");
+        return uncached(graph);
+      }
+      cg = std::make_shared<CompiledGraph>();
+      cg->graph = graph;
+      cg->hash = hash;
+      cg->backend = ctx.backend;
+      cg->id = std::to_string(st.frame_id) + "/" + std::to_string(st.graph_counter++);
+      st.graphs.emplace(hash, cg);
+      compile_here = true;
+    }
+  }
+  if (!compile_here) {
+    std::unique_lock wait(cg->mutex);
+    cg->ready_cv.wait(wait, [&] { return cg->ready; });
+    if (cg->error) std::rethrow_exception(cg->error);
+    return cg;
+  }
+
+  auto finish = [&](std::exception_ptr error) {
+    std::lock_guard l(cg->mutex);
+    cg->ready = true;
+    cg->error = error;
+    cg->ready_cv.notify_all();
+  };
+  try {
+    name_inputs(ctx, cg->graph, example);
+    name_graph(cg->graph);
+    BackendFn backend = ctx.backend == st.backend_name && st.backend_fn ? st.backend_fn : lookup_backend(ctx.backend);
+    Graph working = cg->graph;  // the backend may rewrite its copy; the cache compares against cg->graph
+    auto t0 = Clock::now();
+    cg->fn = backend(working, example);
+    cg->compile_seconds = seconds_since(t0);
+    if (!cg->fn) {
+      throw CompileError("[kiln::compile] backend '" + ctx.backend + "' returned an empty callable for graph " +
+                         cg->id + ". A backend must return a callable (e.g. kiln::compiler::interpreter(graph)).");
+    }
+    record_phase("backend_compile (" + ctx.backend + ")", cg->compile_seconds);
+    counter_set().graph_compiles.fetch_add(1, std::memory_order_relaxed);
+    if (log_options().graph) {
+      log_stream() << "[kiln.compile] [" << cg->id << "] graph of " << st.where() << ":\n" << cg->graph.tabular();
+    }
+  } catch (const std::exception& e) {
+    bool fallback = false;
+    if (auto it = st.options.options.find("fallback_to_eager"); it != st.options.options.end())
+      fallback = std::get<bool>(it->second);
+    if (fallback) {
+      warn("kiln.compile: backend '" + ctx.backend + "' failed to compile graph " + cg->id + " of " + st.where() +
+           "; running it op by op (fallback_to_eager). The error was: " + e.what());
+      cg->fn = interpreter(cg->graph);
+      finish(nullptr);
+      return cg;
+    }
+    std::exception_ptr error;
+    if (dynamic_cast<const Error*>(&e)) {
+      error = std::current_exception();
+    } else {
+      error = std::make_exception_ptr(CompileError("[kiln::compile] backend '" + ctx.backend +
+                                                   "' failed to compile graph " + cg->id + ": " + e.what()));
+    }
+    {
+      std::lock_guard lock(st.mutex);
+      auto [lo, hi] = st.graphs.equal_range(hash);
+      for (auto it = lo; it != hi; ++it)
+        if (it->second == cg) {
+          st.graphs.erase(it);
+          break;
+        }
+    }
+    finish(error);
+    std::rethrow_exception(error);
+  }
+  finish(nullptr);
+  return cg;
+}
+
+// ---- escape hatches that live next to the frame state ----
+
+bool in_recursive_disable() { return t_disabled_depth > 0; }
+
+DisabledScope::DisabledScope(bool recursive, std::string_view reason, std::source_location loc)
+    : recursive_(recursive) {
+  if (CaptureContext* cap = active_capture()) {
+    CallSite site{relative_path(loc.file_name()), static_cast<int>(loc.line()), loc.function_name()};
+    cap->flush(false,
+               "call to a function wrapped in compiler::disable" + (reason.empty() ? std::string() : ": " + std::string(reason)),
+               &site);
+  }
+  // The disabled function's own ops run eagerly; the capture resumes when it returns.
+  saved_capture_ = exchange_capture(nullptr);
+  if (recursive_) ++t_disabled_depth;
+}
+
+DisabledScope::~DisabledScope() {
+  if (recursive_) --t_disabled_depth;
+  exchange_capture(static_cast<CaptureContext*>(saved_capture_));
+}
+
+}  // namespace kiln::compiler::detail
+
+namespace kiln::detail {
+void materialize_lazy(const TensorImpl& impl) { compiler::detail::materialize(impl); }
+}  // namespace kiln::detail
+
+namespace kiln::compiler {
+
+bool is_compiling() { return detail::active_capture() != nullptr; }
+
+void graph_break(std::string_view reason, std::source_location loc) {
+  detail::CaptureContext* cap = detail::active_capture();
+  if (!cap) return;
+  detail::CallSite site{detail::relative_path(loc.file_name()), static_cast<int>(loc.line()), loc.function_name()};
+  cap->flush(false, "call to compiler::graph_break()" + (reason.empty() ? std::string() : ": " + std::string(reason)),
+             &site);
+}
+
+}  // namespace kiln::compiler

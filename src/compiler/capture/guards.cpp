@@ -1,0 +1,213 @@
+// Frame guards: what a cache entry assumes about the arguments and global state, checked before
+// the body runs, and Dynamo's wording when a check fails (DESIGN §2.3, spec §2.1-2.3).
+#include <sstream>
+
+#include "compiler/capture/runtime.h"
+#include "core/shape.h"
+#include "kiln/autograd.h"
+
+namespace kiln::compiler::detail {
+
+GlobalState current_global_state() {
+  return GlobalState{is_grad_enabled(), is_inference_mode_enabled(), default_dtype()};
+}
+
+GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend) {
+  GuardSet g;
+  g.values = values;
+  g.backend = std::move(backend);
+  g.global = current_global_state();
+  g.leaves.reserve(leaves.size());
+  for (const Leaf& l : leaves) {
+    LeafGuard lg;
+    lg.kind = l.kind;
+    switch (l.kind) {
+      case Leaf::tensor: {
+        const Tensor& t = *l.t;
+        lg.dtype = t.dtype();
+        lg.device = t.device();
+        lg.requires_grad = t.requires_grad();
+        lg.sizes = t.sizes().vec();
+        lg.strides = t.strides().vec();
+        break;
+      }
+      case Leaf::integer:
+      case Leaf::boolean: lg.i = l.i; break;
+      case Leaf::floating: lg.d = l.d; break;
+      case Leaf::string: lg.s = *l.s; break;
+      case Leaf::module:
+        lg.object = l.object;
+        lg.version = l.version;
+        break;
+      case Leaf::optimizer: lg.object = l.object; break;
+      case Leaf::none: break;
+    }
+    g.leaves.push_back(std::move(lg));
+  }
+  g.fail_counts = std::make_unique<std::atomic<int>[]>(g.leaves.size() + 2);
+  return g;
+}
+
+namespace {
+
+// Whether leaf `l` passes guard `g` (the checks of one leaf).
+bool leaf_ok(const LeafGuard& g, const Leaf& l, bool values) {
+  if (g.kind != l.kind) return false;
+  switch (l.kind) {
+    case Leaf::tensor: {
+      const kiln::detail::TensorImpl& t = l.t->impl();
+      return t.dtype == g.dtype && t.device == g.device && t.requires_grad == g.requires_grad &&
+             t.sizes == g.sizes && t.strides == g.strides;
+    }
+    case Leaf::integer:
+    case Leaf::boolean: return !values || l.i == g.i;
+    case Leaf::floating: return !values || l.d == g.d || (l.d != l.d && g.d != g.d);
+    case Leaf::string: return !values || *l.s == g.s;
+    case Leaf::module: return l.object == g.object && l.version == g.version;
+    case Leaf::optimizer: return l.object == g.object;
+    case Leaf::none: return true;
+  }
+  return true;
+}
+
+const char* kind_name(Leaf::Kind k) {
+  switch (k) {
+    case Leaf::tensor: return "Tensor";
+    case Leaf::integer: return "int";
+    case Leaf::floating: return "float";
+    case Leaf::boolean: return "bool";
+    case Leaf::string: return "str";
+    case Leaf::module: return "nn::Module";
+    case Leaf::optimizer: return "optim::Optimizer";
+    case Leaf::none: return "None";
+  }
+  return "?";
+}
+
+std::string python_float(double d) {
+  std::ostringstream os;
+  os.precision(17);
+  os << d;
+  std::string s = os.str();
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+}  // namespace
+
+int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
+                 bool only_differentiating) {
+  const int n = static_cast<int>(g.leaves.size());
+  if (g.backend != backend) return n + 1;
+  if (static_cast<int>(leaves.size()) != n) return 0;  // the argument structure changed
+  if (!only_differentiating || g.fail_counts[n].load(std::memory_order_relaxed) > 0) {
+    if (!(current_global_state() == g.global)) return n;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (only_differentiating && g.fail_counts[i].load(std::memory_order_relaxed) == 0) continue;
+    if (!leaf_ok(g.leaves[i], leaves[i], g.values)) return i;
+  }
+  return -1;
+}
+
+std::string describe_failure(const GuardSet& g, int index, const std::vector<Leaf>& leaves,
+                             const std::vector<std::string>& names) {
+  const int n = static_cast<int>(g.leaves.size());
+  if (index == n + 1) {
+    return "BACKEND_MATCH failure: the entry was compiled with backend '" + g.backend +
+           "' and this call uses another (force_backend or a *_then_compile stance)";
+  }
+  if (index == n) {
+    GlobalState now = current_global_state();
+    std::string r = "GLOBAL_STATE changed:";
+    if (now.grad_mode != g.global.grad_mode) r += " grad_mode";
+    if (now.inference_mode != g.global.inference_mode) r += " inference_mode";
+    if (now.default_dtype != g.global.default_dtype) r += " default_dtype";
+    return r;
+  }
+  if (static_cast<int>(leaves.size()) != n) {
+    return "argument structure changed: expected " + std::to_string(n) + " leaves, got " +
+           std::to_string(leaves.size());
+  }
+  const LeafGuard& lg = g.leaves[index];
+  const Leaf& l = leaves[index];
+  std::string name = index < static_cast<int>(names.size()) ? names[index] : "arg" + std::to_string(index);
+  if (lg.kind != l.kind) {
+    return "expected type of '" + name + "' to be " + kind_name(lg.kind) + ", but found " + kind_name(l.kind);
+  }
+  switch (l.kind) {
+    case Leaf::tensor: {
+      const Tensor& t = *l.t;
+      const std::string p = "tensor '" + name + "' ";
+      if (t.dtype() != lg.dtype)
+        return p + "dtype mismatch. expected " + std::string(dtype_name(lg.dtype)) + ", actual " + std::string(dtype_name(t.dtype()));
+      if (t.device() != lg.device)
+        return p + "device mismatch. expected " + lg.device.str() + ", actual " + t.device().str();
+      if (t.requires_grad() != lg.requires_grad)
+        return p + "requires_grad mismatch. expected requires_grad=" + (lg.requires_grad ? "1" : "0");
+      if (t.dim() != static_cast<int64_t>(lg.sizes.size()))
+        return p + "rank mismatch. expected " + std::to_string(lg.sizes.size()) + ", actual " + std::to_string(t.dim());
+      for (size_t d = 0; d < lg.sizes.size(); ++d)
+        if (t.sizes()[d] != lg.sizes[d])
+          return p + "size mismatch at index " + std::to_string(d) + ". expected " + std::to_string(lg.sizes[d]) +
+                 ", actual " + std::to_string(t.sizes()[d]);
+      for (size_t d = 0; d < lg.strides.size(); ++d)
+        if (t.strides()[d] != lg.strides[d])
+          return p + "stride mismatch at index " + std::to_string(d) + ". expected " +
+                 std::to_string(lg.strides[d]) + ", actual " + std::to_string(t.strides()[d]);
+      return p + "changed";
+    }
+    case Leaf::integer: return name + " == " + std::to_string(lg.i);
+    case Leaf::boolean: return name + " == " + (lg.i ? "True" : "False");
+    case Leaf::floating: return name + " == " + python_float(lg.d);
+    case Leaf::string: return name + " == '" + lg.s + "'";
+    case Leaf::module:
+      if (l.object != lg.object) return "module '" + name + "' is a different object (ID_MATCH)";
+      return "module '" + name +
+             "' structure changed (a parameter, buffer, submodule or the training flag changed since it was compiled)";
+    case Leaf::optimizer: return "optimizer '" + name + "' is a different object (ID_MATCH)";
+    case Leaf::none: break;
+  }
+  return "guard failed on '" + name + "'";
+}
+
+std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<std::string>& names) {
+  std::vector<std::string> out;
+  out.push_back("GLOBAL_STATE: grad_mode=" + std::string(g.global.grad_mode ? "True" : "False") +
+                ", inference_mode=" + (g.global.inference_mode ? "True" : "False") +
+                ", default_dtype=" + std::string(dtype_name(g.global.default_dtype)));
+  for (size_t i = 0; i < g.leaves.size(); ++i) {
+    const LeafGuard& lg = g.leaves[i];
+    std::string name = i < names.size() ? names[i] : "arg" + std::to_string(i);
+    switch (lg.kind) {
+      case Leaf::tensor:
+        out.push_back("TENSOR_MATCH: check_tensor(" + name + ", " + std::string(dtype_name(lg.dtype)) + ", device=" + lg.device.str() +
+                      ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + shape_str(lg.sizes) +
+                      ", stride=" + shape_str(lg.strides) + ")");
+        break;
+      case Leaf::integer:
+      case Leaf::boolean:
+      case Leaf::floating:
+      case Leaf::string:
+        if (g.values) {
+          std::string v = lg.kind == Leaf::floating ? python_float(lg.d)
+                          : lg.kind == Leaf::string ? "'" + lg.s + "'"
+                          : lg.kind == Leaf::boolean ? (lg.i ? "True" : "False")
+                                                     : std::to_string(lg.i);
+          out.push_back("EQUALS_MATCH: " + name + " == " + v);
+        } else {
+          out.push_back(std::string("TYPE_MATCH: type(") + name + ") == " + kind_name(lg.kind));
+        }
+        break;
+      case Leaf::module:
+        out.push_back("ID_MATCH: " + name + " is the compiled module; STRUCTURE_VERSION: " + name +
+                      ".structure_version() == " + std::to_string(lg.version));
+        break;
+      case Leaf::optimizer: out.push_back("ID_MATCH: " + name + " is the compiled optimizer"); break;
+      case Leaf::none: out.push_back("CONSTANT_MATCH: " + name + " is None"); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace kiln::compiler::detail

@@ -1,0 +1,366 @@
+// Observability: logs (KILN_LOGS), compile times, counters, reset(), explain() and the recompile
+// profiler (DESIGN §2.7).
+#include <algorithm>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include "compiler/capture/runtime.h"
+
+namespace kiln::compiler {
+
+namespace detail {
+namespace {
+
+LogOptions parse_logs(const char* env) {
+  LogOptions o;
+  if (!env) return o;
+  std::string s(env);
+  size_t pos = 0;
+  while (pos <= s.size()) {
+    size_t comma = s.find(',', pos);
+    std::string item = s.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    while (!item.empty() && (item.front() == '+' || item.front() == ' ')) item.erase(item.begin());
+    while (!item.empty() && item.back() == ' ') item.pop_back();
+    bool all = item == "all";
+    if (all || item == "graph_breaks") o.graph_breaks = true;
+    if (all || item == "recompiles") o.recompiles = true;
+    if (all || item == "guards") o.guards = true;
+    if (all || item == "graph" || item == "graph_code") o.graph = true;
+    if (all || item == "output_code") o.output_code = true;
+    if (all || item == "perf_hints") o.perf_hints = true;
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  return o;
+}
+
+struct Observe {
+  std::mutex mutex;
+  LogOptions logs = parse_logs(std::getenv("KILN_LOGS"));
+  std::ostream* stream = nullptr;
+  std::vector<PhaseTimes> phases;
+  std::vector<RecompileProfiler::Impl*> profilers;
+};
+
+Observe& observe() {
+  static Observe* o = new Observe;  // never destroyed: used from static destructors' compiled calls
+  return *o;
+}
+
+std::atomic<uint64_t> g_epoch{1};
+thread_local ExplainRecorder* t_explain = nullptr;
+
+}  // namespace
+
+std::ostream& log_stream() {
+  Observe& o = observe();
+  std::lock_guard lock(o.mutex);
+  return o.stream ? *o.stream : std::cerr;
+}
+
+const LogOptions& log_options() { return observe().logs; }
+
+void warn(const std::string& message) { log_stream() << "[kiln.compile] WARNING: " << message << "\n"; }
+
+void record_phase(const std::string& phase, double seconds) {
+  Observe& o = observe();
+  std::lock_guard lock(o.mutex);
+  for (auto& p : o.phases) {
+    if (p.phase == phase) {
+      p.seconds.push_back(seconds);
+      return;
+    }
+  }
+  o.phases.push_back({phase, {seconds}});
+}
+
+CounterSet& counter_set() {
+  static CounterSet* c = new CounterSet;
+  return *c;
+}
+
+uint64_t reset_epoch() { return g_epoch.load(std::memory_order_acquire); }
+
+ExplainRecorder* active_explain() { return t_explain; }
+
+void name_graph(Graph& g) {
+  std::map<std::string, int> used;
+  for (const ValueInfo& v : g.values)
+    if (v.is_input && !v.name.empty()) used[v.name] = 1;
+  for (Node& n : g.nodes) {
+    if (n.name.empty()) {
+      std::string base = n.op->name;
+      for (char& c : base)
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      int& count = used[base];
+      n.name = count == 0 ? base : base + "_" + std::to_string(count);
+      ++count;
+    }
+    if (n.inplace) continue;
+    for (size_t k = 0; k < n.outputs.size(); ++k) {
+      ValueInfo& v = g.values[n.outputs[k]];
+      if (v.name.empty()) v.name = n.outputs.size() == 1 ? n.name : n.name + "[" + std::to_string(k) + "]";
+    }
+  }
+}
+
+}  // namespace detail
+
+// ---- logs ----
+
+void set_logs(const LogOptions& logs) {
+  auto& o = detail::observe();
+  std::lock_guard lock(o.mutex);
+  o.logs = logs;
+}
+
+LogOptions logs() { return detail::observe().logs; }
+
+void set_log_stream(std::ostream* os) {
+  auto& o = detail::observe();
+  std::lock_guard lock(o.mutex);
+  o.stream = os;
+}
+
+// ---- compile times and counters ----
+
+std::vector<PhaseTimes> compile_time_table() {
+  auto& o = detail::observe();
+  std::lock_guard lock(o.mutex);
+  return o.phases;
+}
+
+std::string compile_times() {
+  std::vector<PhaseTimes> table = compile_time_table();
+  std::vector<std::pair<std::string, std::string>> rows;
+  for (const auto& p : table) {
+    std::string times;
+    for (double s : p.seconds) {
+      std::ostringstream os;
+      os << std::fixed << std::setprecision(4) << s;
+      times += (times.empty() ? "" : ", ") + os.str();
+    }
+    rows.emplace_back(p.phase, times);
+  }
+  size_t w1 = std::string("Function").size(), w2 = std::string("Runtimes (s)").size();
+  for (auto& [a, b] : rows) {
+    w1 = std::max(w1, a.size());
+    w2 = std::max(w2, b.size());
+  }
+  auto pad = [](const std::string& s, size_t w) { return s + std::string(w - s.size(), ' '); };
+  std::string out = "Kiln compilation metrics:\n";
+  out += pad("Function", w1) + "  " + "Runtimes (s)" + "\n";
+  out += std::string(w1, '-') + "  " + std::string(w2, '-') + "\n";
+  for (auto& [a, b] : rows) out += pad(a, w1) + "  " + b + "\n";
+  return out;
+}
+
+Counters counters() {
+  auto& c = detail::counter_set();
+  Counters out;
+  out.calls = c.calls.load();
+  out.frame_compiles = c.frame_compiles.load();
+  out.graph_compiles = c.graph_compiles.load();
+  out.graph_cache_hits = c.graph_cache_hits.load();
+  out.graph_runs = c.graph_runs.load();
+  out.graph_breaks = c.graph_breaks.load();
+  out.eager_frames = c.eager_frames.load();
+  out.replays = c.replays.load();
+  return out;
+}
+
+void reset() {
+  detail::g_epoch.fetch_add(1, std::memory_order_acq_rel);
+  {
+    auto& o = detail::observe();
+    std::lock_guard lock(o.mutex);
+    o.phases.clear();
+  }
+  auto& c = detail::counter_set();
+  for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
+                  &c.eager_frames, &c.replays})
+    a->store(0);
+}
+
+// ---- explain ----
+
+std::string BreakReason::where() const {
+  if (line <= 0) return function.empty() ? "<unknown>" : "<unknown> in " + function;
+  return file + ":" + std::to_string(line) + (function.empty() ? "" : " in " + function);
+}
+
+std::string ExplainOutput::str() const {
+  std::string o = "Graph Count: " + std::to_string(graph_count) + "\n";
+  o += "Graph Break Count: " + std::to_string(graph_break_count) + "\n";
+  o += "Op Count: " + std::to_string(op_count) + "\n";
+  o += "Break Reasons:\n";
+  for (size_t i = 0; i < break_reasons.size(); ++i) {
+    o += "  Break Reason " + std::to_string(i + 1) + ":\n";
+    o += "    Reason: " + break_reasons[i].reason + "\n";
+    o += "    User Stack:\n";
+    o += "      " + break_reasons[i].where() + "\n";
+  }
+  o += "Ops per Graph:\n";
+  for (size_t i = 0; i < ops_per_graph.size(); ++i) {
+    o += "  Ops " + std::to_string(i + 1) + ":\n";
+    for (const auto& op : ops_per_graph[i]) o += "    " + op + "\n";
+  }
+  o += "Out Guards:\n";
+  for (size_t i = 0; i < out_guards.size(); ++i) {
+    o += "  Guard " + std::to_string(i + 1) + ":\n";
+    o += "    " + out_guards[i] + "\n";
+  }
+  o += "Compile Times: " + compile_times;
+  return o;
+}
+
+std::ostream& operator<<(std::ostream& os, const ExplainOutput& e) { return os << e.str(); }
+
+namespace detail {
+
+ExplainOutput run_explain(CompileOptions options, const std::function<void(CompileOptions)>& call) {
+  // Shared with the backend: autograd nodes may keep the compiled function (and so the backend)
+  // alive after explain() returns.
+  auto recorder = std::make_shared<ExplainRecorder>();
+  BackendFn inner;
+  if (auto* fn = std::get_if<BackendFn>(&options.backend)) {
+    inner = *fn;
+  } else {
+    std::string name = std::get<std::string>(options.backend);
+    inner = lookup_backend(name.empty() ? default_backend() : name);
+  }
+  options.backend = BackendFn([recorder, inner](Graph& g, const Arguments& example) {
+    {
+      std::lock_guard lock(recorder->mutex);
+      recorder->out.graphs.push_back(g);
+      recorder->out.ops_per_graph.push_back(g.op_names());
+    }
+    return inner(g, example);
+  });
+  ExplainRecorder* saved = std::exchange(t_explain, recorder.get());
+  auto t0 = std::chrono::steady_clock::now();
+  try {
+    call(std::move(options));
+  } catch (...) {
+    t_explain = saved;
+    throw;
+  }
+  t_explain = saved;
+  ExplainOutput out;
+  {
+    std::lock_guard lock(recorder->mutex);
+    out = recorder->out;
+  }
+  out.graph_count = static_cast<int>(out.graphs.size());
+  out.graph_break_count = static_cast<int>(out.break_reasons.size());
+  out.op_count = 0;
+  for (const auto& ops : out.ops_per_graph) out.op_count += static_cast<int>(ops.size());
+  double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(4) << total;
+  out.compile_times = "Kiln compilation metrics:\ncapture + compile + run (s): " + os.str() + "\n";
+  return out;
+}
+
+// ---- the recompile profiler ----
+
+namespace {
+// "0/1: tensor 'x' size mismatch at index 0. expected 3, actual 4" -> "tensor 'x' size mismatch at index 0"
+std::string guard_category(const std::string& reason) {
+  std::string r = reason;
+  if (size_t colon = r.find(": "); colon != std::string::npos && colon < 12) r = r.substr(colon + 2);
+  if (size_t dot = r.find(". expected"); dot != std::string::npos) r = r.substr(0, dot);
+  if (size_t eq = r.find(" == "); eq != std::string::npos) r = r.substr(0, eq) + " (value changed)";
+  return r;
+}
+}  // namespace
+
+void notify_recompile(const FunctionState& fn, const std::vector<std::string>& reasons);
+
+}  // namespace detail
+
+struct RecompileProfiler::Impl {
+  mutable std::mutex mutex;
+  struct Function {
+    int recompiles = 0;
+    std::map<std::string, int> failures;
+  };
+  std::map<std::string, Function> functions;  // by where()
+  std::vector<std::string> order;
+  int frames = 0;
+  int ops = 0;
+};
+
+namespace detail {
+
+void notify_recompile(const FunctionState& fn, const std::vector<std::string>& reasons) {
+  Observe& o = observe();
+  std::lock_guard lock(o.mutex);
+  for (RecompileProfiler::Impl* p : o.profilers) {
+    std::lock_guard plock(p->mutex);
+    std::string key = fn.where();
+    if (!p->functions.count(key)) p->order.push_back(key);
+    auto& f = p->functions[key];
+    ++f.recompiles;
+    // Only the first reason per miss: the guard of the newest entry that failed.
+    if (!reasons.empty()) ++f.failures[guard_category(reasons.back())];
+  }
+}
+
+}  // namespace detail
+
+RecompileProfiler::RecompileProfiler() : impl_(std::make_shared<Impl>()) {
+  auto& o = detail::observe();
+  std::lock_guard lock(o.mutex);
+  o.profilers.push_back(impl_.get());
+}
+
+RecompileProfiler::~RecompileProfiler() {
+  auto& o = detail::observe();
+  std::lock_guard lock(o.mutex);
+  o.profilers.erase(std::remove(o.profilers.begin(), o.profilers.end(), impl_.get()), o.profilers.end());
+}
+
+BackendFn RecompileProfiler::backend() {
+  std::weak_ptr<Impl> weak = impl_;
+  return [weak](Graph& g, const Arguments&) {
+    if (auto p = weak.lock()) {
+      std::lock_guard lock(p->mutex);
+      ++p->frames;
+      p->ops += static_cast<int>(g.nodes.size());
+    }
+    return interpreter(g);
+  };
+}
+
+int RecompileProfiler::frame_count() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->frames;
+}
+
+int RecompileProfiler::op_count() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->ops;
+}
+
+std::string RecompileProfiler::report() const {
+  std::lock_guard lock(impl_->mutex);
+  std::string out = "Recompilation profile (" + std::to_string(impl_->frames) + " graphs compiled, " +
+                    std::to_string(impl_->ops) + " ops):\n";
+  if (impl_->order.empty()) return out + "  No recompilation detected.\n";
+  for (const auto& key : impl_->order) {
+    const auto& f = impl_->functions.at(key);
+    out += "  function " + key + ": " + std::to_string(f.recompiles) + " recompile" + (f.recompiles == 1 ? "" : "s") + "\n";
+    std::vector<std::pair<int, std::string>> sorted;
+    for (const auto& [reason, n] : f.failures) sorted.emplace_back(-n, reason);
+    std::sort(sorted.begin(), sorted.end());
+    for (const auto& [neg, reason] : sorted) out += "    " + std::to_string(-neg) + " x " + reason + "\n";
+  }
+  return out;
+}
+
+}  // namespace kiln::compiler

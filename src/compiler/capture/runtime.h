@@ -1,0 +1,204 @@
+// The state behind compiled callables: frame entries with their guards, the graph cache, and the
+// per-call capture context (DESIGN §2.3, §2.4).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "compiler/capture/capture.h"
+
+namespace kiln::compiler::detail {
+
+// ---- stances ----
+
+struct StanceState {
+  Stance stance = Stance::default_;
+  StanceOptions options;
+};
+// This thread's innermost StanceGuard, else the process-wide stance.
+StanceState effective_stance();
+
+// ---- guards (guards.cpp) ----
+
+// Global state a frame entry depends on.
+struct GlobalState {
+  bool grad_mode = true;
+  bool inference_mode = false;
+  DType default_dtype = DType::float32;
+  bool operator==(const GlobalState&) const = default;
+};
+GlobalState current_global_state();
+
+// What one argument leaf must look like for an entry to serve a call.
+struct LeafGuard {
+  Leaf::Kind kind = Leaf::none;
+  DType dtype = DType::float32;
+  Device device;
+  bool requires_grad = false;
+  std::vector<int64_t> sizes, strides;
+  int64_t i = 0;
+  double d = 0;
+  std::string s;
+  const void* object = nullptr;
+  uint64_t version = 0;
+};
+
+struct GuardSet {
+  std::vector<LeafGuard> leaves;
+  GlobalState global;
+  bool values = false;  // also guard scalar and string values (pure frames)
+  std::string backend;  // the backend the entry compiled with (force_backend and *_then_compile)
+  // Per leaf (and one for the global state, at the end): how often this check told entries apart.
+  std::unique_ptr<std::atomic<int>[]> fail_counts;
+};
+
+GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend);
+// Index of the first failing check, or -1. `only_differentiating`: skip checks that never failed.
+int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
+                 bool only_differentiating);
+// Dynamo's wording for failing check `index` ("tensor 'x' size mismatch at index 0. expected 3,
+// actual 4").
+std::string describe_failure(const GuardSet& g, int index, const std::vector<Leaf>& leaves,
+                             const std::vector<std::string>& names);
+// The guard list as text (explain()'s "Out Guards", KILN_LOGS=guards).
+std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<std::string>& names);
+
+// ---- compiled graphs ----
+
+struct CompiledGraph {
+  Graph graph;  // the structure it was compiled from (cache keys compare against it)
+  uint64_t hash = 0;
+  CompiledFn fn;
+  std::string backend;
+  std::string id;  // "0/1": frame id / graph number, for logs
+  double compile_seconds = 0;
+  // Compile once while other callers of the same graph wait.
+  std::mutex mutex;
+  std::condition_variable ready_cv;
+  bool ready = false;
+  std::exception_ptr error;
+};
+
+// A frame entry: one guarded signature of a compiled callable.
+struct FrameEntry {
+  int id = 0;  // compile id within the function ("frame/id")
+  GuardSet guards;
+  bool backward = false;  // the entry that serves captured backward passes
+  // Pure replay (pure = true): a stable one-graph capture.
+  struct Replay;
+  std::shared_ptr<Replay> replay;
+  std::mutex replay_mutex;
+};
+
+struct FunctionState : std::enable_shared_from_this<FunctionState> {
+  CompileOptions options;
+  std::string name;
+  std::string file;
+  int line = 0;
+  int frame_id = 0;
+  std::string backend_name;  // registered name, or "<custom>" for a BackendFn
+  BackendFn backend_fn;      // set when options.backend holds a function
+
+  std::mutex mutex;
+  std::vector<std::shared_ptr<FrameEntry>> entries;
+  std::shared_ptr<FrameEntry> backward_entry;
+  std::unordered_multimap<uint64_t, std::shared_ptr<CompiledGraph>> graphs;
+  int graph_counter = 0;
+  int sightings = 0;  // misses seen (eager_then_compile / aot_eager_then_compile)
+  bool limit_warned = false;
+  bool graph_limit_warned = false;
+  uint64_t reset_epoch = 0;  // compiler::reset() generation these caches belong to
+
+  std::string where() const;  // "'name' (file:line)"
+  int limit() const;
+};
+
+// ---- the capture context of one compiled call on one thread ----
+
+struct Segment;
+
+struct ExplainRecorder;  // explain.cpp
+
+struct CaptureContext {
+  FunctionState* fn = nullptr;
+  FrameEntry* entry = nullptr;
+  std::string backend;
+  StanceState stance;
+  const std::vector<Leaf>* leaves = nullptr;        // the frame's arguments (names for inputs)
+  std::function<void(std::vector<std::string>&)> leaf_names;
+  std::shared_ptr<Segment> segment;                 // the pending segment
+  int flushes = 0;       // segments that ran
+  int breaks = 0;        // graph breaks
+  bool host_reads = false;
+  bool autograd = false;  // an op recorded autograd history, or a leaf received a gradient
+  bool random = false;    // a random op (fresh counters each call: not replayable)
+  bool record_stacks = false;  // remember where breaks happen (explain, logs, fullgraph)
+  ExplainRecorder* explain = nullptr;
+  std::shared_ptr<CompiledGraph> last_graph;        // the graph the last flush ran
+  std::vector<Tensor> last_inputs;                  // and its inputs (pure replay analysis)
+  std::vector<int> last_outputs;
+  std::vector<const kiln::detail::Storage*> last_output_storages;
+
+  Segment& pending();
+  // Ends the pending segment: compiles or looks up its graph, runs it, makes its live values
+  // real. `end_of_call`: the compiled call returns (not a graph break).
+  void flush(bool end_of_call, std::string_view reason, const CallSite* site);
+  // Drops the pending segment without running it (an exception unwinds the body).
+  void abandon(const std::string& why);
+};
+
+// Installs `ctx` as this thread's capture while alive.
+class CaptureScope {
+ public:
+  explicit CaptureScope(CaptureContext* ctx);
+  ~CaptureScope();
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  CaptureContext* saved_;
+};
+
+// Looks up (or compiles) the graph of a flushed segment. Applies the stance to a miss: may
+// return an uncached interpreter (eager_on_recompile, limits) or throw (fail_on_recompile).
+std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph, uint64_t hash,
+                                               const Arguments& example);
+
+// Runs a captured backward pass (engine.cpp): the backward of a graph captured by `owner`.
+void run_captured_backward(const std::shared_ptr<void>& owner, const std::function<void()>& run);
+
+// Structural equality of two graphs (cache hits compare the new capture with the cached graph).
+bool same_structure(const Graph& a, const Graph& b);
+
+// ---- observability (observe.cpp) ----
+
+std::ostream& log_stream();
+const LogOptions& log_options();
+void record_phase(const std::string& phase, double seconds);
+struct CounterSet {
+  std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},
+      graph_runs{0}, graph_breaks{0}, eager_frames{0}, replays{0};
+};
+CounterSet& counter_set();
+uint64_t reset_epoch();
+// Recompile events go to live RecompileProfilers.
+void notify_recompile(const FunctionState& fn, const std::vector<std::string>& reasons);
+void warn(const std::string& message);
+
+// explain(): the recorder the explain backend and the capture write into.
+struct ExplainRecorder {
+  std::mutex mutex;
+  ExplainOutput out;
+};
+ExplainRecorder* active_explain();
+
+// Names nodes and values of a graph that was captured without names (done once per compile).
+void name_graph(Graph& graph);
+
+}  // namespace kiln::compiler::detail

@@ -1,0 +1,29 @@
+// Text forms shared by the graph printer, validate() and the passes (defined in printer.cpp).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kiln/compiler/graph.h"
+
+namespace kiln::compiler::detail {
+
+// PyTorch's short dtype names: "f32", "bf16", "i64", "b8".
+std::string_view short_dtype_name(DType t);
+// "f32[3, 3]".
+std::string type_str(DType t, const std::vector<int64_t>& sizes);
+std::string type_str(const ValueInfo& v);
+
+// One parameter of an op schema, "Tensor(a!)? running_mean=None" -> {type, name}.
+struct SchemaParam {
+  std::string type;
+  std::string name;
+  bool is_tensor() const { return type.starts_with("Tensor"); }
+};
+// The parameters of a schema string, in order ("*" dropped). Empty when it does not parse.
+std::vector<SchemaParam> parse_schema_params(std::string_view schema);
+// Names of the op's attrs (its non-Tensor parameters, in schema order).
+std::vector<std::string> attr_names(const OpDef& op);
+
+}  // namespace kiln::compiler::detail

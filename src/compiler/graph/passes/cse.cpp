@@ -1,0 +1,115 @@
+// Common subexpression elimination: a node that repeats an earlier computation reuses its results.
+#include <functional>
+#include <numeric>
+#include <unordered_map>
+#include <vector>
+
+#include "compiler/graph/format.h"
+#include "compiler/graph/passes.h"
+
+namespace kiln::compiler::passes {
+
+namespace {
+
+// Random ops draw fresh numbers per call: two of them are never the same computation.
+bool is_random(const OpDef& op) {
+  for (const detail::SchemaParam& p : detail::parse_schema_params(op.schema))
+    if (p.name == "seed") return true;
+  return op.name == "uniform" || op.name == "normal" || op.name == "randint" || op.name == "bernoulli" ||
+         op.name == "bernoulli.p" || op.name == "native_dropout";
+}
+
+// Values that share memory: the recorded storage groups, joined through view nodes.
+struct AliasGroups {
+  std::vector<int> parent;
+  explicit AliasGroups(const Graph& g) : parent(g.values.size()) {
+    std::iota(parent.begin(), parent.end(), 0);
+    std::unordered_map<int, int> first_of_storage;
+    for (size_t v = 0; v < g.values.size(); ++v) {
+      int s = g.values[v].storage;
+      if (s < 0) continue;
+      auto [it, inserted] = first_of_storage.emplace(s, static_cast<int>(v));
+      if (!inserted) join(it->second, static_cast<int>(v));
+    }
+    for (const Node& n : g.nodes)
+      if (n.is_view() && !n.inputs.empty() && valid(n.inputs[0]))
+        for (int v : n.outputs)
+          if (valid(v)) join(v, n.inputs[0]);
+  }
+  bool valid(int v) const { return v >= 0 && static_cast<size_t>(v) < parent.size(); }
+  int find(int v) {
+    while (parent[v] != v) v = parent[v] = parent[parent[v]];
+    return v;
+  }
+  void join(int a, int b) { parent[find(a)] = find(b); }
+};
+
+size_t key_hash(const Node& n) {
+  size_t h = std::hash<const void*>()(n.op);
+  for (int v : n.inputs) h = h * 1000003u ^ std::hash<int>()(v);
+  return h * 1000003u ^ n.attrs.size();
+}
+
+}  // namespace
+
+void eliminate_common_subexpressions(Graph& graph) {
+  const size_t num_values = graph.values.size();
+  AliasGroups groups(graph);
+  // Memory some node writes: merging a value in such a group would make the write hit the other.
+  std::vector<char> written(num_values, 0);
+  for (const Node& n : graph.nodes) {
+    if (n.inplace)
+      for (int v : n.outputs)
+        if (groups.valid(v)) written[groups.find(v)] = 1;
+    for (int i : n.op->mutated_inputs)
+      if (static_cast<size_t>(i) < n.inputs.size() && groups.valid(n.inputs[i])) written[groups.find(n.inputs[i])] = 1;
+  }
+  std::vector<char> has_slot(graph.nodes.size(), 0);
+  for (const ScalarSlot& s : graph.scalars)
+    if (s.node >= 0 && static_cast<size_t>(s.node) < has_slot.size()) has_slot[s.node] = 1;
+  std::unordered_map<const OpDef*, bool> random;
+
+  std::vector<int> replacement(num_values);
+  std::iota(replacement.begin(), replacement.end(), 0);
+  auto remap = [&](int& v) {
+    if (v >= 0 && static_cast<size_t>(v) < num_values) v = replacement[v];
+  };
+  std::unordered_map<size_t, std::vector<int>> seen;  // key hash -> earlier candidate nodes
+  std::vector<char> merged(graph.nodes.size(), 0);
+  for (size_t i = 0; i < graph.nodes.size(); ++i) {
+    Node& n = graph.nodes[i];
+    for (int& v : n.inputs) remap(v);
+    if (n.has_side_effects()) {
+      seen.clear();  // what was read before may differ after this write
+      continue;
+    }
+    if (has_slot[i] || n.outputs.empty()) continue;
+    auto [rit, fresh] = random.emplace(n.op, false);
+    if (fresh) rit->second = is_random(*n.op);
+    if (rit->second) continue;
+    bool eligible = true;
+    for (int v : n.outputs) eligible &= groups.valid(v) && !written[groups.find(v)];
+    if (!eligible) continue;
+
+    std::vector<int>& candidates = seen[key_hash(n)];
+    int match = -1;
+    for (int j : candidates) {
+      const Node& m = graph.nodes[j];
+      if (m.op == n.op && m.inputs == n.inputs && m.attrs == n.attrs && m.outputs.size() == n.outputs.size()) {
+        match = j;
+        break;
+      }
+    }
+    if (match < 0) {
+      candidates.push_back(static_cast<int>(i));
+      continue;
+    }
+    for (size_t k = 0; k < n.outputs.size(); ++k) replacement[n.outputs[k]] = graph.nodes[match].outputs[k];
+    merged[i] = 1;
+  }
+  for (int& v : graph.outputs) remap(v);
+  const Node* first = graph.nodes.data();
+  graph.erase_nodes_if([&](const Node& n) { return merged[&n - first] != 0; });
+}
+
+}  // namespace kiln::compiler::passes
