@@ -509,8 +509,10 @@ U rebuild_tuple(ResultSource& src, std::index_sequence<I...>) {
 struct FunctionState;
 
 // Builds the state for a compiled callable.
+// fn_address: the compiled function's address when it is a plain function (its name becomes the
+// default name shown in logs and errors), else null.
 std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::string default_name,
-                                                   std::source_location loc);
+                                                   std::source_location loc, const void* fn_address = nullptr);
 
 // One call of a compiled callable, type-erased. `leaves` are the flattened arguments;
 // `names(i)` lazily names leaf i. `body` runs the C++ body (capturing or eagerly, as the runtime
@@ -668,7 +670,10 @@ auto compile(F fn, CompileOptions options = {}, std::source_location loc = std::
     return compiler::CompiledModule<M>(std::move(fn), std::move(state), std::move(names));
   } else {
     auto names = options.arg_names;
-    auto state = compiler::detail::make_function_state(std::move(options), "fn", loc);
+    const void* address = nullptr;
+    if constexpr (std::is_pointer_v<F> && std::is_function_v<std::remove_pointer_t<F>>)
+      address = reinterpret_cast<const void*>(fn);
+    auto state = compiler::detail::make_function_state(std::move(options), "fn", loc, address);
     return compiler::Compiled<F>(std::move(fn), std::move(state), std::move(names));
   }
 }

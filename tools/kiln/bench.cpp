@@ -5,10 +5,16 @@
 // Each timing is the median of --iters runs after --warmup runs. Inference runs in eval mode
 // under NoGradGuard; the training step is Adam + cross-entropy (zero_grad, forward, backward,
 // step) in train mode.
+//
+//   kiln bench toy --json --iters 2000 --threads 1
+//
+// `toy` measures what compile() costs per call on a function too small for kernels to matter:
+// the set_stance recipe's three 5x5 matmuls, eager vs compile(fn) vs compile(fn, {.pure = true}).
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -50,7 +56,7 @@ std::vector<std::string> split_commas(const std::string& s) {
 
 BenchArgs parse(const std::vector<std::string>& args) {
   BenchArgs a;
-  KILN_CHECK(!args.empty(), ValueError, "[kiln bench] name a model: densenet121, densenet169, resnet18, resnet50.");
+  KILN_CHECK(!args.empty(), ValueError, "[kiln bench] name a model: densenet121, densenet169, resnet18, resnet50, or toy.");
   a.model = args[0];
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& k = args[i];
@@ -101,9 +107,160 @@ double time_ms(int warmup, int iters, const std::function<void()>& fn) {
   return ms[ms.size() / 2];
 }
 
+// ---- `kiln bench toy`: per-call overhead of compile() ----
+
+struct ToyArgs {
+  bool json = false;
+  int warmup = 3;      // calls before timing (the first compiled call captures and compiles)
+  int iters = 2000;    // calls per batch
+  int batches = 7;     // the result is the median batch
+  int threads = 0;
+};
+
+ToyArgs parse_toy(const std::vector<std::string>& args) {
+  ToyArgs a;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& k = args[i];
+    auto value = [&]() -> std::string {
+      KILN_CHECK(i + 1 < args.size(), ValueError, "[kiln bench toy] " + k + " needs a value.");
+      return args[++i];
+    };
+    if (k == "--json") a.json = true;
+    else if (k == "--warmup") a.warmup = std::stoi(value());
+    else if (k == "--iters") a.iters = std::stoi(value());
+    else if (k == "--batches") a.batches = std::stoi(value());
+    else if (k == "--threads") a.threads = std::stoi(value());
+    else throw ValueError("[kiln bench toy] unknown option '" + k + "'. See `kiln help`.");
+  }
+  KILN_CHECK(a.iters > 0 && a.batches > 0 && a.warmup >= 1, ValueError,
+             "[kiln bench toy] --iters and --batches must be positive and --warmup at least 1.");
+  return a;
+}
+
+// The set_stance recipe's my_gigantic_model: x = x @ y, three times.
+Tensor toy_model(const Tensor& x0, const Tensor& y) {
+  Tensor x = matmul(x0, y);
+  x = matmul(x, y);
+  x = matmul(x, y);
+  return x;
+}
+
+// Mean microseconds per call of one batch of `iters` calls.
+template <class Fn>
+double time_batch_us(int iters, Fn& fn, const Tensor& x, const Tensor& y) {
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    Tensor out = fn(x, y);
+    (void)out;
+  }
+  auto t1 = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::micro>(t1 - t0).count() / iters;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+int run_toy_bench(const std::vector<std::string>& args) {
+  ToyArgs a = parse_toy(args);
+  if (a.threads > 0) set_num_threads(a.threads);
+  manual_seed(0);
+  Tensor x = randn({5, 5});
+  Tensor y = randn({5, 5});
+  const Tensor expected = toy_model(x, y);
+  compiler::reset();
+
+  auto eager = [](const Tensor& p, const Tensor& q) { return toy_model(p, q); };
+  auto compiled = compile(toy_model);
+  auto compiled_pure = compile(toy_model, {.pure = true});
+
+  // Warm up. The first compiled call captures and compiles; a pure frame replays from its third
+  // call on (two identical captures confirm it). Each compiled mode must equal eager.
+  for (int i = 0; i < a.warmup; ++i) eager(x, y);
+  for (int i = 0; i < std::max(a.warmup, 3); ++i) {
+    for (const Tensor& out : {compiled(x, y), compiled_pure(x, y)})
+      KILN_CHECK(allclose(out, expected, 1.3e-6, 1e-5), Error,
+                 "[kiln bench toy] a compiled mode computed a different result than eager. This is a Kiln bug.");
+  }
+
+  // Batches of the three modes alternate, so that load on a shared machine hits each alike.
+  // Counter deltas per batch prove the compiled modes ran through the compiler.
+  struct ModeRun {
+    std::vector<double> us;
+    int64_t graph_runs = 0, replays = 0, eager_frames = 0;
+  };
+  ModeRun runs[3];
+  for (int b = 0; b < a.batches; ++b) {
+    for (int m = 0; m < 3; ++m) {
+      compiler::Counters before = compiler::counters();
+      double us = m == 0 ? time_batch_us(a.iters, eager, x, y)
+                  : m == 1 ? time_batch_us(a.iters, compiled, x, y)
+                           : time_batch_us(a.iters, compiled_pure, x, y);
+      compiler::Counters after = compiler::counters();
+      runs[m].us.push_back(us);
+      runs[m].graph_runs += after.graph_runs - before.graph_runs;
+      runs[m].replays += after.replays - before.replays;
+      runs[m].eager_frames += after.eager_frames - before.eager_frames;
+    }
+  }
+
+  const int64_t calls = static_cast<int64_t>(a.iters) * a.batches;
+  const char* names[3] = {"eager", "compiled", "compiled_pure"};
+  KILN_CHECK(runs[0].graph_runs == 0, Error, "[kiln bench toy] the eager mode ran compiled graphs. This is a Kiln bug.");
+  for (int m = 1; m < 3; ++m) {
+    KILN_CHECK(runs[m].graph_runs == calls && runs[m].eager_frames == 0, Error,
+               std::string("[kiln bench toy] mode '") + names[m] + "' did not go through the compiler: " +
+                   std::to_string(calls) + " calls ran " + std::to_string(runs[m].graph_runs) + " graphs and " +
+                   std::to_string(runs[m].eager_frames) +
+                   " eager frames, so its timing would mean nothing. Check the stance and KILN_* settings.");
+  }
+  KILN_CHECK(runs[1].replays == 0 && runs[2].replays == calls, Error,
+             "[kiln bench toy] compiled_pure replayed " + std::to_string(runs[2].replays) + " of " +
+                 std::to_string(calls) + " calls (compiled: " + std::to_string(runs[1].replays) +
+                 "); a pure one-graph function skips its body on every call after the second. This is a Kiln bug.");
+
+  compiler::Counters total = compiler::counters();
+  nlohmann::json result = {{"model", "toy"},
+                           {"function", "x = x @ y three times, x and y randn 5x5 float32"},
+                           {"device", "cpu"},
+                           {"threads", get_num_threads()},
+                           {"backend", compiler::default_backend()},
+                           {"warmup", a.warmup},
+                           {"iters", a.iters},
+                           {"batches", a.batches},
+                           {"graph_compiles", total.graph_compiles}};
+  const double eager_us = median(runs[0].us);
+  for (int m = 0; m < 3; ++m) {
+    nlohmann::json j = {{"us_per_call", median(runs[m].us)}};
+    if (m > 0) {
+      j["overhead_us"] = median(runs[m].us) - eager_us;
+      j["graph_runs"] = runs[m].graph_runs;
+      j["replays"] = runs[m].replays;
+    }
+    result["modes"][names[m]] = j;
+  }
+
+  if (a.json) {
+    std::cout << result.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << fmt::format("toy (x = x @ y three times, 5x5 float32) on cpu, backend '{}', {} threads\n"
+                           "median of {} batches of {} calls, modes interleaved\n",
+                           result["backend"].get<std::string>(), get_num_threads(), a.batches, a.iters);
+  std::cout << fmt::format("{:<16} {:>14} {:>14}\n", "mode", "us per call", "overhead us");
+  for (const char* mode : names) {
+    const auto& m = result["modes"][mode];
+    std::string overhead = m.contains("overhead_us") ? fmt::format("{:+.2f}", m["overhead_us"].get<double>()) : "-";
+    std::cout << fmt::format("{:<16} {:>14.2f} {:>14}\n", mode, m["us_per_call"].get<double>(), overhead);
+  }
+  return 0;
+}
+
 }  // namespace
 
 int run_bench(const std::vector<std::string>& args) {
+  if (!args.empty() && args[0] == "toy") return run_toy_bench({args.begin() + 1, args.end()});
   BenchArgs a = parse(args);
   if (a.threads > 0) set_num_threads(a.threads);
   manual_seed(0);

@@ -11,6 +11,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <mutex>
 #include <string_view>
 #include <utility>
@@ -68,11 +69,10 @@ std::string strip_signature(std::string name) {
 std::string readable_name(const char* symbol) {
   if (symbol == nullptr) return {};
   int status = 0;
-  char* demangled = abi::__cxa_demangle(symbol, nullptr, nullptr, &status);
+  std::unique_ptr<char, decltype(&std::free)> demangled(
+      abi::__cxa_demangle(symbol, nullptr, nullptr, &status), &std::free);
   if (status != 0 || demangled == nullptr) return symbol;  // C symbols, "main"
-  std::string name = strip_signature(demangled);
-  std::free(demangled);
-  return name;
+  return strip_signature(demangled.get());
 }
 
 // Name of a DW_TAG_subprogram or DW_TAG_inlined_subroutine (following its abstract origin).

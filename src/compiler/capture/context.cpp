@@ -452,9 +452,10 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
 
   std::vector<Tensor> results;
   try {
+    // Backends and compiled graphs run ordinary ops; none of them belongs to the user's capture.
+    SuspendCapture suspend;
     std::shared_ptr<CompiledGraph> compiled = find_or_compile(*this, graph, seg->hash, args);
     {
-      SuspendCapture suspend;
       NoGradGuard no_grad;
       results = compiled->fn(args);
     }

@@ -115,10 +115,19 @@ namespace {
 void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vector<Leaf>& leaves,
                         CallHooks& hooks) {
   std::lock_guard lock(entry.replay_mutex);
-  auto reject = [&] { entry.replay.reset(); };
-  if (ctx.flushes != 1 || ctx.breaks != 0 || ctx.host_reads || ctx.autograd || ctx.random || !ctx.last_graph ||
-      ctx.last_graph->id == "eager")
-    return reject();
+  auto reject = [&](const char* why) {
+    if (log_options().perf_hints && !entry.hinted) {
+      entry.hinted = true;
+      log_stream() << "[kiln.compile] perf hint: " << ctx.fn->where()
+                   << " is pure=true but cannot replay without running its body: " << why << "\n";
+    }
+    entry.replay.reset();
+  };
+  if (ctx.breaks != 0 || ctx.host_reads) return reject("the body has graph breaks or host reads");
+  if (ctx.flushes != 1 || !ctx.last_graph) return reject("the body captured no single graph");
+  if (ctx.autograd) return reject("the body records autograd history");
+  if (ctx.random) return reject("the body draws random numbers");
+  if (ctx.last_graph->id == "eager") return reject("the graph ran uncompiled (stance or limit)");
   auto plan = std::make_shared<FrameEntry::Replay>();
   plan->graph = ctx.last_graph;
   const Graph& g = ctx.last_graph->graph;
@@ -158,7 +167,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
         } else if (!l.t->impl().lazy) {
           r.fixed = *l.t;
         } else {
-          return reject();  // a view of a graph output: not replayable
+          return reject("the result holds a view of a graph output");
         }
       }
     }
@@ -167,7 +176,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     plan->strings.push_back(l.kind == Leaf::string ? *l.s : std::string());
   }
   for (bool used : output_used)
-    if (!used) return reject();  // a live value escaped somewhere other than the result
+    if (!used) return reject("a graph output is kept somewhere other than the result");
   for (Leaf& c : plan->consts) {
     c.t = nullptr;
     c.s = nullptr;
@@ -249,7 +258,7 @@ std::string FunctionState::where() const { return "'" + name + "' (" + file + ":
 int FunctionState::limit() const { return options.recompile_limit.value_or(recompile_limit()); }
 
 std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::string default_name,
-                                                   std::source_location loc) {
+                                                   std::source_location loc, const void* fn_address) {
   if (options.mode && !options.options.empty()) {
     throw CompileError(
         "[kiln::compile] Either mode or options can be specified, but both can't be specified at the same time.");
@@ -282,6 +291,16 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
     if (st->backend_name.empty()) st->backend_name = default_backend();
     if (st->backend_name == "inductor") st->backend_name = "kiln";
     lookup_backend(st->backend_name);  // throws "Invalid backend: ..." now, not at the first call
+  }
+  if (options.name.empty() && fn_address) {
+    // A plain function: its symbol names it ("bar", "ns::model").
+    RawStack at;
+    at.pcs[0] = const_cast<char*>(static_cast<const char*>(fn_address)) + 1;  // resolved as a return address
+    at.size = 1;
+    std::string symbol = user_call_site(at).function;
+    if (size_t sep = symbol.rfind("::"); sep != std::string::npos && symbol.find('(') == std::string::npos)
+      symbol = symbol.substr(sep + 2);
+    if (!symbol.empty()) default_name = symbol;
   }
   st->name = options.name.empty() ? std::move(default_name) : options.name;
   st->file = relative_path(loc.file_name());

@@ -93,6 +93,13 @@ std::string python_float(double d) {
   return s;
 }
 
+// Dynamo prints sizes as Python lists: [3, 3].
+std::string list_str(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
 }  // namespace
 
 int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
@@ -182,8 +189,8 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
     switch (lg.kind) {
       case Leaf::tensor:
         out.push_back("TENSOR_MATCH: check_tensor(" + name + ", " + std::string(dtype_name(lg.dtype)) + ", device=" + lg.device.str() +
-                      ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + shape_str(lg.sizes) +
-                      ", stride=" + shape_str(lg.strides) + ")");
+                      ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + list_str(lg.sizes) +
+                      ", stride=" + list_str(lg.strides) + ")");
         break;
       case Leaf::integer:
       case Leaf::boolean:

@@ -38,9 +38,16 @@ LogOptions parse_logs(const char* env) {
   return o;
 }
 
+uint32_t to_bits(const LogOptions& o) {
+  return o.graph_breaks | o.recompiles << 1 | o.guards << 2 | o.graph << 3 | o.output_code << 4 | o.perf_hints << 5;
+}
+LogOptions from_bits(uint32_t b) {
+  return LogOptions{(b & 1) != 0, (b & 2) != 0, (b & 4) != 0, (b & 8) != 0, (b & 16) != 0, (b & 32) != 0};
+}
+
 struct Observe {
   std::mutex mutex;
-  LogOptions logs = parse_logs(std::getenv("KILN_LOGS"));
+  std::atomic<uint32_t> logs{to_bits(parse_logs(std::getenv("KILN_LOGS")))};  // read on every call
   std::ostream* stream = nullptr;
   std::vector<PhaseTimes> phases;
   std::vector<RecompileProfiler::Impl*> profilers;
@@ -62,7 +69,7 @@ std::ostream& log_stream() {
   return o.stream ? *o.stream : std::cerr;
 }
 
-const LogOptions& log_options() { return observe().logs; }
+LogOptions log_options() { return from_bits(observe().logs.load(std::memory_order_relaxed)); }
 
 void warn(const std::string& message) { log_stream() << "[kiln.compile] WARNING: " << message << "\n"; }
 
@@ -112,13 +119,9 @@ void name_graph(Graph& g) {
 
 // ---- logs ----
 
-void set_logs(const LogOptions& logs) {
-  auto& o = detail::observe();
-  std::lock_guard lock(o.mutex);
-  o.logs = logs;
-}
+void set_logs(const LogOptions& logs) { detail::observe().logs.store(detail::to_bits(logs), std::memory_order_relaxed); }
 
-LogOptions logs() { return detail::observe().logs; }
+LogOptions logs() { return detail::log_options(); }
 
 void set_log_stream(std::ostream* os) {
   auto& o = detail::observe();

@@ -93,6 +93,7 @@ struct FrameEntry {
   // Pure replay (pure = true): a stable one-graph capture.
   struct Replay;
   std::shared_ptr<Replay> replay;
+  bool hinted = false;  // perf hint about replay given (guarded by replay_mutex)
   std::mutex replay_mutex;
 };
 
@@ -179,7 +180,7 @@ bool same_structure(const Graph& a, const Graph& b);
 // ---- observability (observe.cpp) ----
 
 std::ostream& log_stream();
-const LogOptions& log_options();
+LogOptions log_options();
 void record_phase(const std::string& phase, double seconds);
 struct CounterSet {
   std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},

@@ -17,7 +17,8 @@ namespace {
 std::string identifier_from(std::string_view op_name) {
   std::string s(op_name);
   for (char& c : s) {
-    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+    bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
     if (!ok) c = '_';
   }
   if (s.empty() || (s[0] >= '0' && s[0] <= '9')) s.insert(s.begin(), '_');
@@ -37,7 +38,8 @@ int64_t suffix_after(std::string_view name, std::string_view base) {
 }
 
 [[noreturn]] void invalid(const std::string& what) {
-  throw CompileError("[kiln::compile] graph validation: " + what + ". This is a capture bug; please report it.");
+  throw CompileError("[kiln::compile] graph validation: " + what +
+                     ". This is a capture bug; please report it.");
 }
 
 std::string node_label(const Node& n) {
@@ -53,8 +55,8 @@ std::vector<Tensor> meta_tensors(const Graph& g) {
   for (size_t v = 0; v < g.values.size(); ++v) {
     const ValueInfo& info = g.values[v];
     if (!info.strides.empty() && info.strides.size() != info.sizes.size()) {
-      invalid("value " + std::to_string(v) + " has " + std::to_string(info.sizes.size()) + " sizes but " +
-              std::to_string(info.strides.size()) + " strides");
+      invalid("value " + std::to_string(v) + " has " + std::to_string(info.sizes.size()) +
+              " sizes but " + std::to_string(info.strides.size()) + " strides");
     }
     std::shared_ptr<kiln::detail::Storage> storage;
     if (info.storage >= 0) {
@@ -70,14 +72,17 @@ std::vector<Tensor> meta_tensors(const Graph& g) {
     impl->storage = storage;
     impl->storage_offset = info.storage_offset;
     impl->sizes = info.sizes;
-    impl->strides = info.strides.empty() ? kiln::detail::contiguous_strides(info.sizes) : info.strides;
+    impl->strides =
+        info.strides.empty() ? kiln::detail::contiguous_strides(info.sizes) : info.strides;
     impl->dtype = info.dtype;
     impl->device = info.device;
     impl->refresh_metadata();
     int64_t span = impl->numel > 0 ? 1 : 0;
     if (impl->numel > 0)
-      for (size_t d = 0; d < impl->sizes.size(); ++d) span += (impl->sizes[d] - 1) * impl->strides[d];
-    storage->nbytes = std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
+      for (size_t d = 0; d < impl->sizes.size(); ++d)
+        span += (impl->sizes[d] - 1) * impl->strides[d];
+    storage->nbytes =
+        std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
     out[v] = Tensor(std::move(impl));
   }
   return out;
@@ -133,7 +138,8 @@ void Graph::erase_nodes_if(const std::function<bool(const Node&)>& pred) {
   }
   nodes.resize(kept);
   std::erase_if(scalars, [&](ScalarSlot& s) {
-    if (s.node < 0 || static_cast<size_t>(s.node) >= new_index.size() || new_index[s.node] < 0) return true;
+    if (s.node < 0 || static_cast<size_t>(s.node) >= new_index.size() || new_index[s.node] < 0)
+      return true;
     s.node = new_index[s.node];
     return false;
   });
@@ -156,7 +162,8 @@ void Graph::validate() const {
   std::vector<char> defined(values.size(), 0);
   for (size_t k = 0; k < inputs.size(); ++k) {
     int v = inputs[k];
-    if (!in_range(v)) invalid("input " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
+    if (!in_range(v))
+      invalid("input " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
     if (defined[v]) invalid("value " + std::to_string(v) + " is listed twice as an input");
     defined[v] = 1;
   }
@@ -164,8 +171,8 @@ void Graph::validate() const {
     if (s.node < 0 || static_cast<size_t>(s.node) >= nodes.size())
       invalid("a scalar slot names node " + std::to_string(s.node) + ", out of range");
     if (s.attr < 0 || static_cast<size_t>(s.attr) >= nodes[s.node].attrs.size())
-      invalid("a scalar slot names attr " + std::to_string(s.attr) + " of " + node_label(nodes[s.node]) +
-              ", out of range");
+      invalid("a scalar slot names attr " + std::to_string(s.attr) + " of " +
+              node_label(nodes[s.node]) + ", out of range");
   }
 
   std::vector<Tensor> metas = meta_tensors(*this);
@@ -180,20 +187,24 @@ void Graph::validate() const {
         continue;
       }
       if (!in_range(v))
-        invalid(node_label(n) + " input " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
+        invalid(node_label(n) + " input " + std::to_string(k) + " is value " + std::to_string(v) +
+                ", out of range");
       if (!defined[v])
-        invalid(node_label(n) + " input " + std::to_string(k) + " reads value " + std::to_string(v) +
-                " before any node defines it");
+        invalid(node_label(n) + " input " + std::to_string(k) + " reads value " +
+                std::to_string(v) + " before any node defines it");
       call_inputs.push_back(metas[v]);
     }
     for (size_t k = 0; k < n.outputs.size(); ++k) {
       int v = n.outputs[k];
       if (!in_range(v))
-        invalid(node_label(n) + " output " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
+        invalid(node_label(n) + " output " + std::to_string(k) + " is value " + std::to_string(v) +
+                ", out of range");
       if (n.inplace && !defined[v])
-        invalid(node_label(n) + " writes value " + std::to_string(v) + " in place before any node defines it");
+        invalid(node_label(n) + " writes value " + std::to_string(v) +
+                " in place before any node defines it");
       if (!n.inplace && defined[v])
-        invalid(node_label(n) + " output " + std::to_string(k) + " redefines value " + std::to_string(v));
+        invalid(node_label(n) + " output " + std::to_string(k) + " redefines value " +
+                std::to_string(v));
     }
 
     std::vector<TensorMeta> result;
@@ -203,8 +214,8 @@ void Graph::validate() const {
       invalid(node_label(n) + ": meta rejects the recorded inputs (" + e.what() + ")");
     }
     if (result.size() != n.outputs.size())
-      invalid(node_label(n) + " records " + std::to_string(n.outputs.size()) + " outputs but meta gives " +
-              std::to_string(result.size()));
+      invalid(node_label(n) + " records " + std::to_string(n.outputs.size()) +
+              " outputs but meta gives " + std::to_string(result.size()));
     for (size_t k = 0; k < result.size(); ++k) {
       const ValueInfo& rec = values[n.outputs[k]];
       const TensorMeta& m = result[k];
@@ -212,15 +223,18 @@ void Graph::validate() const {
       if (n.inplace) {
         // call_op_out: same sizes, result castable to the target.
         if (rec.sizes != m.sizes || !can_cast(m.dtype, rec.dtype))
-          invalid(where + detail::type_str(rec) + " is written in place with " + detail::type_str(m.dtype, m.sizes));
+          invalid(where + detail::type_str(rec) + " is written in place with " +
+                  detail::type_str(m.dtype, m.sizes));
         continue;
       }
       if (rec.sizes != m.sizes || rec.dtype != m.dtype)
-        invalid(where + detail::type_str(rec) + " but meta gives " + detail::type_str(m.dtype, m.sizes));
+        invalid(where + detail::type_str(rec) + " but meta gives " +
+                detail::type_str(m.dtype, m.sizes));
       if (rec.device != m.device)
         invalid(where + "device " + rec.device.str() + " but meta gives " + m.device.str());
-      if (n.is_view() && ((!m.strides.empty() && !rec.strides.empty() && rec.strides != m.strides) ||
-                          rec.storage_offset != m.storage_offset))
+      if (n.is_view() &&
+          ((!m.strides.empty() && !rec.strides.empty() && rec.strides != m.strides) ||
+           rec.storage_offset != m.storage_offset))
         invalid(where + "a view layout that differs from meta's (strides or storage offset)");
     }
     if (!n.inplace)
@@ -229,8 +243,11 @@ void Graph::validate() const {
 
   for (size_t k = 0; k < outputs.size(); ++k) {
     int v = outputs[k];
-    if (!in_range(v)) invalid("output " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
-    if (!defined[v]) invalid("output " + std::to_string(k) + " is value " + std::to_string(v) + ", which no node defines");
+    if (!in_range(v))
+      invalid("output " + std::to_string(k) + " is value " + std::to_string(v) + ", out of range");
+    if (!defined[v])
+      invalid("output " + std::to_string(k) + " is value " + std::to_string(v) +
+              ", which no node defines");
   }
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "compiler/capture/capture.h"
+#include "compiler/graph/format.h"
 #include "kiln/autograd.h"
 #include "kiln/error.h"
 
@@ -24,11 +25,11 @@ namespace {
 struct Step {
   const OpDef* op = nullptr;
   bool inplace = false;
-  std::vector<int> inputs;                   // value ids; -1 is None
-  std::vector<int> outputs;                  // new values, or the in-place targets
-  std::vector<Attr> attrs;                   // the node's attrs (slots hold the example value)
-  std::vector<std::pair<int, int>> slots;    // (attr index, scalar index)
-  std::vector<int> release;                  // values last used here
+  std::vector<int> inputs;                 // value ids; -1 is None
+  std::vector<int> outputs;                // new values, or the in-place targets
+  std::vector<Attr> attrs;                 // the node's attrs (slots hold the example value)
+  std::vector<std::pair<int, int>> slots;  // (attr index, scalar index)
+  std::vector<int> release;                // values last used here
 };
 
 struct Program {
@@ -37,7 +38,7 @@ struct Program {
   std::vector<int> outputs;
   size_t num_values = 0;
   size_t num_scalars = 0;
-  std::vector<std::string> slot_names;  // "mul_1.alpha", for errors
+  std::vector<std::string> slot_names;  // "add_1.alpha", for errors
 
   // One environment reused across calls; a concurrent (or reentrant) call allocates its own.
   std::atomic<bool> busy{false};
@@ -60,9 +61,10 @@ Attr coerce(const Attr& example, const Attr& given, const Program& p, size_t slo
     if (std::holds_alternative<int64_t>(example)) return number->to_int();
     if (std::holds_alternative<bool>(example)) return number->to_bool();
   }
-  throw CompileError("[kiln::compiler::interpreter] scalar " + std::to_string(slot) + " (" + p.slot_names[slot] +
-                     ") got a value of the wrong kind (attr alternative " + std::to_string(given.index()) +
-                     ", expected " + std::to_string(example.index()) + "). Pass a number.");
+  throw CompileError("[kiln::compiler::interpreter] scalar " + std::to_string(slot) + " (" +
+                     p.slot_names[slot] + ") got a value of the wrong kind (attr alternative " +
+                     std::to_string(given.index()) + ", expected " +
+                     std::to_string(example.index()) + "). Pass a number.");
 }
 
 std::shared_ptr<Program> build(const Graph& g) {
@@ -73,8 +75,9 @@ std::shared_ptr<Program> build(const Graph& g) {
   p->num_scalars = g.scalars.size();
   auto check_id = [&](int v, bool allow_none, const std::string& where) {
     if ((allow_none && v == -1) || (v >= 0 && static_cast<size_t>(v) < g.values.size())) return;
-    throw CompileError("[kiln::compiler::interpreter] " + where + " refers to value " + std::to_string(v) +
-                       ", but the graph has " + std::to_string(g.values.size()) +
+    throw CompileError("[kiln::compiler::interpreter] " + where + " refers to value " +
+                       std::to_string(v) + ", but the graph has " +
+                       std::to_string(g.values.size()) +
                        " values. Run graph.validate() to find the broken rewrite.");
   };
   for (int v : g.inputs) check_id(v, false, "a graph input");
@@ -87,7 +90,11 @@ std::shared_ptr<Program> build(const Graph& g) {
     if (!n.op)
       throw CompileError("[kiln::compiler::interpreter] node '" + n.name +
                          "' has no op. Run graph.validate() to find the broken rewrite.");
-    Step s{.op = n.op, .inplace = n.inplace, .inputs = n.inputs, .outputs = n.outputs, .attrs = n.attrs};
+    Step s{.op = n.op,
+           .inplace = n.inplace,
+           .inputs = n.inputs,
+           .outputs = n.outputs,
+           .attrs = n.attrs};
     for (int v : n.inputs) check_id(v, true, "node '" + n.name + "'");
     for (int v : n.outputs) check_id(v, false, "node '" + n.name + "'");
     for (int v : n.inputs)
@@ -99,11 +106,16 @@ std::shared_ptr<Program> build(const Graph& g) {
     const ScalarSlot& slot = g.scalars[k];
     if (slot.node < 0 || static_cast<size_t>(slot.node) >= g.nodes.size() || slot.attr < 0 ||
         static_cast<size_t>(slot.attr) >= g.nodes[slot.node].attrs.size())
-      throw CompileError("[kiln::compiler::interpreter] scalar slot " + std::to_string(k) + " names node " +
-                         std::to_string(slot.node) + " attr " + std::to_string(slot.attr) +
-                         ", which does not exist. Run graph.validate() to find the broken rewrite.");
+      throw CompileError(
+          "[kiln::compiler::interpreter] scalar slot " + std::to_string(k) + " names node " +
+          std::to_string(slot.node) + " attr " + std::to_string(slot.attr) +
+          ", which does not exist. Run graph.validate() to find the broken rewrite.");
     p->steps[slot.node].slots.emplace_back(slot.attr, static_cast<int>(k));
-    p->slot_names.push_back(g.nodes[slot.node].name + ".attr" + std::to_string(slot.attr));
+    std::vector<std::string> names = detail::attr_names(*g.nodes[slot.node].op);
+    std::string attr = static_cast<size_t>(slot.attr) < names.size()
+                           ? names[slot.attr]
+                           : "attr" + std::to_string(slot.attr);
+    p->slot_names.push_back(g.nodes[slot.node].name + "." + attr);
   }
   for (int v : g.outputs) last_use[v] = -1;  // outputs live to the end
   for (size_t v = 0; v < last_use.size(); ++v)
@@ -113,10 +125,12 @@ std::shared_ptr<Program> build(const Graph& g) {
 
 std::vector<Tensor> run(Program& p, const Arguments& args) {
   if (args.tensors.size() != p.inputs.size() || args.scalars.size() != p.num_scalars) {
-    throw CompileError("[kiln::compiler::interpreter] the graph takes " + std::to_string(p.inputs.size()) +
-                       " tensors and " + std::to_string(p.num_scalars) + " scalars, but got " +
-                       std::to_string(args.tensors.size()) + " tensors and " + std::to_string(args.scalars.size()) +
-                       " scalars. Pass one tensor per graph input and one value per scalar slot, in order.");
+    throw CompileError(
+        "[kiln::compiler::interpreter] the graph takes " + std::to_string(p.inputs.size()) +
+        " tensors and " + std::to_string(p.num_scalars) + " scalars, but got " +
+        std::to_string(args.tensors.size()) + " tensors and " +
+        std::to_string(args.scalars.size()) +
+        " scalars. Pass one tensor per graph input and one value per scalar slot, in order.");
   }
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
@@ -146,7 +160,8 @@ std::vector<Tensor> run(Program& p, const Arguments& args) {
     for (auto [attr, k] : s.slots) attrs[attr] = coerce(s.attrs[attr], args.scalars[k], p, k);
     if (s.inplace) {
       if (s.outputs.size() == 1) {
-        call_op_out(*s.op, std::move(inputs), std::move(attrs), std::span<Tensor>(&env[s.outputs[0]], 1));
+        call_op_out(*s.op, std::move(inputs), std::move(attrs),
+                    std::span<Tensor>(&env[s.outputs[0]], 1));
       } else {
         targets.clear();
         for (int v : s.outputs) targets.push_back(env[v]);
@@ -157,7 +172,8 @@ std::vector<Tensor> run(Program& p, const Arguments& args) {
       if (outs.size() != s.outputs.size()) {
         throw CompileError("[kiln::compiler::interpreter] op '" + s.op->name + "' returned " +
                            std::to_string(outs.size()) + " outputs but the graph records " +
-                           std::to_string(s.outputs.size()) + ". This is a capture bug; please report it.");
+                           std::to_string(s.outputs.size()) +
+                           ". This is a capture bug; please report it.");
       }
       for (size_t k = 0; k < outs.size(); ++k) env[s.outputs[k]] = std::move(outs[k]);
     }

@@ -6,7 +6,8 @@
 // in-place nodes keep their name. Anything else is "v<id>". Scalar slots print as "s<k>" (their
 // example value is in the placeholder's comment in str()). Attrs are named after the op schema's
 // non-Tensor parameters ("attr<k>" past its end) and printed in Python syntax (1, 0.5, 1e-05,
-// True, None, [1, 2], 'tanh'); dtypes and devices print as Kiln names (float32, cpu).
+// True, None, [1, 2], 'tanh'); dtypes and devices print as Kiln names (float32, cpu). In-place
+// nodes (opcode call_inplace) show their targets as an extra 'out' kwarg, like an out= call.
 #include <algorithm>
 #include <array>
 #include <charconv>
@@ -22,15 +23,24 @@ namespace detail {
 
 std::string_view short_dtype_name(DType t) {
   switch (t) {
-    case DType::bool_: return "b8";
-    case DType::uint8: return "u8";
-    case DType::int8: return "i8";
-    case DType::int32: return "i32";
-    case DType::int64: return "i64";
-    case DType::float16: return "f16";
-    case DType::bfloat16: return "bf16";
-    case DType::float32: return "f32";
-    case DType::float64: return "f64";
+    case DType::bool_:
+      return "b8";
+    case DType::uint8:
+      return "u8";
+    case DType::int8:
+      return "i8";
+    case DType::int32:
+      return "i32";
+    case DType::int64:
+      return "i64";
+    case DType::float16:
+      return "f16";
+    case DType::bfloat16:
+      return "bf16";
+    case DType::float32:
+      return "f32";
+    case DType::float64:
+      return "f64";
   }
   return "?";
 }
@@ -46,7 +56,9 @@ std::string type_str(DType t, const std::vector<int64_t>& sizes) {
   return s;
 }
 
-std::string type_str(const ValueInfo& v) { return type_str(v.dtype, v.sizes); }
+std::string type_str(const ValueInfo& v) {
+  return type_str(v.dtype, v.sizes);
+}
 
 std::vector<SchemaParam> parse_schema_params(std::string_view schema) {
   size_t open = schema.find('(');
@@ -181,7 +193,8 @@ struct Names {
   std::vector<std::vector<int>> node_slots;  // per node: scalar slot index per attr, -1 if none
   std::vector<std::vector<std::string>> attr_names;
 
-  explicit Names(const Graph& g) : values(g.values.size()), node_slots(g.nodes.size()), attr_names(g.nodes.size()) {
+  explicit Names(const Graph& g)
+      : values(g.values.size()), node_slots(g.nodes.size()), attr_names(g.nodes.size()) {
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       const Node& n = g.nodes[i];
       node_slots[i].assign(n.attrs.size(), -1);
@@ -207,7 +220,8 @@ struct Names {
 
   std::string value(int v) const {
     if (v == -1) return "None";
-    if (v < 0 || static_cast<size_t>(v) >= values.size()) return "<bad value " + std::to_string(v) + ">";
+    if (v < 0 || static_cast<size_t>(v) >= values.size())
+      return "<bad value " + std::to_string(v) + ">";
     return values[v];
   }
   std::string attr_name(size_t node, size_t k) const {
@@ -222,14 +236,16 @@ struct Names {
 // A Python tuple of names: "()", "(x,)", "(x, y)".
 std::string tuple_repr(const std::vector<int>& ids, const Names& names, const char* prefix = "") {
   std::string s = "(";
-  for (size_t i = 0; i < ids.size(); ++i) s += (i ? ", " : "") + std::string(prefix) + names.value(ids[i]);
+  for (size_t i = 0; i < ids.size(); ++i)
+    s += (i ? ", " : "") + std::string(prefix) + names.value(ids[i]);
   if (ids.size() == 1) s += ",";
   return s + ")";
 }
 
 std::string node_types(const Graph& g, const Node& n) {
   auto one = [&](int v) {
-    return v >= 0 && static_cast<size_t>(v) < g.values.size() ? detail::type_str(g.values[v]) : std::string("?");
+    return v >= 0 && static_cast<size_t>(v) < g.values.size() ? detail::type_str(g.values[v])
+                                                              : std::string("?");
   };
   if (n.outputs.size() == 1) return one(n.outputs[0]);
   std::string s = "(";
@@ -261,7 +277,8 @@ void Graph::print_tabular(std::ostream& os) const {
     const Node& n = nodes[i];
     std::string kwargs = "{";
     for (size_t k = 0; k < n.attrs.size(); ++k)
-      kwargs += (k ? ", " : "") + python_string(names.attr_name(i, k)) + ": " + names.attr(*this, i, k);
+      kwargs +=
+          (k ? ", " : "") + python_string(names.attr_name(i, k)) + ": " + names.attr(*this, i, k);
     if (n.inplace) {
       kwargs += n.attrs.empty() ? "'out': " : ", 'out': ";
       kwargs += n.outputs.size() == 1 ? names.value(n.outputs[0]) : tuple_repr(n.outputs, names);
@@ -302,7 +319,8 @@ std::string Graph::str() const {
   std::ostringstream os;
   for (int v : inputs) {
     os << '%' << names.value(v) << " = placeholder()  # "
-       << (v >= 0 && static_cast<size_t>(v) < values.size() ? detail::type_str(values[v]) : "?") << '\n';
+       << (v >= 0 && static_cast<size_t>(v) < values.size() ? detail::type_str(values[v]) : "?")
+       << '\n';
   }
   for (size_t k = 0; k < scalars.size(); ++k) {
     const ScalarSlot& s = scalars[k];
@@ -332,7 +350,8 @@ std::string Graph::str() const {
     }
     if (n.inplace) {
       std::string out;
-      for (size_t k = 0; k < n.outputs.size(); ++k) out += (k ? ", %" : "%") + names.value(n.outputs[k]);
+      for (size_t k = 0; k < n.outputs.size(); ++k)
+        out += (k ? ", %" : "%") + names.value(n.outputs[k]);
       arg("out=" + (n.outputs.size() == 1 ? out : "(" + out + ")"));
       os << call << ")  # " << n.name << " (in place): " << node_types(*this, n) << '\n';
       continue;
@@ -344,7 +363,8 @@ std::string Graph::str() const {
     if (indexed) {
       lhs = "%" + n.name;
     } else {
-      for (size_t k = 0; k < n.outputs.size(); ++k) lhs += (k ? ", %" : "%") + names.value(n.outputs[k]);
+      for (size_t k = 0; k < n.outputs.size(); ++k)
+        lhs += (k ? ", %" : "%") + names.value(n.outputs[k]);
     }
     if (!lhs.empty()) os << lhs << " = ";
     os << call << ")";
@@ -371,8 +391,9 @@ std::string Graph::dot() const {
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
     std::string id = numbered("n", i);
-    os << "  " << id << " [label=\"" << dot_escape(n.name) << "\\n" << dot_escape(n.op ? n.op->name : "?")
-       << (n.inplace ? " (in place)" : "") << "\\n" << node_types(*this, n) << "\"];\n";
+    os << "  " << id << " [label=\"" << dot_escape(n.name) << "\\n"
+       << dot_escape(n.op ? n.op->name : "?") << (n.inplace ? " (in place)" : "") << "\\n"
+       << node_types(*this, n) << "\"];\n";
     std::vector<std::string> sources;
     auto edge_from = [&](int v) {
       if (v < 0 || static_cast<size_t>(v) >= writer.size() || writer[v].empty()) return;
@@ -398,6 +419,8 @@ std::string Graph::dot() const {
   return os.str();
 }
 
-std::ostream& operator<<(std::ostream& os, const Graph& g) { return os << g.str(); }
+std::ostream& operator<<(std::ostream& os, const Graph& g) {
+  return os << g.str();
+}
 
 }  // namespace kiln::compiler

@@ -15,8 +15,8 @@ namespace {
 bool is_random(const OpDef& op) {
   for (const detail::SchemaParam& p : detail::parse_schema_params(op.schema))
     if (p.name == "seed") return true;
-  return op.name == "uniform" || op.name == "normal" || op.name == "randint" || op.name == "bernoulli" ||
-         op.name == "bernoulli.p" || op.name == "native_dropout";
+  return op.name == "uniform" || op.name == "normal" || op.name == "randint" ||
+         op.name == "bernoulli" || op.name == "bernoulli.p" || op.name == "native_dropout";
 }
 
 // Values that share memory: the recorded storage groups, joined through view nodes.
@@ -62,7 +62,8 @@ void eliminate_common_subexpressions(Graph& graph) {
       for (int v : n.outputs)
         if (groups.valid(v)) written[groups.find(v)] = 1;
     for (int i : n.op->mutated_inputs)
-      if (static_cast<size_t>(i) < n.inputs.size() && groups.valid(n.inputs[i])) written[groups.find(n.inputs[i])] = 1;
+      if (static_cast<size_t>(i) < n.inputs.size() && groups.valid(n.inputs[i]))
+        written[groups.find(n.inputs[i])] = 1;
   }
   std::vector<char> has_slot(graph.nodes.size(), 0);
   for (const ScalarSlot& s : graph.scalars)
@@ -95,7 +96,8 @@ void eliminate_common_subexpressions(Graph& graph) {
     int match = -1;
     for (int j : candidates) {
       const Node& m = graph.nodes[j];
-      if (m.op == n.op && m.inputs == n.inputs && m.attrs == n.attrs && m.outputs.size() == n.outputs.size()) {
+      if (m.op == n.op && m.inputs == n.inputs && m.attrs == n.attrs &&
+          m.outputs.size() == n.outputs.size()) {
         match = j;
         break;
       }
@@ -104,7 +106,8 @@ void eliminate_common_subexpressions(Graph& graph) {
       candidates.push_back(static_cast<int>(i));
       continue;
     }
-    for (size_t k = 0; k < n.outputs.size(); ++k) replacement[n.outputs[k]] = graph.nodes[match].outputs[k];
+    for (size_t k = 0; k < n.outputs.size(); ++k)
+      replacement[n.outputs[k]] = graph.nodes[match].outputs[k];
     merged[i] = 1;
   }
   for (int& v : graph.outputs) remap(v);
