@@ -3,7 +3,14 @@
 
 CPU: eager inference (eval, no_grad), TorchScript-frozen inference and an Adam training step.
 Usage: torch_baseline.py densenet121 --device cpu --batch 16 --size 128 [--train] [--threads N]
-Prints one JSON object; exits 3 when torch or torchvision is not installed.
+
+`toy` is the counterpart of `kiln bench toy`: microseconds per call of the set_stance recipe's
+three 5x5 matmuls in eager mode and, where torch.compile exists (PyTorch >= 2.0), compiled with
+the default mode and with mode="reduce-overhead"; a mode that cannot run is reported with an
+"unavailable" reason instead of a time.
+Usage: torch_baseline.py toy [--iters 2000] [--batches 7] [--warmup 3] [--threads N]
+
+Prints one JSON object; exits 3 when torch (or, for a model, torchvision) is not installed.
 """
 import argparse
 import json
@@ -13,7 +20,6 @@ import time
 
 try:
     import torch
-    import torchvision
 except ImportError as e:  # the baseline is optional
     print(json.dumps({"error": f"baseline unavailable: {e}"}))
     sys.exit(3)
@@ -32,20 +38,89 @@ def median_ms(fn, warmup, iters, sync):
     return statistics.median(times)
 
 
+def toy_model(x, y):
+    x = x @ y
+    x = x @ y
+    x = x @ y
+    return x
+
+
+def time_batch_us(fn, x, y, iters):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(x, y)
+    return (time.perf_counter() - t0) * 1e6 / iters
+
+
+def toy(a):
+    """Per-call time of toy_model: eager, torch.compile default, torch.compile reduce-overhead."""
+    torch.manual_seed(0)
+    x, y = torch.randn(5, 5), torch.randn(5, 5)
+    expected = toy_model(x, y)
+    fns = {"eager": toy_model}
+    unavailable = {}
+    for mode, kwargs in (("torch_compile", {}), ("torch_compile_reduce_overhead", {"mode": "reduce-overhead"})):
+        if not hasattr(torch, "compile"):
+            unavailable[mode] = f"torch.compile needs PyTorch >= 2.0; this is {torch.__version__}"
+            continue
+        try:
+            fn = torch.compile(toy_model, **kwargs)
+            # The first calls compile; each compiled mode must equal eager.
+            for _ in range(max(a.warmup, 3)):
+                if not torch.allclose(fn(x, y), expected, rtol=1.3e-6, atol=1e-5):
+                    raise RuntimeError("result differs from eager")
+            fns[mode] = fn
+        except Exception as e:  # no C++ compiler, Triton, ...: report why instead of a time
+            unavailable[mode] = f"{type(e).__name__}: {e}".splitlines()[0]
+    for _ in range(a.warmup):
+        toy_model(x, y)
+    # Batches of the modes alternate, as in `kiln bench toy`, so machine load hits each alike.
+    # Grad mode stays on, as in Kiln's bench (no input requires grad, so nothing is recorded).
+    times = {mode: [] for mode in fns}
+    for _ in range(a.batches):
+        for mode, fn in fns.items():
+            times[mode].append(time_batch_us(fn, x, y, a.iters))
+    out = {"framework": f"torch {torch.__version__}", "model": "toy",
+           "function": "x = x @ y three times, x and y randn 5x5 float32", "device": "cpu",
+           "threads": torch.get_num_threads(), "warmup": a.warmup, "iters": a.iters, "batches": a.batches,
+           "modes": {}}
+    eager_us = statistics.median(times["eager"])
+    for mode in ("eager", "torch_compile", "torch_compile_reduce_overhead"):
+        if mode in unavailable:
+            out["modes"][mode] = {"unavailable": unavailable[mode]}
+            continue
+        us = statistics.median(times[mode])
+        out["modes"][mode] = {"us_per_call": us} if mode == "eager" else {"us_per_call": us, "overhead_us": us - eager_us}
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("model")
+    p.add_argument("model", help="a torchvision model (densenet121, ...) or toy")
     p.add_argument("--device", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--size", type=int, default=128)
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--train", action="store_true")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=None, help="default 2 (toy: 3)")
+    p.add_argument("--iters", type=int, default=None, help="timed runs, default 5 (toy: calls per batch, 2000)")
+    p.add_argument("--batches", type=int, default=7, help="toy only: the time is the median batch")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.model == "toy":
+        a.warmup = 3 if a.warmup is None else a.warmup
+        a.iters = 2000 if a.iters is None else a.iters
+        print(json.dumps(toy(a), indent=2))
+        return
+    a.warmup = 2 if a.warmup is None else a.warmup
+    a.iters = 5 if a.iters is None else a.iters
+    try:
+        import torchvision
+    except ImportError as e:  # the baseline is optional
+        print(json.dumps({"error": f"baseline unavailable: {e}"}))
+        sys.exit(3)
     dev = torch.device(a.device)
     sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)

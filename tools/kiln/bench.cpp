@@ -221,7 +221,7 @@ int run_toy_bench(const std::vector<std::string>& args) {
                  "); a pure one-graph function skips its body on every call after the second. This is a Kiln bug.");
 
   compiler::Counters total = compiler::counters();
-  nlohmann::json result = {{"model", "toy"},
+  nlohmann::ordered_json result = {{"model", "toy"},
                            {"function", "x = x @ y three times, x and y randn 5x5 float32"},
                            {"device", "cpu"},
                            {"threads", get_num_threads()},
@@ -232,7 +232,7 @@ int run_toy_bench(const std::vector<std::string>& args) {
                            {"graph_compiles", total.graph_compiles}};
   const double eager_us = median(runs[0].us);
   for (int m = 0; m < 3; ++m) {
-    nlohmann::json j = {{"us_per_call", median(runs[m].us)}};
+    nlohmann::ordered_json j = {{"us_per_call", median(runs[m].us)}};
     if (m > 0) {
       j["overhead_us"] = median(runs[m].us) - eager_us;
       j["graph_runs"] = runs[m].graph_runs;

@@ -40,6 +40,8 @@ struct ValueInfo {
   Device device;
   int storage = -1;        // alias group: values with the same group share memory
   bool is_input = false;   // a placeholder
+  bool is_wrapped_number = false;  // a placeholder holding a host scalar (type promotion treats it
+                                   // like a Python number)
   std::string name;        // printed name: "x", "sin", "add_1"
 };
 

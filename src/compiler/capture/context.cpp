@@ -119,6 +119,7 @@ int value_of(Segment& seg, const Tensor& t) {
   if (new_group) ++seg.next_group;
   v.storage = g->second;
   v.is_input = true;
+  v.is_wrapped_number = impl.is_wrapped_number;
   int id = static_cast<int>(seg.graph.values.size());
   uint64_t& h = seg.hash;
   mix(h, 0x1a);
@@ -532,7 +533,8 @@ bool same_structure(const Graph& a, const Graph& b) {
     const ValueInfo& x = a.values[i];
     const ValueInfo& y = b.values[i];
     if (x.dtype != y.dtype || x.device != y.device || x.sizes != y.sizes || x.strides != y.strides ||
-        x.storage_offset != y.storage_offset || x.storage != y.storage || x.is_input != y.is_input)
+        x.storage_offset != y.storage_offset || x.storage != y.storage || x.is_input != y.is_input ||
+        x.is_wrapped_number != y.is_wrapped_number)
       return false;
   }
   for (size_t i = 0; i < a.nodes.size(); ++i) {

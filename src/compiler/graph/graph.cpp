@@ -76,6 +76,7 @@ std::vector<Tensor> meta_tensors(const Graph& g) {
         info.strides.empty() ? kiln::detail::contiguous_strides(info.sizes) : info.strides;
     impl->dtype = info.dtype;
     impl->device = info.device;
+    impl->is_wrapped_number = info.is_wrapped_number;
     impl->refresh_metadata();
     int64_t span = impl->numel > 0 ? 1 : 0;
     if (impl->numel > 0)
