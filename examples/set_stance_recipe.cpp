@@ -45,6 +45,7 @@ std::string seconds(double s) {
 
 KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::set_stance") {
   compiler::reset();
+  manual_seed(0);
 
   out << "--- Description ---\n";
   // is_compiling() tells the two paths apart: +1 when compiled, -1 when run eagerly.

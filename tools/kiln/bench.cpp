@@ -54,6 +54,20 @@ std::vector<std::string> split_commas(const std::string& s) {
   return out;
 }
 
+// An option's integer value; bad text is a ValueError, not an uncaught std::invalid_argument.
+int64_t to_int(const std::string& option, const std::string& text) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  KILN_CHECK(used == text.size() && !text.empty(), ValueError,
+             "[kiln bench] " + option + " needs an integer, got '" + text + "'.");
+  return v;
+}
+
 BenchArgs parse(const std::vector<std::string>& args) {
   BenchArgs a;
   KILN_CHECK(!args.empty(), ValueError, "[kiln bench] name a model: densenet121, densenet169, resnet18, resnet50, or toy.");
@@ -65,15 +79,15 @@ BenchArgs parse(const std::vector<std::string>& args) {
       return args[++i];
     };
     if (k == "--device") a.device = Device(value());
-    else if (k == "--batch") a.batch = std::stoll(value());
-    else if (k == "--size") a.size = std::stoll(value());
-    else if (k == "--classes") a.num_classes = std::stoll(value());
+    else if (k == "--batch") a.batch = to_int(k, value());
+    else if (k == "--size") a.size = to_int(k, value());
+    else if (k == "--classes") a.num_classes = to_int(k, value());
     else if (k == "--modes") a.modes = split_commas(value());
     else if (k == "--train") a.train = true;
     else if (k == "--json") a.json = true;
-    else if (k == "--warmup") a.warmup = std::stoi(value());
-    else if (k == "--iters") a.iters = std::stoi(value());
-    else if (k == "--threads") a.threads = std::stoi(value());
+    else if (k == "--warmup") a.warmup = static_cast<int>(to_int(k, value()));
+    else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
+    else if (k == "--threads") a.threads = static_cast<int>(to_int(k, value()));
     else throw ValueError("[kiln bench] unknown option '" + k + "'. See `kiln help`.");
   }
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
@@ -126,10 +140,10 @@ ToyArgs parse_toy(const std::vector<std::string>& args) {
       return args[++i];
     };
     if (k == "--json") a.json = true;
-    else if (k == "--warmup") a.warmup = std::stoi(value());
-    else if (k == "--iters") a.iters = std::stoi(value());
-    else if (k == "--batches") a.batches = std::stoi(value());
-    else if (k == "--threads") a.threads = std::stoi(value());
+    else if (k == "--warmup") a.warmup = static_cast<int>(to_int(k, value()));
+    else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
+    else if (k == "--batches") a.batches = static_cast<int>(to_int(k, value()));
+    else if (k == "--threads") a.threads = static_cast<int>(to_int(k, value()));
     else throw ValueError("[kiln bench toy] unknown option '" + k + "'. See `kiln help`.");
   }
   KILN_CHECK(a.iters > 0 && a.batches > 0 && a.warmup >= 1, ValueError,

@@ -412,7 +412,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     BreakReason br;
     br.reason = std::string(reason);
     if (site) {
-      br.file = site->file;
+      br.file = relative_path(site->file);
       br.line = site->line;
       br.function = site->function;
     }
@@ -480,6 +480,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
   last_output_storages.clear();
   for (const auto& s : live) last_output_storages.push_back(s.get());
   last_inputs = std::move(seg->inputs);
+  last_scalars = std::move(scalars);
   last_outputs = graph.outputs;
   ++flushes;
   // Reuse the segment's allocations when nothing else refers to it.

@@ -22,12 +22,16 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+}  // namespace
+
 std::string relative_path(const std::string& path) {
   std::error_code ec;
   auto rel = std::filesystem::relative(path, std::filesystem::current_path(ec), ec);
   if (ec || rel.empty() || rel.native().rfind("..", 0) == 0) return path;
   return rel.string();
 }
+
+namespace {
 
 void run_eager(CallHooks& hooks) {
   counter_set().eager_frames.fetch_add(1, std::memory_order_relaxed);
@@ -77,11 +81,20 @@ void check_epoch(FunctionState& st) {
 
 // ---- pure replay ----
 
+namespace {
+// The value of a wrapped host scalar (a 0-dim CPU tensor), read without a graph break.
+Scalar read_scalar(const Tensor& t) {
+  SuspendCapture eager;
+  return t.item();
+}
+}  // namespace
+
 struct FrameEntry::Replay {
   std::shared_ptr<CompiledGraph> graph;
   struct Input {
-    int leaf = -1;  // an argument leaf, or
-    Tensor fixed;   // a tensor the body captured from elsewhere (closure, module)
+    int leaf = -1;          // an argument leaf, or
+    Tensor fixed;           // a tensor the body captured from elsewhere (closure, module), or
+    bool constant = false;  // a host scalar the body wrapped (fixed holds its value)
   };
   std::vector<Input> inputs;
   std::vector<Attr> scalars;
@@ -96,9 +109,15 @@ struct FrameEntry::Replay {
   bool confirmed = false;  // seen twice in a row: later calls replay
 
   bool same_plan(const Replay& o) const {
-    if (graph != o.graph || inputs.size() != o.inputs.size() || results.size() != o.results.size()) return false;
-    for (size_t i = 0; i < inputs.size(); ++i)
-      if (inputs[i].leaf != o.inputs[i].leaf || !inputs[i].fixed.same(o.inputs[i].fixed)) return false;
+    if (graph != o.graph || inputs.size() != o.inputs.size() || results.size() != o.results.size() ||
+        scalars != o.scalars)
+      return false;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Input& a = inputs[i];
+      const Input& b = o.inputs[i];
+      if (a.leaf != b.leaf || a.constant != b.constant) return false;
+      if (a.constant ? !(read_scalar(a.fixed) == read_scalar(b.fixed)) : !a.fixed.same(b.fixed)) return false;
+    }
     for (size_t i = 0; i < results.size(); ++i)
       if (results[i].output != o.results[i].output || results[i].leaf != o.results[i].leaf ||
           !results[i].fixed.same(o.results[i].fixed))
@@ -139,11 +158,12 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     if (auto it = leaf_of.find(t.unsafe_impl()); it != leaf_of.end()) {
       in.leaf = it->second;
     } else {
-      in.fixed = t;
+      in.fixed = t;  // a host scalar made into a tensor by the body is new each call: compared by value
+      in.constant = t.impl().is_wrapped_number;
     }
     plan->inputs.push_back(std::move(in));
   }
-  for (const ScalarSlot& s : g.scalars) plan->scalars.push_back(g.nodes[s.node].attrs[s.attr]);
+  plan->scalars = ctx.last_scalars;  // this capture's values (the cached graph holds the first capture's)
   std::vector<Leaf> result_leaves;
   if (hooks.result_leaves) hooks.result_leaves(result_leaves);
   std::vector<bool> output_used(g.outputs.size(), false);
@@ -615,7 +635,11 @@ bool in_recursive_disable() { return t_disabled_depth > 0; }
 DisabledScope::DisabledScope(bool recursive, std::string_view reason, std::source_location loc)
     : recursive_(recursive) {
   if (CaptureContext* cap = active_capture()) {
-    CallSite site{relative_path(loc.file_name()), static_cast<int>(loc.line()), loc.function_name()};
+    // Where the disabled function is called: the first user frame (the wrapper lives in a Kiln
+    // header); `loc` (where the wrapper was made) when the stack has no line information.
+    CallSite site;
+    if (cap->record_stacks) site = user_call_site(capture_stack());
+    if (!site.known()) site = CallSite{relative_path(loc.file_name()), static_cast<int>(loc.line()), loc.function_name()};
     cap->flush(false,
                "call to a function wrapped in compiler::disable" + (reason.empty() ? std::string() : ": " + std::string(reason)),
                &site);

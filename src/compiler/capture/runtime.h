@@ -143,6 +143,7 @@ struct CaptureContext {
   ExplainRecorder* explain = nullptr;
   std::shared_ptr<CompiledGraph> last_graph;        // the graph the last flush ran
   std::vector<Tensor> last_inputs;                  // and its inputs (pure replay analysis)
+  std::vector<Attr> last_scalars;                   // and its scalar values
   std::vector<int> last_outputs;
   std::vector<const kiln::detail::Storage*> last_output_storages;
 
@@ -173,6 +174,9 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
 
 // Runs a captured backward pass (engine.cpp): the backward of a graph captured by `owner`.
 void run_captured_backward(const std::shared_ptr<void>& owner, const std::function<void()>& run);
+
+// `path` relative to the working directory when it lies below it.
+std::string relative_path(const std::string& path);
 
 // Structural equality of two graphs (cache hits compare the new capture with the cached graph).
 bool same_structure(const Graph& a, const Graph& b);
