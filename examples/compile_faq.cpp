@@ -100,7 +100,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
   w.set_grad(Tensor());
 
   // The loss inside the compiled function: backward() starts at a compiled output.
-  auto opt_f_loss = compile([&](const Tensor& x, const Tensor& w) { return f(x, w).sum(); });
+  auto opt_f_loss = compile([f](const Tensor& x, const Tensor& w) { return f(x, w).sum(); });
   for (int step = 1; step <= 2; ++step) {
     compiler::Counters before = compiler::counters();
     Tensor loss = opt_f_loss(x, w);
@@ -256,7 +256,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
   // disable: the function runs eagerly, with everything it calls; a graph break around it.
   auto helper = [](const Tensor& t) { return t.cos(); };
   auto eager_helper = compiler::disable(helper);
-  auto fn = compile([&](const Tensor& t) {
+  auto fn = compile([&eager_helper](const Tensor& t) {
     Tensor y = t.sin();
     y = eager_helper(y);
     return y * 2;
@@ -268,8 +268,8 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
   // disable(fn, recursive=false): fn's own ops run eagerly, but compiled functions it calls
   // still compile (the FAQ's a_fn calling aa_fn and ab_fn).
   auto aa_fn = compile([](const Tensor& t) { return t * 3; });
-  auto a_fn = [&](const Tensor& t) { return aa_fn(t + 1); };
-  auto outer = [&](auto disabled_a_fn) {
+  auto a_fn = [&aa_fn](const Tensor& t) { return aa_fn(t + 1); };
+  auto outer = [](auto disabled_a_fn) {
     return compile([disabled_a_fn](const Tensor& t) mutable { return disabled_a_fn(t.sin()).cos(); });
   };
   compiler::reset();
@@ -308,11 +308,11 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
     graph.print_tabular(out);
     return compiler::interpreter(graph);
   };
-  auto k = compile([&](const Tensor& t) { return cube.call1({t.sin()}) + 1; },
+  auto k = compile([&cube](const Tensor& t) { return cube.call1({t.sin()}) + 1; },
                    {.backend = print_graph, .arg_names = {"t"}});
   Tensor y = k(t);  // prints the graph: mylib::cube is one node
   out << "custom op: same result: " << py_bool(allclose(y, t.sin().pow(3) + 1)) << "\n";
-  auto k_sum = compile([&](const Tensor& t) { return cube.call1({t.sin()}).sum(); });
+  auto k_sum = compile([&cube](const Tensor& t) { return cube.call1({t.sin()}).sum(); });
   compiler::reset();
   Tensor tg = t.detach().requires_grad_();
   k_sum(tg).backward();

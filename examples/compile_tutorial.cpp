@@ -253,7 +253,7 @@ KILN_EXAMPLE(compile_tutorial, 30, "Introduction to kiln::compile") {
       << " graph breaks)\n";
   out << std::string(10, '~') << "\n";
 
-  // An int argument needs no annotation: compile() guards on its value.
+  // An int argument needs no type annotation (TorchScript's scripting failed here).
   auto f2 = [](const Tensor& x, int y) { return x + y; };
   inp1 = randn({5, 5});
   int int_inp2 = 3;
@@ -305,5 +305,4 @@ KILN_EXAMPLE(compile_tutorial, 30, "Introduction to kiln::compile") {
   } catch (const GraphBreakError& e) {
     out << stable_paths(e.what()) << "\n";
   }
-
 }

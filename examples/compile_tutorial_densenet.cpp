@@ -2,9 +2,9 @@
 // printed by a custom backend, and compiled with fullgraph=true (it has no graph break).
 //
 // Sizes: a batch of 16 images 3x128x128; with KILN_EXAMPLE_QUICK=1 (set by the tests) 2 images
-// 3x32x32. The graph has the same nodes at both sizes; examples/expected/compile_tutorial_densenet.txt
-// holds the quick-mode output. (It is a separate example from compile_tutorial because its
-// table runs to some 1,800 lines.)
+// 3x32x32. The graph has the same nodes at both sizes (only shapes in attributes differ);
+// examples/expected/compile_tutorial_densenet.txt holds the quick-mode output. It is a separate
+// example from compile_tutorial because its table runs to some 1,800 lines.
 #include <kiln/kiln.h>
 
 #include <cstdlib>

@@ -95,7 +95,7 @@ KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::
   try {
     baz(inp);
   } catch (const Error& e) {
-    out << e.what() << "\n";
+    out << stable_paths(e.what()) << "\n";
   }
 
   auto inner = compiler::with_stance(Stance::force_eager, [](const Tensor& x) { return x + 1; });
@@ -105,7 +105,7 @@ KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::
   try {
     outer(inp);
   } catch (const Error& e) {
-    out << e.what() << "\n";
+    out << stable_paths(e.what()) << "\n";
   }
 
   out << "\n--- Other stances ---\n";

@@ -382,6 +382,159 @@ TEST_F(Compile, PairVectorOptionalAndVoidResults) {
   EXPECT_EQ(d.now().eager_frames, 0);
 }
 
+TEST_F(Compile, ExceptionsRaiseAsInEagerAfterPendingWorkRan) {
+  auto body = [](Tensor x) {
+    x.add_(1);                            // pending when the error comes
+    return x.matmul(ones({5, 5}));        // (2, 3) @ (5, 5): a shape error
+  };
+  auto f = kiln::compile(body);
+  Tensor base = randn({2, 3});
+  Tensor xc = base.clone(), xe = base.clone();
+  std::string eager_msg, compiled_msg;
+  try {
+    body(xe);
+  } catch (const ShapeError& e) {
+    eager_msg = e.what();
+  }
+  try {
+    f(xc);
+    FAIL() << "expected ShapeError";
+  } catch (const ShapeError& e) {
+    compiled_msg = e.what();
+  }
+  EXPECT_FALSE(eager_msg.empty());
+  EXPECT_EQ(compiled_msg, eager_msg) << "the same error, raised at the same call";
+  EXPECT_TRUE(close(xc, xe)) << "work before the error still happened, as in eager";
+  // The function stays usable.
+  auto g = kiln::compile([](const Tensor& x) { return x * 2; });
+  Tensor x = randn({3});
+  EXPECT_TRUE(close(g(x), x * 2));
+}
+
+TEST_F(Compile, NestedCompiledFunctionsInlineIntoTheOuterGraph) {
+  bool inner_compiling = false;
+  auto inner = kiln::compile([&](const Tensor& t) {
+    inner_compiling = compiler::is_compiling();
+    return sin(t) * 2;
+  });
+  auto outer_body = [&](const Tensor& x) { return inner(x + 1).exp(); };
+  auto outer = kiln::compile(outer_body);
+  Tensor x = randn({4});
+  Delta d;
+  EXPECT_TRUE(close(outer(x), exp(sin(x + 1) * 2)));
+  EXPECT_TRUE(inner_compiling);
+  EXPECT_EQ(d.now().frame_compiles, 1) << "the inner call has no frame of its own";
+  EXPECT_EQ(d.now().graph_compiles, 1);
+  EXPECT_EQ(d.now().graph_runs, 1);
+  compiler::ExplainOutput e = compiler::explain(outer_body)(x);
+  EXPECT_EQ(e.graph_count, 1);
+  EXPECT_EQ(e.ops_per_graph.at(0), (std::vector<std::string>{"add", "sin", "mul", "exp"}));
+}
+
+TEST_F(Compile, HostReadsInsideTheBodySeeComputedValues) {
+  std::string printed;
+  double item = 0;
+  std::vector<float> values;
+  auto f = kiln::compile([&](const Tensor& x) {
+    Tensor y = x * 2;
+    std::ostringstream os;
+    os << y;                      // printing: a graph break
+    printed = os.str();
+    item = y.sum().item<double>();  // item(): a graph break
+    values = (y + 1).to_vector<float>();
+    return y;
+  });
+  Tensor x = tensor<float>({1, 2, 3});
+  Delta d;
+  Tensor y = f(x);
+  EXPECT_EQ(printed, (x * 2).str());
+  EXPECT_DOUBLE_EQ(item, 12.0);
+  EXPECT_EQ(values, (std::vector<float>{3, 5, 7}));
+  EXPECT_TRUE(close(y, x * 2));
+  EXPECT_EQ(d.now().graph_breaks, 3);
+  EXPECT_GE(d.now().graph_runs, 3);
+}
+
+TEST_F(Compile, AliasedArgumentsBehaveAsInEager) {
+  auto body = [](Tensor x, const Tensor& y) {
+    x.add_(1);
+    return y * 2;  // y may alias x
+  };
+  for (const char* backend : {"eager", "aot_eager"}) {
+    auto f = kiln::compile(body, {.backend = std::string(backend)});
+    Tensor a = randn({3, 3}), b = randn({3, 3});
+    Tensor ac = a.clone(), bc = b.clone(), ae = a.clone(), be = b.clone();
+    EXPECT_TRUE(close(f(ac, bc), body(ae, be))) << backend;
+    EXPECT_TRUE(close(ac, ae)) << backend;
+    // Now both arguments are the same tensor: y sees x's update.
+    EXPECT_TRUE(close(f(ac, ac), body(ae, ae))) << backend;
+    EXPECT_TRUE(close(ac, ae)) << backend;
+    // And a transposed view of it.
+    EXPECT_TRUE(close(f(ac, ac.t()), body(ae, ae.t()))) << backend;
+    EXPECT_TRUE(close(ac, ae)) << backend;
+  }
+}
+
+TEST_F(Compile, AotEagerKeepsInPlaceUpdates) {
+  auto body = [](Tensor x, Tensor buf) {
+    Tensor unused = x * 3;  // dead
+    (void)unused;
+    buf.mul_(0.5).add_(x);  // a side effect with no use inside the graph
+    x.sub_(1);
+    return x.sum();
+  };
+  auto f = kiln::compile(body, {.backend = std::string("aot_eager")});
+  Tensor x = randn({4}), buf = randn({4});
+  Tensor xc = x.clone(), bc = buf.clone(), xe = x.clone(), bufe = buf.clone();
+  Delta d;
+  EXPECT_TRUE(close(f(xc, bc), body(xe, bufe)));
+  EXPECT_TRUE(close(xc, xe));
+  EXPECT_TRUE(close(bc, bufe)) << "DCE must keep in-place writes to inputs";
+  EXPECT_EQ(d.now().graph_compiles, 1);
+}
+
+TEST_F(Compile, BatchNormRunningStatsUpdateAsInEager) {
+  manual_seed(5);
+  auto bn_c = std::make_shared<nn::BatchNorm1d>(4);
+  auto bn_e = std::make_shared<nn::BatchNorm1d>(4);
+  auto opt_bn = kiln::compile(bn_c);
+  Delta d;
+  for (int i = 0; i < 3; ++i) {
+    Tensor x = randn({8, 4}) * (i + 1) + i;
+    EXPECT_TRUE(close(opt_bn(x), bn_e->forward(x))) << "call " << i;
+  }
+  auto bc = bn_c->named_buffers();
+  auto be = bn_e->named_buffers();
+  ASSERT_EQ(bc.size(), be.size());
+  for (size_t i = 0; i < bc.size(); ++i) EXPECT_TRUE(close(bc[i].second, be[i].second)) << bc[i].first;
+  EXPECT_EQ(d.now().graph_compiles, 1);
+  EXPECT_EQ(d.now().graph_runs, 3);
+  bn_c->eval();
+  bn_e->eval();
+  Tensor x = randn({8, 4});
+  EXPECT_TRUE(close(opt_bn(x), bn_e->forward(x))) << "eval mode: a new entry (structure guard)";
+}
+
+TEST_F(Compile, FunctionsWithoutTensorWorkAndFactoriesOnly) {
+  auto nothing = kiln::compile([](const Tensor& x) { return x; });
+  Tensor x = randn({3});
+  Delta d;
+  EXPECT_TRUE(nothing(x).same(x));
+  EXPECT_EQ(d.now().graph_runs, 0) << "no ops, no graph";
+  auto factory = kiln::compile([](int64_t n) { return arange(n) * 2 + ones({n}); });
+  Tensor r = factory(int64_t{5});
+  EXPECT_TRUE(close(r, arange(5) * 2 + ones({5})));
+  EXPECT_EQ(d.now().graph_runs, 1);
+}
+
+TEST_F(Compile, ExplainAModule) {
+  auto model = std::make_shared<MLP>(4, 8, 3);
+  compiler::ExplainOutput e = compiler::explain(model)(randn({2, 4}));
+  EXPECT_EQ(e.graph_count, 1);
+  EXPECT_EQ(e.graph_break_count, 0);
+  EXPECT_GT(e.op_count, 0);
+}
+
 // ================================ liveness ================================
 
 TEST_F(Compile, StoredAndReturnedValuesAreRealIntermediatesAreNotOutputs) {
@@ -656,6 +809,15 @@ TEST_F(Compile, DataDependentBranchMatchesEagerOnBothBranches) {
   EXPECT_EQ(d.now().graph_compiles, 2) << "graph 1 (sum, lt) and the -y graph";
 }
 
+TEST_F(Compile, FailOnRecompileCoversANewPathAfterAGraphBreak) {
+  auto opt_f1 = kiln::compile(f1);
+  Tensor y = randn({5});
+  opt_f1(ones({5}), y);  // compiles the positive path only
+  compiler::StanceGuard g(Stance::fail_on_recompile);
+  EXPECT_TRUE(close(opt_f1(ones({5}), y), y));
+  EXPECT_THROW(opt_f1(-ones({5}), y), RecompileError) << "the -y graph was never compiled";
+}
+
 TEST_F(Compile, TutorialBarMatchesEager) {
   auto opt_bar = kiln::compile(bar);
   Tensor a = randn({10}), b = randn({10});
@@ -751,12 +913,8 @@ TEST_F(Compile, PureFunctionReplaysWithoutRunningTheBody) {
   EXPECT_EQ(count, 3);
 }
 
-// RUNTIME BUG (left failing on purpose): a pure function that uses a number operand (`x * 2`,
-// `x + 1`) never replays. mul(Tensor, Scalar) wraps the number in a fresh 0-dim tensor on every
-// call (src/ops/pointwise_binary.cpp wrap()); the capture makes it a graph input, and
-// analyze_for_replay (src/compiler/capture/frame.cpp) records it as a `fixed` input that
-// Replay::same_plan compares by identity, so two calls never have "the same plan" and the entry
-// is never confirmed. Wrapped numbers should be compared by value (or become scalar slots).
+// Number operands (`x * 2`) become fresh wrapped 0-dim tensors on every call; replay must still
+// recognize the plan (they are compared by value).
 TEST_F(Compile, PureFunctionWithNumberOperandsReplays) {
   int count = 0;
   auto f = kiln::compile(
@@ -773,6 +931,95 @@ TEST_F(Compile, PureFunctionWithNumberOperandsReplays) {
   EXPECT_EQ(count, 2) << "the body runs only while capturing (the first two calls)";
   EXPECT_EQ(d.now().replays, 4);
   EXPECT_EQ(d.now().graph_compiles, 1);
+}
+
+// A pure frame guards scalar values, so a replay never uses a stale number.
+TEST_F(Compile, PureFunctionWithAChangingScalarArgument) {
+  int count = 0;
+  auto f = kiln::compile(
+      [&](const Tensor& x, double lr) {
+        ++count;
+        return x * lr + 1;
+      },
+      {.pure = true});
+  Tensor x = randn({5});
+  for (int i = 0; i < 8; ++i) {
+    double lr = i % 2 ? 0.5 : -2.0;
+    EXPECT_TRUE(close(f(x, lr), x * lr + 1)) << "call " << i << ", lr " << lr;
+  }
+  EXPECT_EQ(count, 4) << "two captures per value, then replays";
+  EXPECT_EQ(compiler::counters().replays, 4);
+}
+
+TEST_F(Compile, PureReplayRebuildsMixedResults) {
+  int count = 0;
+  auto f = kiln::compile(
+      [&](const Tensor& x, int64_t n, const std::string& tag) {
+        ++count;
+        return std::make_tuple(x, sin(x) * x, n + 1, tag + "!", x.t());
+      },
+      {.pure = true});
+  for (int i = 0; i < 5; ++i) {
+    Tensor x = randn({2, 3});
+    auto [same, s, n, tag, view] = f(x, int64_t{4}, std::string("a"));
+    EXPECT_TRUE(same.same(x)) << "call " << i << ": an argument returned as is is this call's tensor";
+    EXPECT_TRUE(close(s, sin(x) * x)) << "call " << i;
+    EXPECT_EQ(n, 5);
+    EXPECT_EQ(tag, "a!");
+    EXPECT_TRUE(close(view, x.t())) << "call " << i;
+  }
+  // A view of an argument is not replayable by this runtime (it runs the body), but the results
+  // must be right either way.
+  EXPECT_GE(count, 2);
+}
+
+TEST_F(Compile, PureReplayKeepsInPlaceUpdatesOfArguments) {
+  int count = 0;
+  auto f = kiln::compile(
+      [&](Tensor x, const Tensor& g) {
+        ++count;
+        x.add_(g, -0.1);
+        return x.sum();
+      },
+      {.pure = true});
+  Tensor x = randn({6}), g = randn({6});
+  Tensor xe = x.clone();
+  for (int i = 0; i < 5; ++i) {
+    Tensor s = f(x, g);
+    xe.add_(g, -0.1);
+    EXPECT_TRUE(close(x, xe)) << "call " << i;
+    EXPECT_TRUE(close(s, xe.sum())) << "call " << i;
+  }
+  EXPECT_EQ(count, 2);
+  EXPECT_EQ(compiler::counters().replays, 3);
+}
+
+TEST_F(Compile, PureModuleReplaySeesInPlaceParameterUpdates) {
+  auto model = std::make_shared<MLP>(4, 8, 3);
+  auto opt_model = kiln::compile(model, {.pure = true});
+  Tensor x = randn({2, 4});
+  NoGradGuard no_grad;  // no autograd history: replayable
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(close(opt_model(x), model->forward(x)));
+  int64_t replays = compiler::counters().replays;
+  EXPECT_GE(replays, 1);
+  model->fc1->weight.mul_(-1);  // an in-place update, as an optimizer makes
+  EXPECT_TRUE(close(opt_model(x), model->forward(x))) << "replay must read the current parameters";
+  EXPECT_EQ(compiler::counters().replays, replays + 1);
+}
+
+TEST_F(Compile, PureFunctionWithRandomOpsKeepsDrawing) {
+  int count = 0;
+  auto f = kiln::compile(
+      [&](const Tensor& x) {
+        ++count;
+        return x + rand(x.sizes());
+      },
+      {.pure = true});
+  Tensor x = zeros({32});
+  Tensor a = f(x), b = f(x), c = f(x);
+  EXPECT_FALSE(allclose(b, c)) << "a replay must not repeat the same random numbers";
+  EXPECT_FALSE(allclose(a, b));
+  EXPECT_EQ(count, 3);
 }
 
 TEST_F(Compile, PureFunctionWithAHostReadKeepsRunningTheBody) {

@@ -100,9 +100,11 @@ namespace compiler {
 // ------------------------------------------------------------------------------------------
 
 // Process-wide stance, until changed. Throws inside a compiled region.
-void set_stance(Stance stance, StanceOptions options = {});
+void set_stance(Stance stance, StanceOptions options = {},
+                std::source_location loc = std::source_location::current());
 // The string form ("default", "force_eager", ...): validates at once and lists the valid names.
-void set_stance(std::string_view stance, StanceOptions options = {});
+void set_stance(std::string_view stance, StanceOptions options = {},
+                std::source_location loc = std::source_location::current());
 // The stance in effect on this thread (its innermost StanceGuard, else the process-wide one).
 Stance current_stance();
 std::string_view stance_name(Stance s);
@@ -111,8 +113,10 @@ Stance parse_stance(std::string_view name);
 // Sets the stance for this thread until destroyed. Throws inside a compiled region.
 class StanceGuard {
  public:
-  explicit StanceGuard(Stance stance, StanceOptions options = {});
-  explicit StanceGuard(std::string_view stance, StanceOptions options = {});
+  explicit StanceGuard(Stance stance, StanceOptions options = {},
+                       std::source_location loc = std::source_location::current());
+  explicit StanceGuard(std::string_view stance, StanceOptions options = {},
+                       std::source_location loc = std::source_location::current());
   ~StanceGuard();
   StanceGuard(const StanceGuard&) = delete;
   StanceGuard& operator=(const StanceGuard&) = delete;
@@ -123,9 +127,10 @@ class StanceGuard {
 
 // The decorator form: fn, called with `stance` in effect on the calling thread.
 template <class F>
-auto with_stance(Stance stance, F fn, StanceOptions options = {}) {
-  return [stance, fn = std::move(fn), options](auto&&... args) mutable -> decltype(auto) {
-    StanceGuard guard(stance, options);
+auto with_stance(Stance stance, F fn, StanceOptions options = {},
+                 std::source_location loc = std::source_location::current()) {
+  return [stance, fn = std::move(fn), options, loc](auto&&... args) mutable -> decltype(auto) {
+    StanceGuard guard(stance, options, loc);
     return fn(std::forward<decltype(args)>(args)...);
   };
 }
@@ -320,7 +325,7 @@ namespace detail {
 struct Leaf {
   enum Kind : uint8_t { tensor, integer, floating, boolean, string, module, optimizer, none };
   Kind kind = none;
-  const Tensor* t = nullptr;
+  Tensor t;  // a reference, so that a body that moves from its argument leaves this intact
   int64_t i = 0;
   double d = 0;
   const std::string* s = nullptr;
@@ -353,7 +358,7 @@ void flatten(Sink& sink, const T& v) {
   if constexpr (std::is_same_v<U, Tensor>) {
     Leaf l;
     l.kind = v.defined() ? Leaf::tensor : Leaf::none;
-    l.t = &v;
+    l.t = v;
     sink.leaf(l);
   } else if constexpr (std::is_same_v<U, bool>) {
     Leaf l;
@@ -566,7 +571,10 @@ decltype(auto) invoke_compiled(FunctionState& state, Fn& fn, const std::vector<s
   struct Restore {
     std::vector<Leaf>& tls;
     std::vector<Leaf>& mine;
-    ~Restore() { mine.swap(tls); }
+    ~Restore() {
+      mine.clear();  // drop the argument references now, keep the capacity
+      mine.swap(tls);
+    }
   } restore{leaves, local};
 
   if constexpr (std::is_void_v<R>) {

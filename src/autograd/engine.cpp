@@ -11,6 +11,8 @@
 
 namespace kiln::autograd {
 
+std::atomic<int64_t> g_compiled_nodes{0};
+
 namespace {
 
 std::atomic<bool> g_anomaly{false};
@@ -172,14 +174,21 @@ TensorList run_backward_eager(const TensorList& tensors, const TensorList& grad_
 TensorList run_backward(const TensorList& tensors, const TensorList& grad_tensors, bool keep_graph,
                         bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves) {
   std::shared_ptr<void> owner;
-  if (!compiler::detail::active_capture() && !create_graph) {
-    for (const Tensor& t : tensors) {
-      if (!t.defined()) continue;
-      auto* m = meta_if_exists(t);
-      if (m && m->grad_fn && m->grad_fn->compiled_owner) {
-        owner = m->grad_fn->compiled_owner;
-        break;
-      }
+  if (!compiler::detail::active_capture() && !create_graph &&
+      g_compiled_nodes.load(std::memory_order_relaxed) > 0) {
+    // The first node below the roots that a compiled function recorded (the roots themselves may
+    // be eager ops on compiled outputs, e.g. compiled_fn(x).sum().backward()).
+    std::vector<Node*> stack;
+    std::unordered_set<Node*> seen;
+    for (const Tensor& t : tensors)
+      if (auto* m = t.defined() ? meta_if_exists(t) : nullptr; m && m->grad_fn) stack.push_back(m->grad_fn.get());
+    while (!stack.empty() && !owner) {
+      Node* n = stack.back();
+      stack.pop_back();
+      if (!seen.insert(n).second) continue;
+      if (n->compiled_owner) owner = n->compiled_owner;
+      for (const Edge& e : n->next_edges)
+        if (e.node) stack.push_back(e.node.get());
     }
   }
   if (!owner) return run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves);

@@ -69,8 +69,13 @@ class SavedTensor {
   bool requires_grad_ = false;
 };
 
+// Nodes alive with a compiled_owner: while zero, backward() skips looking for them.
+extern std::atomic<int64_t> g_compiled_nodes;
+
 struct Node : std::enable_shared_from_this<Node> {
-  virtual ~Node() = default;
+  virtual ~Node() {
+    if (compiled_owner) g_compiled_nodes.fetch_sub(1, std::memory_order_relaxed);
+  }
   virtual std::string name() const = 0;
   // Gradients of the forward outputs in, gradients of the forward inputs out (one per edge).
   virtual TensorList apply(TensorList&& grads) = 0;

@@ -253,7 +253,10 @@ bool capturable(const OpDef& op) { return !is_disallowed_in_graph(op); }
 void tag_autograd_nodes(CaptureContext& cap, std::span<Tensor> outputs) {
   for (Tensor& o : outputs) {
     auto* m = autograd::meta_if_exists(o);
-    if (m && m->grad_fn && !m->grad_fn->compiled_owner) m->grad_fn->compiled_owner = cap.fn->shared_from_this();
+    if (m && m->grad_fn && !m->grad_fn->compiled_owner) {
+      m->grad_fn->compiled_owner = cap.fn->shared_from_this();
+      autograd::g_compiled_nodes.fetch_add(1, std::memory_order_relaxed);
+    }
   }
 }
 

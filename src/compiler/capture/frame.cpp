@@ -75,6 +75,7 @@ void check_epoch(FunctionState& st) {
   st.limit_warned = false;
   st.graph_limit_warned = false;
   st.reset_epoch = epoch;
+  st.frame_id = g_next_frame_id.fetch_add(1, std::memory_order_relaxed);  // numbered afresh after reset()
 }
 
 }  // namespace
@@ -152,7 +153,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
   const Graph& g = ctx.last_graph->graph;
   std::unordered_map<const kiln::detail::TensorImpl*, int> leaf_of;
   for (size_t i = 0; i < leaves.size(); ++i)
-    if (leaves[i].kind == Leaf::tensor) leaf_of.emplace(leaves[i].t->unsafe_impl(), static_cast<int>(i));
+    if (leaves[i].kind == Leaf::tensor) leaf_of.emplace(leaves[i].t.unsafe_impl(), static_cast<int>(i));
   for (const Tensor& t : ctx.last_inputs) {
     FrameEntry::Replay::Input in;
     if (auto it = leaf_of.find(t.unsafe_impl()); it != leaf_of.end()) {
@@ -170,7 +171,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
   for (const Leaf& l : result_leaves) {
     FrameEntry::Replay::Result r;
     if (l.kind == Leaf::tensor) {
-      const kiln::detail::TensorImpl* impl = l.t->unsafe_impl();
+      const kiln::detail::TensorImpl* impl = l.t.unsafe_impl();
       bool found = false;
       for (size_t k = 0; k < ctx.last_output_storages.size() && !found; ++k) {
         const ValueInfo& v = g.values[g.outputs[k]];
@@ -184,8 +185,8 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
       if (!found) {
         if (auto it = leaf_of.find(impl); it != leaf_of.end()) {
           r.leaf = it->second;
-        } else if (!l.t->impl().lazy) {
-          r.fixed = *l.t;
+        } else if (!l.t.impl().lazy) {
+          r.fixed = l.t;
         } else {
           return reject("the result holds a view of a graph output");
         }
@@ -198,7 +199,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
   for (bool used : output_used)
     if (!used) return reject("a graph output is kept somewhere other than the result");
   for (Leaf& c : plan->consts) {
-    c.t = nullptr;
+    c.t = Tensor();
     c.s = nullptr;
   }
   if (entry.replay && entry.replay->same_plan(*plan)) {
@@ -222,7 +223,7 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   for (size_t k = 0; k < plan->inputs.size(); ++k) {
     const auto& in = plan->inputs[k];
     if (in.leaf >= 0) {
-      inputs.push_back(*leaves[in.leaf].t);
+      inputs.push_back(leaves[in.leaf].t);
     } else {
       const ValueInfo& v = g.values[g.inputs[k]];
       const Tensor& t = in.fixed;
@@ -241,7 +242,7 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   for (size_t i = 0; i < plan->results.size(); ++i) {
     const auto& r = plan->results[i];
     if (r.output >= 0) tensors[i] = outs.at(r.output);
-    else if (r.leaf >= 0) tensors[i] = *leaves[r.leaf].t;
+    else if (r.leaf >= 0) tensors[i] = leaves[r.leaf].t;
     else tensors[i] = r.fixed;
   }
   std::vector<Leaf> consts = plan->consts;
@@ -332,6 +333,8 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
 }
 
 bool pure(const FunctionState& state) { return state.options.pure; }
+
+void reset_frame_ids() { g_next_frame_id.store(0, std::memory_order_relaxed); }
 
 void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
   CounterSet& counters = counter_set();
@@ -489,7 +492,7 @@ void name_inputs(CaptureContext& ctx, Graph& g, const Arguments& example) {
     for (size_t i = 0; i < ctx.leaves->size(); ++i) {
       const Leaf& l = (*ctx.leaves)[i];
       std::string n = i < leaf_names.size() ? leaf_names[i] : "arg" + std::to_string(i);
-      if (l.kind == Leaf::tensor) names.emplace(l.t->unsafe_impl(), n);
+      if (l.kind == Leaf::tensor) names.emplace(l.t.unsafe_impl(), n);
       if (l.kind == Leaf::module) {
         auto* m = static_cast<const nn::Module*>(l.object);
         for (auto& [pn, t] : m->named_parameters()) names.emplace(t.unsafe_impl(), n + "." + pn);

@@ -23,7 +23,7 @@ GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string 
     lg.kind = l.kind;
     switch (l.kind) {
       case Leaf::tensor: {
-        const Tensor& t = *l.t;
+        const Tensor& t = l.t;
         lg.dtype = t.dtype();
         lg.device = t.device();
         lg.requires_grad = t.requires_grad();
@@ -55,7 +55,7 @@ bool leaf_ok(const LeafGuard& g, const Leaf& l, bool values) {
   if (g.kind != l.kind) return false;
   switch (l.kind) {
     case Leaf::tensor: {
-      const kiln::detail::TensorImpl& t = l.t->impl();
+      const kiln::detail::TensorImpl& t = l.t.impl();
       return t.dtype == g.dtype && t.device == g.device && t.requires_grad == g.requires_grad &&
              t.sizes == g.sizes && t.strides == g.strides;
     }
@@ -144,7 +144,7 @@ std::string describe_failure(const GuardSet& g, int index, const std::vector<Lea
   }
   switch (l.kind) {
     case Leaf::tensor: {
-      const Tensor& t = *l.t;
+      const Tensor& t = l.t;
       const std::string p = "tensor '" + name + "' ";
       if (t.dtype() != lg.dtype)
         return p + "dtype mismatch. expected " + std::string(dtype_name(lg.dtype)) + ", actual " + std::string(dtype_name(t.dtype()));

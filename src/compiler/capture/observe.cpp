@@ -178,6 +178,7 @@ Counters counters() {
 
 void reset() {
   detail::g_epoch.fetch_add(1, std::memory_order_acq_rel);
+  detail::reset_frame_ids();
   {
     auto& o = detail::observe();
     std::lock_guard lock(o.mutex);

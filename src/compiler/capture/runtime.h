@@ -192,6 +192,7 @@ struct CounterSet {
 };
 CounterSet& counter_set();
 uint64_t reset_epoch();
+void reset_frame_ids();  // compiler::reset(): frame ids in logs start again at 0
 // Recompile events go to live RecompileProfilers.
 void notify_recompile(const FunctionState& fn, const std::vector<std::string>& reasons);
 void warn(const std::string& message);

@@ -24,16 +24,16 @@ std::atomic<bool> g_default{true};  // fast path: the process-wide stance is pla
 
 thread_local std::vector<detail::StanceState> t_stances;  // StanceGuard stack
 
-void validate(Stance stance, const StanceOptions& options) {
+void validate(Stance stance, const StanceOptions& options, const std::source_location& loc) {
   if (!options.force_backend.empty()) {
     KILN_CHECK(stance == Stance::default_, ValueError,
                "[kiln::set_stance] non-default stance cannot have force_backend set");
     lookup_backend(options.force_backend == "inductor" ? "kiln" : options.force_backend);
   }
   if (is_compiling()) {
-    throw Error(
-        "[kiln::set_stance] attempted to set_stance in a torch.compile region. Change the stance outside "
-        "compiled code (around the call), not inside the compiled function.");
+    throw Error("[kiln::set_stance] attempted to set_stance in a torch.compile region (at " +
+                detail::relative_path(loc.file_name()) + ":" + std::to_string(loc.line()) +
+                "). Change the stance outside compiled code (around the call), not inside the compiled function.");
   }
 }
 
@@ -53,8 +53,8 @@ Stance parse_stance(std::string_view name) {
   throw ValueError("[kiln::set_stance] invalid stance '" + std::string(name) + "'. Valid stances: " + valid + ".");
 }
 
-void set_stance(Stance stance, StanceOptions options) {
-  validate(stance, options);
+void set_stance(Stance stance, StanceOptions options, std::source_location loc) {
+  validate(stance, options, loc);
   std::lock_guard lock(g_mutex);
   g_stance = {stance, std::move(options)};
   g_default.store(stance == Stance::default_ && !g_stance.options.skip_guard_eval_unsafe &&
@@ -62,18 +62,20 @@ void set_stance(Stance stance, StanceOptions options) {
                   std::memory_order_release);
 }
 
-void set_stance(std::string_view stance, StanceOptions options) { set_stance(parse_stance(stance), std::move(options)); }
+void set_stance(std::string_view stance, StanceOptions options, std::source_location loc) {
+  set_stance(parse_stance(stance), std::move(options), loc);
+}
 
 Stance current_stance() { return detail::effective_stance().stance; }
 
-StanceGuard::StanceGuard(Stance stance, StanceOptions options) {
-  validate(stance, options);
+StanceGuard::StanceGuard(Stance stance, StanceOptions options, std::source_location loc) {
+  validate(stance, options, loc);
   t_stances.push_back({stance, std::move(options)});
   active_ = true;
 }
 
-StanceGuard::StanceGuard(std::string_view stance, StanceOptions options)
-    : StanceGuard(parse_stance(stance), std::move(options)) {}
+StanceGuard::StanceGuard(std::string_view stance, StanceOptions options, std::source_location loc)
+    : StanceGuard(parse_stance(stance), std::move(options), loc) {}
 
 StanceGuard::~StanceGuard() {
   if (active_) t_stances.pop_back();

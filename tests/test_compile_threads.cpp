@@ -1,0 +1,184 @@
+// kiln::compile from many threads (DESIGN §2.9): caches are shared, a signature compiles once
+// while other callers wait, capture contexts and StanceGuards are per thread.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "kiln/compiler.h"
+#include "kiln/kiln.h"
+#include "reference.h"
+
+namespace {
+
+using namespace kiln;
+
+bool close(const Tensor& actual, const Tensor& expected) {
+  if (!(actual.sizes() == expected.sizes()) || actual.dtype() != expected.dtype()) return false;
+  double rtol = actual.dtype() == kFloat64 ? 1e-7 : 1.3e-6;
+  double atol = actual.dtype() == kFloat64 ? 1e-7 : 1e-5;
+  return allclose(actual, expected, rtol, atol);
+}
+
+class CompileThreads : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    compiler::reset();
+    compiler::set_stance(Stance::default_);
+  }
+  void TearDown() override { compiler::set_stance(Stance::default_); }
+};
+
+Tensor body(const Tensor& x, const Tensor& y) {
+  Tensor h = sin(x) * y + x.matmul(y.t()).sum({1}, true);
+  return h.softmax(1) + h.mean();
+}
+
+constexpr int kThreads = 8;
+constexpr int kCalls = 50;
+const std::vector<std::vector<int64_t>> kShapes = {{2, 3}, {4, 5}, {7, 2}};
+const std::vector<DType> kDtypes = {kFloat32, kFloat64};
+
+// The signature of call `i` of thread `t`: 3 shapes x 2 dtypes.
+std::pair<std::vector<int64_t>, DType> signature(int t, int i) {
+  int k = (t + i) % 6;
+  return {kShapes[k % 3], kDtypes[k / 3]};
+}
+
+// Thread-safe failure collection (each thread checks its own results).
+struct Failures {
+  std::mutex mutex;
+  std::vector<std::string> list;
+  void add(std::string s) {
+    std::lock_guard lock(mutex);
+    if (list.size() < 20) list.push_back(std::move(s));
+  }
+};
+
+TEST_F(CompileThreads, ManyThreadsMixedSignaturesCompileEachOnce) {
+  auto f = kiln::compile(body);
+  Failures failures;
+  std::atomic<int> captured{0}, total{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kCalls; ++i) {
+        auto [shape, dtype] = signature(t, i);
+        Tensor x = randn(shape, dtype), y = randn(shape, dtype);
+        try {
+          Tensor out = f(x, y);
+          Tensor expected = body(x, y);
+          if (!close(out, expected))
+            failures.add("thread " + std::to_string(t) + " call " + std::to_string(i) + ": " + out.str() +
+                         " != " + expected.str());
+          ++total;
+        } catch (const std::exception& e) {
+          failures.add("thread " + std::to_string(t) + " call " + std::to_string(i) + " threw: " + e.what());
+        }
+      }
+      if (compiler::is_compiling()) ++captured;  // never true outside a compiled call
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& s : failures.list) ADD_FAILURE() << s;
+  EXPECT_EQ(total.load(), kThreads * kCalls);
+  EXPECT_EQ(captured.load(), 0);
+  compiler::Counters c = compiler::counters();
+  EXPECT_EQ(c.graph_compiles, 6) << "one compile per distinct signature (3 shapes x 2 dtypes)";
+  EXPECT_EQ(c.frame_compiles, 6);
+  EXPECT_EQ(c.graph_runs, kThreads * kCalls);
+  EXPECT_EQ(c.graph_cache_hits, kThreads * kCalls - 6);
+  EXPECT_EQ(c.eager_frames, 0);
+}
+
+TEST_F(CompileThreads, ConcurrentFirstCallsOfOneSignatureCompileOnce) {
+  // All threads start together on the same new signature: one compiles, the others wait for it.
+  auto f = kiln::compile(body);
+  std::atomic<int> ready{0};
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      Tensor x = randn({16, 16}), y = randn({16, 16});
+      ++ready;
+      while (ready.load() < kThreads) std::this_thread::yield();
+      for (int i = 0; i < 5; ++i)
+        if (!close(f(x, y), body(x, y))) ++bad;
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  compiler::Counters c = compiler::counters();
+  EXPECT_EQ(c.graph_compiles, 1);
+  EXPECT_EQ(c.frame_compiles, 1);
+  EXPECT_EQ(c.graph_runs, kThreads * 5);
+}
+
+TEST_F(CompileThreads, OneThreadUnderForceEagerWhileOthersCompile) {
+  auto f = kiln::compile([](const Tensor& x, const Tensor& y) {
+    Tensor out = body(x, y);
+    // Also return what the body saw: compiling or eager on this thread.
+    return std::make_pair(out, compiler::is_compiling());
+  });
+  Failures failures;
+  std::vector<std::thread> threads;
+  const int eager_thread = 3;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::optional<compiler::StanceGuard> guard;
+      if (t == eager_thread) guard.emplace(Stance::force_eager);
+      for (int i = 0; i < kCalls; ++i) {
+        auto [shape, dtype] = signature(t, i);
+        Tensor x = randn(shape, dtype), y = randn(shape, dtype);
+        try {
+          auto [out, compiling] = f(x, y);
+          if (!close(out, body(x, y))) failures.add("thread " + std::to_string(t) + ": wrong result");
+          if (compiling != (t != eager_thread))
+            failures.add("thread " + std::to_string(t) + " call " + std::to_string(i) +
+                         ": is_compiling() = " + std::to_string(compiling));
+        } catch (const std::exception& e) {
+          failures.add("thread " + std::to_string(t) + " threw: " + e.what());
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& s : failures.list) ADD_FAILURE() << s;
+  compiler::Counters c = compiler::counters();
+  EXPECT_EQ(c.graph_compiles, 6);
+  EXPECT_EQ(c.graph_runs, (kThreads - 1) * kCalls) << "the force_eager thread runs no graph";
+  EXPECT_EQ(c.eager_frames, kCalls);
+  EXPECT_EQ(compiler::current_stance(), Stance::default_);
+}
+
+TEST_F(CompileThreads, PureReplaysFromManyThreads) {
+  std::atomic<int> body_runs{0};
+  auto f = kiln::compile(
+      [&](const Tensor& x, const Tensor& y) {
+        ++body_runs;
+        return sin(x) * y + cos(y);
+      },
+      {.pure = true});
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < kCalls; ++i) {
+        Tensor x = randn({4, 4}), y = randn({4, 4});
+        if (!close(f(x, y), sin(x) * y + cos(y))) ++bad;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(bad.load(), 0);
+  EXPECT_LT(body_runs.load(), kThreads * kCalls) << "most calls replay";
+  EXPECT_EQ(compiler::counters().graph_compiles, 1);
+  EXPECT_EQ(compiler::counters().replays + body_runs.load(), kThreads * kCalls);
+}
+
+}  // namespace
