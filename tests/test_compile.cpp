@@ -382,6 +382,8 @@ TEST_F(Compile, PairVectorOptionalAndVoidResults) {
   EXPECT_EQ(d.now().eager_frames, 0);
 }
 
+// ================================ more capture semantics ================================
+
 TEST_F(Compile, ExceptionsRaiseAsInEagerAfterPendingWorkRan) {
   auto body = [](Tensor x) {
     x.add_(1);                            // pending when the error comes
@@ -655,6 +657,25 @@ TEST_F(Compile, GuardSize) {
   std::string log = recompile_log(f, randn({3}), randn({4}));
   EXPECT_TRUE(contains(log, "tensor 'arg0' size mismatch at index 0. expected 3, actual 4"));
   EXPECT_EQ(d.now().frame_compiles, 2);
+  // Dynamo's layout: the function, then one "- frame/entry: reason" line per cached entry.
+  EXPECT_TRUE(contains(log, "Recompiling function fn in "));
+  EXPECT_TRUE(contains(log, "test_compile.cpp:"));
+  EXPECT_TRUE(contains(log, "\n    triggered by the following guard failure(s):\n    - "));
+  EXPECT_TRUE(contains(log, "/0: tensor 'arg0' size mismatch"));
+}
+
+// RUNTIME BUG (left failing on purpose): a plain function in an anonymous namespace is named
+// "(anonymous namespace)::foo" in logs and errors. make_function_state
+// (src/compiler/capture/frame.cpp) strips the qualification only when the symbol has no '(' in
+// it, and "(anonymous namespace)" has one. Dynamo reports the bare name (co_name), "foo".
+TEST_F(Compile, PlainFunctionIsNamedBySymbol) {
+  auto opt_foo = kiln::compile(foo);
+  LogCapture log({.recompiles = true});
+  opt_foo(randn({3}), randn({3}));
+  opt_foo(randn({3}), randn({1}));  // broadcasts
+  EXPECT_TRUE(contains(log.str(), "tensor 'arg1' size mismatch at index 0. expected 3, actual 1"));
+  EXPECT_TRUE(contains(log.str(), "foo in "));
+  EXPECT_FALSE(contains(log.str(), "(anonymous namespace)")) << log.str();
 }
 
 TEST_F(Compile, GuardRank) {
@@ -846,6 +867,7 @@ TEST_F(Compile, ExplainBar) {
   EXPECT_TRUE(br.file.ends_with("test_compile.cpp")) << br.file;
   EXPECT_EQ(br.line, kBarIfLine) << br.where();
   EXPECT_TRUE(contains(br.reason, "operator bool")) << br.reason;
+  EXPECT_TRUE(contains(br.function, "bar")) << br.where();
   EXPECT_FALSE(e.out_guards.empty());
 
   // The other branch: b * -1 and x * b.
@@ -1064,7 +1086,7 @@ TEST_F(Compile, ExplicitGraphBreak) {
 }
 
 // disable(fn) with a compiled function inside: recursive runs it eagerly, non-recursive lets it
-// compile. Returns whether the inner body saw is_compiling().
+// compile.
 void check_disable(bool recursive) {
   bool inner_compiling = false;
   bool disabled_compiling = true;

@@ -102,12 +102,8 @@ TEST_F(CompileAutograd, CompiledForwardBackwardOutsideMatchesEager) {
   }
 }
 
-// RUNTIME BUG (left failing on purpose): the loss is computed eagerly from the compiled module's
-// output, so backward() starts at an eager node (cross_entropy's). run_backward
-// (src/autograd/engine.cpp) only looks for a compiled owner on the grad_fn of the root tensors,
-// so the backward of the compiled forward runs op by op, uncaptured. DESIGN §2.3 says a compiled
-// forward's outputs carry a grad_fn that runs a compiled backward graph (AOTAutograd), wherever
-// the backward starts. The gradients are right; only the graph_compiles check fails.
+// The loss is computed eagerly from the compiled module's output, so backward() starts at an eager
+// node; the backward of the compiled forward must still run as a captured graph (AOTAutograd).
 TEST_F(CompileAutograd, CompiledModuleForwardBackwardOutside) {
   manual_seed(1);
   auto model = std::make_shared<nn::Sequential>(std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(),

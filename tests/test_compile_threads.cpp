@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -179,6 +180,61 @@ TEST_F(CompileThreads, PureReplaysFromManyThreads) {
   EXPECT_LT(body_runs.load(), kThreads * kCalls) << "most calls replay";
   EXPECT_EQ(compiler::counters().graph_compiles, 1);
   EXPECT_EQ(compiler::counters().replays + body_runs.load(), kThreads * kCalls);
+}
+
+TEST_F(CompileThreads, ALazyTensorUsedByAnotherThreadThrowsInsteadOfCrashing) {
+  Tensor shared;
+  std::mutex m;
+  std::condition_variable cv;
+  int phase = 0;  // 1: A published its lazy tensor; 2: B is done with it
+  std::string eager_error, compiled_error;
+  auto g = kiln::compile([](const Tensor& t) { return t * 3; });
+
+  auto f = kiln::compile([&](const Tensor& x) {
+    Tensor y = x * 2;  // lazy until this call flushes
+    {
+      std::unique_lock lock(m);
+      shared = y;
+      phase = 1;
+      cv.notify_all();
+      cv.wait(lock, [&] { return phase == 2; });
+    }
+    return y + 1;
+  });
+  std::thread b([&] {
+    Tensor t;
+    {
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return phase == 1; });
+      t = shared;
+    }
+    try {
+      Tensor r = t + 1;  // eager use of a value another thread is still capturing
+      (void)r.sum().item<double>();
+    } catch (const Error& e) {
+      eager_error = e.what();
+    }
+    try {
+      Tensor r = g(t);
+      (void)r.sum().item<double>();
+    } catch (const Error& e) {
+      compiled_error = e.what();
+    }
+    std::lock_guard lock(m);
+    phase = 2;
+    cv.notify_all();
+  });
+  Tensor x = randn({4});
+  Tensor out = f(x);
+  b.join();
+  EXPECT_TRUE(close(out, x * 2 + 1));
+  EXPECT_NE(eager_error.find("another thread"), std::string::npos) << "got: '" << eager_error << "'";
+  EXPECT_NE(compiled_error.find("another thread"), std::string::npos) << "got: '" << compiled_error << "'";
+  // After the producing call returned the tensor is real and usable everywhere.
+  Tensor later;
+  std::thread c([&] { later = g(shared); });
+  c.join();
+  EXPECT_TRUE(close(later, x * 6));
 }
 
 }  // namespace

@@ -350,6 +350,14 @@ template <class A, class B> struct is_tuple_like<std::pair<A, B>> : std::true_ty
 template <class T> struct is_shared_ptr : std::false_type {};
 template <class T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
 
+// "[k]" (built with += : GCC 12 warns falsely on `"[" + std::to_string(k) + "]"` here).
+inline std::string index_part(size_t k) {
+  std::string s = "[";
+  s += std::to_string(k);
+  s += ']';
+  return s;
+}
+
 // Visits the leaves of a value. Sink: leaf(const Leaf&), and enter(std::string)/leave() when it
 // wants names (Sink::kNames).
 template <class Sink, class T>
@@ -421,7 +429,7 @@ void flatten(Sink& sink, const T& v) {
     sink.leaf(len);
     sink.leave();
     for (size_t k = 0; k < v.size(); ++k) {
-      sink.enter("[" + std::to_string(k) + "]");
+      sink.enter(index_part(k));
       flatten(sink, v[k]);
       sink.leave();
     }
@@ -429,7 +437,7 @@ void flatten(Sink& sink, const T& v) {
     std::apply(
         [&](const auto&... e) {
           size_t k = 0;
-          ((sink.enter("[" + std::to_string(k++) + "]"), flatten(sink, e), sink.leave()), ...);
+          ((sink.enter(index_part(k++)), flatten(sink, e), sink.leave()), ...);
         },
         v);
   } else {

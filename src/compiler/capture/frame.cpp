@@ -319,8 +319,7 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
     at.pcs[0] = const_cast<char*>(static_cast<const char*>(fn_address)) + 1;  // resolved as a return address
     at.size = 1;
     std::string symbol = user_call_site(at).function;
-    if (size_t sep = symbol.rfind("::"); sep != std::string::npos && symbol.find('(') == std::string::npos)
-      symbol = symbol.substr(sep + 2);
+    if (size_t sep = symbol.rfind("::"); sep != std::string::npos) symbol = symbol.substr(sep + 2);
     if (!symbol.empty()) default_name = symbol;
   }
   st->name = options.name.empty() ? std::move(default_name) : options.name;
@@ -354,8 +353,19 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
   {
     std::unique_lock lock(st.mutex);
     check_epoch(st);
+    // skip_guard_eval_unsafe: only the checks that have told some entries apart (failed at least
+    // once, in any entry), like Dynamo's diff guard manager.
+    std::vector<char> differentiating;
+    if (stance.options.skip_guard_eval_unsafe) {
+      for (auto& e : st.entries) {
+        size_t n = e->guards.leaves.size() + 1;
+        if (differentiating.size() < n) differentiating.resize(n, 0);
+        for (size_t i = 0; i < n; ++i)
+          if (e->guards.fail_counts[i].load(std::memory_order_relaxed) > 0) differentiating[i] = 1;
+      }
+    }
     for (auto& e : st.entries) {
-      if (check_guards(e->guards, leaves, backend, stance.options.skip_guard_eval_unsafe) < 0) {
+      if (check_guards(e->guards, leaves, backend, stance.options.skip_guard_eval_unsafe ? &differentiating : nullptr) < 0) {
         entry = e;
         break;
       }
@@ -365,9 +375,9 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
       if (hooks.leaf_names) hooks.leaf_names(names);
       std::vector<std::string> reasons;
       for (auto& e : st.entries) {
-        int f = check_guards(e->guards, leaves, backend, false);
+        int f = check_guards(e->guards, leaves, backend);
         if (f < 0) continue;  // only possible with skip_guard_eval_unsafe: count it as a miss anyway
-        e->guards.fail_counts[std::min<int>(f, static_cast<int>(e->guards.leaves.size()))].fetch_add(1);
+        e->guards.fail_counts[f].fetch_add(1);  // f <= leaves + 1: the array has leaves + 2 slots
         reasons.push_back(std::to_string(st.frame_id) + "/" + std::to_string(e->id) + ": " +
                           describe_failure(e->guards, f, leaves, names));
       }
@@ -609,7 +619,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       return cg;
     }
     std::exception_ptr error;
-    if (dynamic_cast<const Error*>(&e)) {
+    if (dynamic_cast<const CompileError*>(&e)) {
       error = std::current_exception();
     } else {
       error = std::make_exception_ptr(CompileError("[kiln::compile] backend '" + ctx.backend +

@@ -103,15 +103,14 @@ std::string list_str(const std::vector<int64_t>& v) {
 }  // namespace
 
 int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
-                 bool only_differentiating) {
+                 const std::vector<char>* only) {
   const int n = static_cast<int>(g.leaves.size());
   if (g.backend != backend) return n + 1;
   if (static_cast<int>(leaves.size()) != n) return 0;  // the argument structure changed
-  if (!only_differentiating || g.fail_counts[n].load(std::memory_order_relaxed) > 0) {
-    if (!(current_global_state() == g.global)) return n;
-  }
+  auto checked = [&](int i) { return !only || (i < static_cast<int>(only->size()) && (*only)[i]); };
+  if (checked(n) && !(current_global_state() == g.global)) return n;
   for (int i = 0; i < n; ++i) {
-    if (only_differentiating && g.fail_counts[i].load(std::memory_order_relaxed) == 0) continue;
+    if (!checked(i)) continue;
     if (!leaf_ok(g.leaves[i], leaves[i], g.values)) return i;
   }
   return -1;

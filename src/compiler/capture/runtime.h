@@ -59,9 +59,10 @@ struct GuardSet {
 };
 
 GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend);
-// Index of the first failing check, or -1. `only_differentiating`: skip checks that never failed.
+// Index of the first failing check, or -1 (index leaves.size() is the global state, +1 the
+// backend). `only`: check just the indices it marks (skip_guard_eval_unsafe).
 int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
-                 bool only_differentiating);
+                 const std::vector<char>* only = nullptr);
 // Dynamo's wording for failing check `index` ("tensor 'x' size mismatch at index 0. expected 3,
 // actual 4").
 std::string describe_failure(const GuardSet& g, int index, const std::vector<Leaf>& leaves,
