@@ -31,6 +31,17 @@ inline void mix_ints(uint64_t& h, const std::vector<int64_t>& v) {
 }
 inline void mix_device(uint64_t& h, Device d) { mix(h, static_cast<uint64_t>(d.type) * 1024 + d.index); }
 inline uint64_t str_hash(const std::string& s) { return std::hash<std::string>{}(s); }
+// A value's metadata, as far as the structural key needs it.
+inline void mix_value(uint64_t& h, const ValueInfo& v) {
+  mix(h, v.is_input ? 0x1a : 0x2b);
+  mix(h, static_cast<uint64_t>(v.dtype));
+  mix_device(h, v.device);
+  mix_ints(h, v.sizes);
+  mix_ints(h, v.strides);
+  mix(h, static_cast<uint64_t>(v.storage_offset));
+  mix(h, static_cast<uint64_t>(v.storage));
+  mix(h, v.is_wrapped_number);
+}
 
 constexpr uint64_t kSeed = 0xcbf29ce484222325ull;
 }  // namespace
@@ -121,15 +132,7 @@ int value_of(Segment& seg, const Tensor& t) {
   v.is_input = true;
   v.is_wrapped_number = impl.is_wrapped_number;
   int id = static_cast<int>(seg.graph.values.size());
-  uint64_t& h = seg.hash;
-  mix(h, 0x1a);
-  mix(h, static_cast<uint64_t>(v.dtype));
-  mix_device(h, v.device);
-  mix_ints(h, v.sizes);
-  mix_ints(h, v.strides);
-  mix(h, static_cast<uint64_t>(v.storage_offset));
-  mix(h, static_cast<uint64_t>(v.storage));
-  mix(h, impl.is_wrapped_number);
+  mix_value(seg.hash, v);
   seg.graph.values.push_back(std::move(v));
   seg.graph.inputs.push_back(id);
   seg.inputs.push_back(t);
@@ -198,13 +201,7 @@ int append_node(Segment& seg, const OpDef& op, std::vector<int> in_ids, const st
 }
 
 int add_result_value(Segment& seg, ValueInfo v) {
-  uint64_t& h = seg.hash;
-  mix(h, 0x2b);
-  mix(h, static_cast<uint64_t>(v.dtype));
-  mix_device(h, v.device);
-  mix_ints(h, v.sizes);
-  mix_ints(h, v.strides);
-  mix(h, static_cast<uint64_t>(v.storage_offset));
+  mix_value(seg.hash, v);
   int id = static_cast<int>(seg.graph.values.size());
   seg.graph.values.push_back(std::move(v));
   return id;
