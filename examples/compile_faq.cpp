@@ -8,7 +8,6 @@
 #include <kiln/kiln.h>
 
 #include <iostream>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -17,13 +16,6 @@
 using namespace kiln;
 
 namespace {
-
-// Messages name this file relative to the working directory when they can; the tests run
-// elsewhere, so show every path to an example as "examples/<file>".
-std::string stable_paths(const std::string& message) {
-  static const std::regex path(R"([^\s'"(]*/(examples/[A-Za-z0-9_]+\.cpp))");
-  return std::regex_replace(message, path, "$1");
-}
 
 const char* py_bool(bool b) { return b ? "True" : "False"; }
 
@@ -179,7 +171,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
     compiler::RecompileProfiler prof;
     auto profiler_model = compile(my_model, {.backend = prof.backend(), .name = "my_model", .arg_names = {"t"}});
     for (int64_t n : {2, 3, 4, 3}) profiler_model(randn({n}));
-    out << stable_paths(prof.report());
+    out << examples::stable_paths(prof.report());
   }
 
   out << "\n--- Why are you recompiling in production? ---\n";
@@ -209,7 +201,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
     Tensor a10 = randn({10}), b10 = randn({10});
     compiler::ExplainOutput explanation =
         compiler::explain(toy_example, {.name = "toy_example", .arg_names = {"a", "b"}})(a10, b10);
-    out << stable_paths(explanation.str()) << "\n";
+    out << examples::stable_paths(explanation.str()) << "\n";
   }
   // fullgraph: throw at the first graph break (the FAQ's nopython=True).
   try {
@@ -217,7 +209,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
     Tensor a10 = randn({10}), b10 = randn({10});
     full(a10, b10);
   } catch (const GraphBreakError& e) {
-    out << stable_paths(e.what()) << "\n";
+    out << examples::stable_paths(e.what()) << "\n";
   }
 
   out << "\n--- Why didn't my code recompile when I changed it? ---\n";

@@ -18,7 +18,6 @@
 #include <cstdlib>
 #include <iomanip>
 #include <numbers>
-#include <regex>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -29,18 +28,6 @@
 using namespace kiln;
 
 namespace {
-
-bool quick_mode() {
-  const char* v = std::getenv("KILN_EXAMPLE_QUICK");
-  return v != nullptr && std::string(v) == "1";
-}
-
-// Messages name this file relative to the working directory when they can; the tests run
-// elsewhere, so show every path to an example as "examples/<file>".
-std::string stable_paths(const std::string& message) {
-  static const std::regex path(R"([^\s'"(]*/(examples/[A-Za-z0-9_]+\.cpp))");
-  return std::regex_replace(message, path, "$1");
-}
 
 // Runs fn() and returns its result and the seconds it took (the tutorial times with CUDA events;
 // on the CPU a steady clock does).
@@ -111,7 +98,7 @@ class MyModule : public nn::Module {
 }  // namespace
 
 KILN_EXAMPLE(compile_tutorial, 30, "Introduction to kiln::compile") {
-  const bool quick = quick_mode();
+  const bool quick = examples::quick_mode();
   const int64_t batch = quick ? 2 : 16, image = quick ? 32 : 128;
   const int n_iters = quick ? 2 : 10;
   compiler::reset();
@@ -294,7 +281,7 @@ KILN_EXAMPLE(compile_tutorial, 30, "Introduction to kiln::compile") {
   {
     Tensor a = randn({10}), b = randn({10});
     compiler::ExplainOutput explain_output = compiler::explain(bar, {.name = "bar", .arg_names = {"a", "b"}})(a, b);
-    out << stable_paths(explain_output.str()) << "\n";
+    out << examples::stable_paths(explain_output.str()) << "\n";
   }
 
   // fullgraph=true: the first graph break throws, naming the reason and the line.
@@ -303,6 +290,6 @@ KILN_EXAMPLE(compile_tutorial, 30, "Introduction to kiln::compile") {
     Tensor a = randn({10}), b = randn({10});
     opt_bar_full(a, b);
   } catch (const GraphBreakError& e) {
-    out << stable_paths(e.what()) << "\n";
+    out << examples::stable_paths(e.what()) << "\n";
   }
 }

@@ -17,15 +17,10 @@ using namespace kiln;
 
 namespace {
 
-bool quick_mode() {
-  const char* v = std::getenv("KILN_EXAMPLE_QUICK");
-  return v != nullptr && std::string(v) == "1";
-}
-
 }  // namespace
 
 KILN_EXAMPLE(compile_tutorial_densenet, 31, "kiln::compile tutorial: DenseNet-121's captured graph") {
-  const int64_t batch = quick_mode() ? 2 : 16, image = quick_mode() ? 32 : 128;
+  const int64_t batch = examples::quick_mode() ? 2 : 16, image = examples::quick_mode() ? 32 : 128;
   compiler::reset();
   manual_seed(0);
   auto generate_data = [&](int64_t b) { return std::make_pair(randn({b, 3, image, image}), randint(1000, {b})); };

@@ -3,8 +3,10 @@
 // `kiln tour`, and is checked against examples/expected/<name>.txt by tests/test_examples.cpp.
 #pragma once
 
+#include <cstdlib>
 #include <functional>
 #include <ostream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,19 @@ struct Example {
 // All examples linked into this program, sorted by order.
 std::vector<Example>& registry();
 bool register_example(Example e);
+
+// Whether KILN_EXAMPLE_QUICK=1 (set by the tests): long examples then use a small size.
+inline bool quick_mode() {
+  const char* v = std::getenv("KILN_EXAMPLE_QUICK");
+  return v != nullptr && std::string(v) == "1";
+}
+
+// Messages name an example's file relative to the working directory when they can; the tests
+// run elsewhere, so this shows every path to an example as "examples/<file>".
+inline std::string stable_paths(const std::string& message) {
+  static const std::regex path(R"([^\s'"(]*/(examples/[A-Za-z0-9_]+\.cpp))");
+  return std::regex_replace(message, path, "$1");
+}
 
 }  // namespace kiln::examples
 

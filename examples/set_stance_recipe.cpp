@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <iomanip>
-#include <regex>
 #include <sstream>
 #include <string>
 
@@ -19,13 +18,6 @@
 using namespace kiln;
 
 namespace {
-
-// Messages name this file relative to the working directory when they can; the tests run
-// elsewhere, so show every path to an example as "examples/<file>".
-std::string stable_paths(const std::string& message) {
-  static const std::regex path(R"([^\s'"(]*/(examples/[A-Za-z0-9_]+\.cpp))");
-  return std::regex_replace(message, path, "$1");
-}
 
 // Seconds `fn()` took (the recipe times with CUDA events; on the CPU a steady clock does).
 template <class F>
@@ -95,7 +87,7 @@ KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::
   try {
     baz(inp);
   } catch (const Error& e) {
-    out << stable_paths(e.what()) << "\n";
+    out << examples::stable_paths(e.what()) << "\n";
   }
 
   auto inner = compiler::with_stance(Stance::force_eager, [](const Tensor& x) { return x + 1; });
@@ -105,7 +97,7 @@ KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::
   try {
     outer(inp);
   } catch (const Error& e) {
-    out << stable_paths(e.what()) << "\n";
+    out << examples::stable_paths(e.what()) << "\n";
   }
 
   out << "\n--- Other stances ---\n";
@@ -136,7 +128,7 @@ KILN_EXAMPLE(set_stance_recipe, 20, "Dynamic compilation control with compiler::
     try {
       my_big_model(randn({4}));  // recompilation - error
     } catch (const RecompileError& e) {
-      out << stable_paths(e.what()) << "\n";
+      out << examples::stable_paths(e.what()) << "\n";
     }
   }
 

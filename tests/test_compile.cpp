@@ -15,9 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "compile_helpers.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
-#include "reference.h"
 
 namespace {
 
@@ -27,61 +27,9 @@ using compiler::CompiledFn;
 using compiler::Counters;
 using compiler::Graph;
 
+using namespace kiln::testing;  // compile_helpers.h
+
 // ---- helpers ----
-
-kiln::testing::Tolerance compile_tolerance(DType t) {
-  return t == kFloat64 ? kiln::testing::Tolerance{1e-7, 1e-7} : kiln::testing::Tolerance{1.3e-6, 1e-5};
-}
-
-// Compiled vs eager: same shape and dtype, values allclose with the per-dtype tolerance.
-::testing::AssertionResult close(const Tensor& actual, const Tensor& expected) {
-  if (!actual.defined() || !expected.defined())
-    return ::testing::AssertionFailure() << "undefined tensor (actual " << actual.defined() << ", expected "
-                                         << expected.defined() << ")";
-  if (!(actual.sizes() == expected.sizes()))
-    return ::testing::AssertionFailure() << "shape " << shape_str(actual.sizes()) << " != "
-                                         << shape_str(expected.sizes());
-  if (actual.dtype() != expected.dtype())
-    return ::testing::AssertionFailure() << "dtype " << dtype_name(actual.dtype()) << " != "
-                                         << dtype_name(expected.dtype());
-  bool ok;
-  if (actual.is_floating_point()) {
-    auto tol = compile_tolerance(actual.dtype());
-    ok = allclose(actual, expected, tol.rtol, tol.atol);
-  } else {
-    ok = equal(actual, expected);
-  }
-  if (!ok) return ::testing::AssertionFailure() << "\nactual:   " << actual << "\nexpected: " << expected;
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult contains(const std::string& text, const std::string& needle) {
-  if (text.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << needle << "' not found in:\n" << text;
-}
-
-int occurrences(const std::string& text, const std::string& needle) {
-  int n = 0;
-  for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
-  return n;
-}
-
-// Counter differences since construction.
-struct Delta {
-  Counters start = compiler::counters();
-  Counters now() const {
-    Counters c = compiler::counters();
-    c.calls -= start.calls;
-    c.frame_compiles -= start.frame_compiles;
-    c.graph_compiles -= start.graph_compiles;
-    c.graph_cache_hits -= start.graph_cache_hits;
-    c.graph_runs -= start.graph_runs;
-    c.graph_breaks -= start.graph_breaks;
-    c.eager_frames -= start.eager_frames;
-    c.replays -= start.replays;
-    return c;
-  }
-};
 
 // A backend that keeps a copy of every graph it compiles, then runs it op by op.
 struct Recorder {
@@ -102,32 +50,11 @@ compiler::BackendFn recording(const std::shared_ptr<Recorder>& rec) {
   };
 }
 
-// Sends the compiler's logs to a string while alive.
-struct LogCapture {
-  std::ostringstream os;
-  explicit LogCapture(compiler::LogOptions logs = {}) {
-    compiler::set_logs(logs);
-    compiler::set_log_stream(&os);
-  }
-  ~LogCapture() {
-    compiler::set_log_stream(nullptr);
-    compiler::set_logs({});
-  }
-  std::string str() const { return os.str(); }
-};
-
-class Compile : public ::testing::Test {
+class Compile : public CompilerTest {
  protected:
   void SetUp() override {
-    compiler::reset();
-    compiler::set_stance(Stance::default_);
+    CompilerTest::SetUp();
     manual_seed(0);
-  }
-  void TearDown() override {
-    compiler::set_stance(Stance::default_);
-    compiler::set_logs({});
-    compiler::set_log_stream(nullptr);
-    compiler::set_recompile_limit(8);
   }
 };
 

@@ -7,54 +7,23 @@
 #include <string>
 #include <vector>
 
+#include "compile_helpers.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
-#include "reference.h"
 
 namespace {
 
 using namespace kiln;
 using compiler::Counters;
 
-::testing::AssertionResult close(const Tensor& actual, const Tensor& expected, double rtol = -1, double atol = -1) {
-  if (!actual.defined() || !expected.defined())
-    return ::testing::AssertionFailure() << "undefined tensor (actual " << actual.defined() << ", expected "
-                                         << expected.defined() << ")";
-  if (!(actual.sizes() == expected.sizes()) || actual.dtype() != expected.dtype())
-    return ::testing::AssertionFailure() << "shape/dtype " << shape_str(actual.sizes()) << " "
-                                         << dtype_name(actual.dtype()) << " != " << shape_str(expected.sizes())
-                                         << " " << dtype_name(expected.dtype());
-  if (rtol < 0) rtol = actual.dtype() == kFloat64 ? 1e-7 : 1.3e-6;
-  if (atol < 0) atol = actual.dtype() == kFloat64 ? 1e-7 : 1e-5;
-  if (!allclose(actual, expected, rtol, atol))
-    return ::testing::AssertionFailure() << "\nactual:   " << actual << "\nexpected: " << expected;
-  return ::testing::AssertionSuccess();
-}
+using namespace kiln::testing;  // compile_helpers.h
 
-struct Delta {
-  Counters start = compiler::counters();
-  Counters now() const {
-    Counters c = compiler::counters();
-    c.calls -= start.calls;
-    c.frame_compiles -= start.frame_compiles;
-    c.graph_compiles -= start.graph_compiles;
-    c.graph_cache_hits -= start.graph_cache_hits;
-    c.graph_runs -= start.graph_runs;
-    c.graph_breaks -= start.graph_breaks;
-    c.eager_frames -= start.eager_frames;
-    c.replays -= start.replays;
-    return c;
-  }
-};
-
-class CompileAutograd : public ::testing::Test {
+class CompileAutograd : public CompilerTest {
  protected:
   void SetUp() override {
-    compiler::reset();
-    compiler::set_stance(Stance::default_);
+    CompilerTest::SetUp();
     manual_seed(0);
   }
-  void TearDown() override { compiler::set_stance(Stance::default_); }
 };
 
 Tensor leaf_copy(const Tensor& t) { return t.detach().clone().requires_grad_(); }
@@ -190,12 +159,12 @@ void check_training_step(const Options& options) {
     Tensor xs = x + 0.1 * step;
     Tensor lc = step_c(xs, y);
     Tensor le = step_e(xs, y);
-    EXPECT_TRUE(close(lc, le, 1e-5, 1e-6)) << "loss at step " << step;
+    EXPECT_TRUE(close(lc, le, {1e-5, 1e-6})) << "loss at step " << step;
     auto pc = model_c->named_parameters();
     auto pe = model_e->named_parameters();
     ASSERT_EQ(pc.size(), pe.size());
     for (size_t i = 0; i < pc.size(); ++i)
-      EXPECT_TRUE(close(pc[i].second, pe[i].second, 1e-5, 1e-6)) << pc[i].first << " after step " << step;
+      EXPECT_TRUE(close(pc[i].second, pe[i].second, {1e-5, 1e-6})) << pc[i].first << " after step " << step;
     if (step == 1) compiles_after_step2 = d.now().graph_compiles;
   }
   EXPECT_GE(d.now().graph_runs, 3);

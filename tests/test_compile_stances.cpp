@@ -5,76 +5,24 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "compile_helpers.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
-#include "reference.h"
 
 namespace {
 
 using namespace kiln;
 using compiler::Arguments;
 using compiler::CompiledFn;
-using compiler::Counters;
 using compiler::Graph;
 
+using namespace kiln::testing;  // compile_helpers.h
+
 // ---- helpers ----
-
-::testing::AssertionResult close(const Tensor& actual, const Tensor& expected) {
-  if (!(actual.sizes() == expected.sizes()) || actual.dtype() != expected.dtype())
-    return ::testing::AssertionFailure() << "shape/dtype " << shape_str(actual.sizes()) << " "
-                                         << dtype_name(actual.dtype()) << " != " << shape_str(expected.sizes())
-                                         << " " << dtype_name(expected.dtype());
-  double rtol = actual.dtype() == kFloat64 ? 1e-7 : 1.3e-6;
-  double atol = actual.dtype() == kFloat64 ? 1e-7 : 1e-5;
-  if (!allclose(actual, expected, rtol, atol))
-    return ::testing::AssertionFailure() << "\nactual:   " << actual << "\nexpected: " << expected;
-  return ::testing::AssertionSuccess();
-}
-
-::testing::AssertionResult contains(const std::string& text, const std::string& needle) {
-  if (text.find(needle) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << needle << "' not found in:\n" << text;
-}
-
-int occurrences(const std::string& text, const std::string& needle) {
-  int n = 0;
-  for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
-  return n;
-}
-
-struct Delta {
-  Counters start = compiler::counters();
-  Counters now() const {
-    Counters c = compiler::counters();
-    c.calls -= start.calls;
-    c.frame_compiles -= start.frame_compiles;
-    c.graph_compiles -= start.graph_compiles;
-    c.graph_cache_hits -= start.graph_cache_hits;
-    c.graph_runs -= start.graph_runs;
-    c.graph_breaks -= start.graph_breaks;
-    c.eager_frames -= start.eager_frames;
-    c.replays -= start.replays;
-    return c;
-  }
-};
-
-struct LogCapture {
-  std::ostringstream os;
-  explicit LogCapture(compiler::LogOptions logs = {}) {
-    compiler::set_logs(logs);
-    compiler::set_log_stream(&os);
-  }
-  ~LogCapture() {
-    compiler::set_log_stream(nullptr);
-    compiler::set_logs({});
-  }
-  std::string str() const { return os.str(); }
-};
 
 // A backend that counts its compiles (to tell which backend compiled a graph).
 struct Counting {
@@ -101,19 +49,7 @@ void ensure_registered() {
   });
 }
 
-class Stances : public ::testing::Test {
- protected:
-  void SetUp() override {
-    compiler::reset();
-    compiler::set_stance(Stance::default_);
-  }
-  void TearDown() override {
-    compiler::set_stance(Stance::default_);
-    compiler::set_logs({});
-    compiler::set_log_stream(nullptr);
-    compiler::set_recompile_limit(8);
-  }
-};
+class Stances : public CompilerTest {};
 
 // A compiled function that records whether its body ran under capture.
 struct Probe {

@@ -11,29 +11,17 @@
 #include <tuple>
 #include <vector>
 
+#include "compile_helpers.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
-#include "reference.h"
 
 namespace {
 
 using namespace kiln;
 
-bool close(const Tensor& actual, const Tensor& expected) {
-  if (!(actual.sizes() == expected.sizes()) || actual.dtype() != expected.dtype()) return false;
-  double rtol = actual.dtype() == kFloat64 ? 1e-7 : 1.3e-6;
-  double atol = actual.dtype() == kFloat64 ? 1e-7 : 1e-5;
-  return allclose(actual, expected, rtol, atol);
-}
+using namespace kiln::testing;  // compile_helpers.h
 
-class CompileThreads : public ::testing::Test {
- protected:
-  void SetUp() override {
-    compiler::reset();
-    compiler::set_stance(Stance::default_);
-  }
-  void TearDown() override { compiler::set_stance(Stance::default_); }
-};
+class CompileThreads : public CompilerTest {};
 
 Tensor body(const Tensor& x, const Tensor& y) {
   Tensor h = sin(x) * y + x.matmul(y.t()).sum({1}, true);
