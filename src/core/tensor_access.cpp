@@ -40,7 +40,9 @@ Scalar Tensor::item() const {
   KILN_CHECK(numel() == 1, ValueError,
              "[kiln::item] a Tensor with " + std::to_string(numel()) +
                  " elements cannot be converted to Scalar. Reduce it first (e.g. .sum()).");
-  host_read("Tensor::item()");
+  // A wrapped host scalar holds a value the host already knows: reading it (as derivative formulas
+  // and meta functions do) is not a data-dependent read and does not break the graph.
+  if (!impl().is_wrapped_number || impl().lazy) host_read("Tensor::item()");
   return read_one(*this);
 }
 

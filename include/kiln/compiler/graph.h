@@ -17,6 +17,8 @@
 //            (learning rates, clamp bounds, scales) and the random ops' (seed, offset). The
 //            runtime passes their current values; the node's attr holds the example value.
 //   outputs  values the program still references after the graph (by liveness), in order.
+//   constants values computed when the graph is compiled (decompositions' host scalars, constant
+//            folding), held as tensors.
 #pragma once
 
 #include <cstdint>
@@ -81,6 +83,9 @@ class Graph {
   std::vector<int> inputs;
   std::vector<ScalarSlot> scalars;
   std::vector<int> outputs;
+  // Values known when the graph is compiled (host scalars inside decompositions, folded
+  // subgraphs): the value id and its tensor. Never graph inputs.
+  std::vector<std::pair<int, Tensor>> constants;
 
   // ---- building and rewriting ----
   int add_value(ValueInfo info);

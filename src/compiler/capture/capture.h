@@ -65,5 +65,11 @@ void host_read(std::string_view what);
 // it, else throws.
 void materialize(const kiln::detail::TensorImpl& impl);
 
+// Traces `fn` on lazy inputs with the given metadata into a graph (inputs = the placeholders in
+// order, outputs = what fn returns). For decompositions written as ordinary Kiln code. Runs without
+// autograd; a host read or a tensor from outside throws CompileError.
+Graph trace_graph(const std::vector<ValueInfo>& inputs,
+                  const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn);
+
 }  // namespace detail
 }  // namespace kiln::compiler

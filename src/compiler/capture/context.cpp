@@ -406,6 +406,11 @@ void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) 
 }  // namespace
 
 void CaptureContext::flush(bool end_of_call, std::string_view reason, const CallSite* site) {
+  if (!fn) {  // trace_graph(): a traced function may not read data
+    throw CompileError("[kiln::compile] a traced function (a decomposition) broke the graph: " +
+                       std::string(reason.empty() ? "end of trace" : reason) +
+                       ". Decompositions must be written with tensor ops only.");
+  }
   if (!end_of_call) {
     ++breaks;
     counter_set().graph_breaks.fetch_add(1, std::memory_order_relaxed);
@@ -522,6 +527,52 @@ void materialize(const TensorImpl& impl) {
         "compiler::disable or an eager fallback) before its graph ran. This is a Kiln bug; please report it.");
   }
   throw_unusable(seg);
+}
+
+// ---- tracing (decompositions) ----
+
+Graph trace_graph(const std::vector<ValueInfo>& inputs,
+                  const std::function<std::vector<Tensor>(const std::vector<Tensor>&)>& fn) {
+  CaptureContext ctx;  // no FunctionState: nothing may flush
+  auto seg = std::make_shared<Segment>();
+  ctx.segment = seg;
+  std::vector<Tensor> args;
+  args.reserve(inputs.size());
+  for (const ValueInfo& v : inputs) {
+    TensorMeta m{v.sizes, v.strides, v.dtype, v.device, v.storage_offset};
+    Tensor t = make_pending(m);
+    t.impl().is_wrapped_number = v.is_wrapped_number;
+    value_of(*seg, t);  // placeholder k
+    args.push_back(std::move(t));
+  }
+  std::vector<Tensor> outs;
+  {
+    NoGradGuard no_grad;
+    CaptureScope scope(&ctx);
+    outs = fn(args);
+  }
+  Graph g = std::move(seg->graph);
+  // Host scalars the function wrapped into tensors are constants of the graph, not inputs.
+  for (size_t k = inputs.size(); k < g.inputs.size(); ++k) {
+    const Tensor& t = seg->inputs[k];
+    KILN_CHECK(t.impl().is_wrapped_number, CompileError,
+               "[kiln::compile] a traced function used a tensor other than its inputs (only host scalars "
+               "may be captured in decompositions).");
+    g.values[g.inputs[k]].is_input = false;
+    g.constants.emplace_back(g.inputs[k], t);
+  }
+  g.inputs.resize(inputs.size());
+  for (const Tensor& t : outs) {
+    KILN_CHECK(t.defined(), CompileError, "[kiln::compile] a traced function returned an undefined tensor.");
+    const TensorImpl& impl = t.impl();
+    int id = -1;
+    if (impl.lazy && impl.lazy->segment == seg) id = impl.lazy->value;
+    else if (auto it = seg->input_ids.find(&impl); it != seg->input_ids.end()) id = it->second;
+    KILN_CHECK(id >= 0, CompileError,
+               "[kiln::compile] a traced function returned a tensor it did not compute from its inputs.");
+    g.outputs.push_back(id);
+  }
+  return g;
 }
 
 // ---- structural equality (cache hits) ----

@@ -168,6 +168,25 @@ void Graph::validate() const {
     if (defined[v]) invalid("value " + std::to_string(v) + " is listed twice as an input");
     defined[v] = 1;
   }
+  // Constants are defined before the first node, like inputs. They hold a real tensor that every
+  // call shares, so no node may write into one.
+  std::vector<char> constant(values.size(), 0);
+  for (size_t k = 0; k < constants.size(); ++k) {
+    const auto& [v, t] = constants[k];
+    std::string which = "constant " + std::to_string(k);
+    if (!in_range(v))
+      invalid(which + " is value " + std::to_string(v) + ", out of range");
+    if (defined[v])
+      invalid("value " + std::to_string(v) + " is listed twice as an input or a constant");
+    if (!t.defined()) invalid(which + " (value " + std::to_string(v) + ") holds no tensor");
+    const ValueInfo& rec = values[v];
+    if (!(t.sizes() == IntArrayRef(rec.sizes)) || t.dtype() != rec.dtype || t.device() != rec.device)
+      invalid(which + " holds a " + detail::type_str(t.dtype(), t.sizes().vec()) + " tensor on " +
+              t.device().str() + " but value " + std::to_string(v) + " is recorded as " +
+              detail::type_str(rec) + " on " + rec.device.str());
+    defined[v] = 1;
+    constant[v] = 1;
+  }
   for (const ScalarSlot& s : scalars) {
     if (s.node < 0 || static_cast<size_t>(s.node) >= nodes.size())
       invalid("a scalar slot names node " + std::to_string(s.node) + ", out of range");
@@ -203,10 +222,16 @@ void Graph::validate() const {
       if (n.inplace && !defined[v])
         invalid(node_label(n) + " writes value " + std::to_string(v) +
                 " in place before any node defines it");
+      if (n.inplace && constant[v])
+        invalid(node_label(n) + " writes constant value " + std::to_string(v) + " in place");
       if (!n.inplace && defined[v])
         invalid(node_label(n) + " output " + std::to_string(k) + " redefines value " +
                 std::to_string(v));
     }
+
+    for (int i : n.op->mutated_inputs)
+      if (static_cast<size_t>(i) < n.inputs.size() && n.inputs[i] >= 0 && constant[n.inputs[i]])
+        invalid(node_label(n) + " mutates constant value " + std::to_string(n.inputs[i]));
 
     std::vector<TensorMeta> result;
     try {

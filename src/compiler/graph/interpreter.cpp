@@ -39,6 +39,7 @@ struct Program {
   size_t num_values = 0;
   size_t num_scalars = 0;
   std::vector<std::string> slot_names;  // "add_1.alpha", for errors
+  std::vector<std::pair<int, Tensor>> constants;
 
   // One environment reused across calls; a concurrent (or reentrant) call allocates its own.
   std::atomic<bool> busy{false};
@@ -73,6 +74,7 @@ std::shared_ptr<Program> build(const Graph& g) {
   p->outputs = g.outputs;
   p->num_values = g.values.size();
   p->num_scalars = g.scalars.size();
+  p->constants = g.constants;
   auto check_id = [&](int v, bool allow_none, const std::string& where) {
     if ((allow_none && v == -1) || (v >= 0 && static_cast<size_t>(v) < g.values.size())) return;
     throw CompileError("[kiln::compiler::interpreter] " + where + " refers to value " +
@@ -82,6 +84,7 @@ std::shared_ptr<Program> build(const Graph& g) {
   };
   for (int v : g.inputs) check_id(v, false, "a graph input");
   for (int v : g.outputs) check_id(v, false, "a graph output");
+  for (const auto& c : g.constants) check_id(c.first, false, "a graph constant");
 
   std::vector<int> last_use(g.values.size(), -1);
   p->steps.reserve(g.nodes.size());
@@ -151,6 +154,7 @@ std::vector<Tensor> run(Program& p, const Arguments& args) {
   env.resize(p.num_values);
 
   for (size_t k = 0; k < p.inputs.size(); ++k) env[p.inputs[k]] = args.tensors[k];
+  for (const auto& [v, t] : p.constants) env[v] = t;
   std::vector<Tensor> targets;
   for (const Step& s : p.steps) {
     std::vector<Tensor> inputs;

@@ -3,7 +3,9 @@
 // Value names: ValueInfo::name when set. Otherwise the outputs of a node are named after it: a
 // single output takes the node's name ("sin"), the outputs of a multi-output node are indexed like
 // FX's getitem ("max[0]", "max[1]"; brackets cannot clash with a node name). Values written by
-// in-place nodes keep their name. Anything else is "v<id>". Scalar slots print as "s<k>" (their
+// in-place nodes keep their name. Constants (Graph::constants) are FX's get_attr rows, named
+// "_tensor_constant<k>" by their index and listed before the calls; str() shows the value of a
+// one-element constant. Anything else is "v<id>". Scalar slots print as "s<k>" (their
 // example value is in the placeholder's comment in str()). Attrs are named after the op schema's
 // non-Tensor parameters ("attr<k>" past its end) and printed in Python syntax (1, 0.5, 1e-05,
 // True, None, [1, 2], 'tanh'); dtypes and devices print as Kiln names (float32, cpu). In-place
@@ -15,7 +17,9 @@
 #include <ostream>
 #include <sstream>
 
+#include "compiler/capture/capture.h"
 #include "compiler/graph/format.h"
+#include "kiln/detail/tensor_impl.h"
 
 namespace kiln::compiler {
 
@@ -187,6 +191,13 @@ std::string attr_repr(const Attr& a) {
       a);
 }
 
+// " = 1e-05" for a one-element constant (a decomposition's host scalar, a folded value), else "".
+std::string constant_value(const Tensor& t) {
+  if (!t.defined() || t.numel() != 1 || t.impl().lazy) return "";
+  detail::SuspendCapture no_capture;  // reading a constant is not a host read of the user's code
+  return " = " + attr_repr(Attr(t.item()));
+}
+
 // Everything the printers share, computed once per print.
 struct Names {
   std::vector<std::string> values;
@@ -205,6 +216,10 @@ struct Names {
         if (v < 0 || static_cast<size_t>(v) >= values.size()) continue;
         values[v] = n.outputs.size() == 1 ? n.name : n.name + "[" + std::to_string(k) + "]";
       }
+    }
+    for (size_t k = 0; k < g.constants.size(); ++k) {
+      int v = g.constants[k].first;
+      if (v >= 0 && static_cast<size_t>(v) < values.size()) values[v] = numbered("_tensor_constant", k);
     }
     for (size_t v = 0; v < values.size(); ++v) {
       if (!g.values[v].name.empty()) values[v] = g.values[v].name;
@@ -273,6 +288,8 @@ void Graph::print_tabular(std::ostream& os) const {
     std::string s = numbered("s", k);
     rows.push_back({"placeholder", s, s, "()", "{}"});
   }
+  for (const auto& c : constants)
+    rows.push_back({"get_attr", names.value(c.first), names.value(c.first), "()", "{}"});
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
     std::string kwargs = "{";
@@ -331,6 +348,11 @@ std::string Graph::str() const {
          << attr_repr(nodes[s.node].attrs[s.attr]);
     os << '\n';
   }
+  for (const auto& [v, t] : constants) {
+    os << '%' << names.value(v) << " = get_attr()  # "
+       << (v >= 0 && static_cast<size_t>(v) < values.size() ? detail::type_str(values[v]) : "?")
+       << constant_value(t) << '\n';
+  }
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];
     std::string call = (n.op ? n.op->name : "?") + "(";
@@ -387,6 +409,13 @@ std::string Graph::dot() const {
     writer[v] = numbered("in", k);
     os << "  " << writer[v] << " [shape=ellipse, label=\"" << dot_escape(names.value(v)) << "\\n"
        << detail::type_str(values[v]) << "\"];\n";
+  }
+  for (size_t k = 0; k < constants.size(); ++k) {
+    int v = constants[k].first;
+    if (v < 0 || static_cast<size_t>(v) >= values.size()) continue;
+    writer[v] = numbered("c", k);
+    os << "  " << writer[v] << " [shape=ellipse, style=dashed, label=\"" << dot_escape(names.value(v))
+       << "\\n" << detail::type_str(values[v]) << "\"];\n";
   }
   for (size_t i = 0; i < nodes.size(); ++i) {
     const Node& n = nodes[i];

@@ -1,0 +1,156 @@
+// The `kiln` backend (alias "inductor"): graph passes → scheduler (fusion) → C++ code generation →
+// system compiler (cached on disk) → an executable that runs the generated kernels and dispatches
+// the remaining nodes (DESIGN §2.5).
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <unistd.h>
+
+#include "compiler/capture/runtime.h"
+#include "compiler/graph/passes.h"
+#include "compiler/lower/loop_ir.h"
+#include "compiler/runtime/kernel_cache.h"
+#include "core/tensor_factory.h"
+#include "kiln/autograd.h"
+
+namespace kiln::compiler {
+
+namespace {
+
+using KernelFn = void (*)(void* const*, const double*);
+
+struct Executable {
+  lower::Program program;
+  std::shared_ptr<runtime::SharedObject> library;
+  std::vector<KernelFn> kernels;  // per Program kernel
+  // Per node step: which attrs are scalar slots.
+  std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
+};
+
+double to_double(const Attr& a) {
+  if (auto* s = std::get_if<Scalar>(&a)) return s->to_double();
+  if (auto* d = std::get_if<double>(&a)) return *d;
+  if (auto* i = std::get_if<int64_t>(&a)) return static_cast<double>(*i);
+  if (auto* b = std::get_if<bool>(&a)) return *b ? 1.0 : 0.0;
+  throw CompileError("[kiln::compile] a run-time scalar of the kiln backend is not a number.");
+}
+
+// The attr a scalar slot fills, in the kind the node's attr has.
+Attr as_kind(const Attr& example, const Attr& given) {
+  if (given.index() == example.index()) return given;
+  double v = to_double(given);
+  if (std::holds_alternative<Scalar>(example)) {
+    if (auto* i = std::get_if<int64_t>(&given)) return Scalar(*i);
+    return Scalar(v);
+  }
+  if (std::holds_alternative<double>(example)) return v;
+  if (std::holds_alternative<int64_t>(example)) return static_cast<int64_t>(v);
+  if (std::holds_alternative<bool>(example)) return v != 0;
+  return given;
+}
+
+std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
+  const Graph& g = ex.program.graph;
+  KILN_CHECK(args.tensors.size() == g.inputs.size() && args.scalars.size() == g.scalars.size(), CompileError,
+             "[kiln::compile] the compiled graph takes " + std::to_string(g.inputs.size()) + " tensors and " +
+                 std::to_string(g.scalars.size()) + " scalars, but got " + std::to_string(args.tensors.size()) +
+                 " and " + std::to_string(args.scalars.size()) + ".");
+  NoGradGuard no_grad;
+  detail::SuspendCapture no_capture;
+  std::vector<Tensor> env(g.values.size());
+  for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
+  for (const auto& [v, t] : g.constants) env[v] = t;
+  std::vector<double> scalars(args.scalars.size());
+  for (size_t k = 0; k < scalars.size(); ++k) scalars[k] = to_double(args.scalars[k]);
+
+  std::vector<void*> pointers;
+  for (const lower::Step& step : ex.program.steps) {
+    if (step.kind == lower::Step::Kind::kernel) {
+      for (int v : step.allocate) {
+        const ValueInfo& vi = g.values[v];
+        env[v] = kiln::detail::make_empty_strided(vi.sizes, vi.strides, vi.dtype, vi.device);
+      }
+      pointers.clear();
+      for (int v : step.bindings) pointers.push_back(env[v].impl().data());
+      ex.kernels[step.kernel](pointers.data(), scalars.data());
+    } else {
+      const Node& n = g.nodes[step.node];
+      std::vector<Tensor> inputs;
+      inputs.reserve(n.inputs.size());
+      for (int v : n.inputs) inputs.push_back(v >= 0 ? env[v] : Tensor());
+      std::vector<Attr> attrs = n.attrs;
+      for (auto [attr, k] : ex.slots[step.node]) attrs[attr] = as_kind(n.attrs[attr], args.scalars[k]);
+      if (n.inplace) {
+        std::vector<Tensor> targets;
+        for (int v : n.outputs) targets.push_back(env[v]);
+        call_op_out(*n.op, std::move(inputs), std::move(attrs), targets);
+      } else {
+        std::vector<Tensor> outs = call_op(*n.op, std::move(inputs), std::move(attrs));
+        for (size_t k = 0; k < outs.size() && k < n.outputs.size(); ++k) env[n.outputs[k]] = std::move(outs[k]);
+      }
+    }
+    for (int v : step.release) env[v] = Tensor();
+  }
+  std::vector<Tensor> out;
+  out.reserve(g.outputs.size());
+  for (int v : g.outputs) out.push_back(env[v]);
+  return out;
+}
+
+// KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
+void write_debug(const Graph& before, const lower::Program& p, const std::vector<std::string>& sources) {
+  const char* flag = std::getenv("KILN_COMPILE_DEBUG");
+  if (!flag || std::string(flag) == "0") return;
+  static std::atomic<int> counter{0};
+  namespace fs = std::filesystem;
+  const char* root = std::getenv("KILN_COMPILE_DEBUG_DIR");
+  fs::path dir = fs::path(root ? root : "kiln_compile_debug") /
+                 ("graph_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return;
+  std::ofstream(dir / "graph.txt") << before.str();
+  std::ofstream(dir / "graph_tabular.txt") << before.tabular();
+  std::ofstream(dir / "graph.dot") << before.dot();
+  std::ofstream(dir / "graph_after_passes.txt") << p.graph.str();
+  std::ofstream(dir / "loop_ir.txt") << lower::describe(p);
+  for (size_t i = 0; i < sources.size(); ++i) std::ofstream(dir / ("kernels_" + std::to_string(i) + ".cpp")) << sources[i];
+  detail::log_stream() << "[kiln.compile] debug trace: " << dir.string() << "\n";
+}
+
+CompiledFn kiln_backend(Graph& graph, const Arguments&) {
+  Graph before = graph;
+  passes::eliminate_dead_code(graph);
+  passes::eliminate_common_subexpressions(graph);
+  auto ex = std::make_shared<Executable>();
+  ex->program = lower::schedule(std::move(graph));
+  const Graph& g = ex->program.graph;
+  ex->slots.resize(g.nodes.size());
+  for (size_t k = 0; k < g.scalars.size(); ++k)
+    ex->slots[g.scalars[k].node].emplace_back(g.scalars[k].attr, static_cast<int>(k));
+  std::vector<std::string> sources = lower::generate_cpp(ex->program);
+  write_debug(before, ex->program, sources);
+  if (detail::log_options().output_code) {
+    for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;
+  }
+  if (!ex->program.kernels.empty()) {
+    auto t0 = std::chrono::steady_clock::now();
+    ex->library = runtime::load_or_build({sources, {}, "graph of " + std::to_string(g.nodes.size()) + " ops"});
+    detail::record_phase("cpp_build (kiln)",
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (const auto& k : ex->program.kernels) ex->kernels.push_back(ex->library->function<void(void* const*, const double*)>(k.name.c_str()));
+  }
+  return [ex](const Arguments& args) { return run(*ex, args); };
+}
+
+[[maybe_unused]] const bool registered = [] {
+  register_backend("kiln", kiln_backend);
+  register_backend("inductor", kiln_backend);
+  return true;
+}();
+
+}  // namespace
+
+}  // namespace kiln::compiler

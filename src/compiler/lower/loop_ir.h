@@ -1,0 +1,93 @@
+// The loop IR of the kiln backend: what the scheduler makes of a graph and the C++ code generator
+// turns into source (DESIGN §2.5).
+//
+// A Program is a list of steps over the graph's values. A kernel step runs one generated loop nest
+// (a fused group of pointwise nodes, or a reduction with its pointwise prologue); an extern step
+// runs one graph node through the eager dispatcher (GEMM, convolution, pooling, views, random ops,
+// anything without a lowering). Shapes are static, so every size, stride and offset is a constant
+// in the generated code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kiln/compiler/graph.h"
+
+namespace kiln::compiler::lower {
+
+// One operation of a kernel body, in SSA form: operands are earlier expressions.
+struct Expr {
+  enum Kind : uint8_t {
+    load,      // buffer[offset + sum(index[d] * strides[d])]
+    scalar,    // a run-time scalar argument (Graph::scalars), as a double
+    constant,  // a literal
+    call,      // `code` with $0, $1, ... replaced by the operands
+  };
+  Kind kind = constant;
+  DType dtype = DType::float32;  // the C++ type of the result
+  int buffer = -1;               // load
+  std::vector<int64_t> strides;  // load: per iteration dim (0 where broadcast)
+  int64_t offset = 0;            // load
+  int scalar_index = -1;         // scalar
+  double value = 0;              // constant
+  std::string code;              // call: "kiln::math::Exp{}($0)"
+  std::vector<int> args;         // call
+};
+
+// buffer[offset + sum(index[d] * strides[d])] = exprs[expr] (cast to the buffer's dtype).
+struct Store {
+  int buffer = -1;
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+  int expr = -1;
+};
+
+struct Kernel {
+  enum Kind : uint8_t { pointwise, reduction };
+  Kind kind = pointwise;
+  std::string name;              // C symbol: kiln_kernel_<n>
+  std::vector<int64_t> sizes;    // the iteration space
+  std::vector<Expr> exprs;
+  std::vector<Store> stores;     // element-wise stores (pointwise; a reduction's prologue values)
+  std::vector<DType> buffers;    // dtype of each buffer argument
+  // Reductions: dims of `sizes` that are reduced; the accumulated expression; how; the result.
+  std::vector<bool> reduced;
+  std::string reduce_op;         // "sum", "max", "min"
+  int reduce_expr = -1;
+  DType acc_dtype = DType::float32;
+  double scale = 1;              // mean: 1 / count
+  Store result;                  // strides over the iteration dims (0 on reduced dims)
+  std::vector<std::string> ops;  // graph nodes fused in (for the debug dump and logs)
+};
+
+struct Step {
+  enum class Kind : uint8_t { kernel, node };
+  Kind kind = Kind::node;
+  int kernel = -1;               // kernel: index into Program::kernels
+  std::vector<int> bindings;     // kernel: the value bound to each buffer
+  std::vector<int> allocate;     // kernel: values this step creates (stores into fresh memory)
+  int node = -1;                 // node: graph node run through the dispatcher
+  std::vector<int> release;      // values whose last use is this step
+};
+
+struct Program {
+  Graph graph;                   // after the passes; steps refer to its values and nodes
+  std::vector<Kernel> kernels;
+  std::vector<Step> steps;
+  int fused_nodes = 0;           // graph nodes lowered into kernels
+  int extern_nodes = 0;          // graph nodes run through the dispatcher
+};
+
+// Lowers a graph into a program: fuses pointwise chains and reduction prologues, leaves the rest
+// to the dispatcher.
+Program schedule(Graph graph);
+
+// The C++ source of every kernel of `p` (one translation unit per chunk of kernels, so that the
+// system compiler can build them in parallel).
+std::vector<std::string> generate_cpp(const Program& p, int max_kernels_per_unit = 24);
+
+// The loop IR as text (KILN_COMPILE_DEBUG).
+std::string describe(const Program& p);
+
+}  // namespace kiln::compiler::lower

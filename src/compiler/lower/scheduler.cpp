@@ -1,0 +1,275 @@
+// The scheduler: groups graph nodes into kernels (DESIGN §2.5, "fusion").
+//
+// Walking the nodes in program order, consecutive pointwise nodes with the same output shape form
+// one kernel; their inputs from outside the group are loads (broadcast by stride 0), values used
+// only inside the group stay in registers, and values used later (or returned) are stored. A
+// reduction whose input is produced by the open group takes the group as its prologue: one loop
+// nest computes the group's values, stores those needed later, and accumulates. Everything else
+// (GEMM, convolution, pooling, views, random ops, in-place nodes left by functionalization) runs
+// through the dispatcher as a node step.
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "compiler/lower/pointwise_rules.h"
+
+namespace kiln::compiler::lower {
+
+namespace {
+
+// Strides of value `v` read over an iteration space `sizes` (right-aligned; 0 where broadcast).
+std::vector<int64_t> broadcast_strides(const ValueInfo& v, const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> s(sizes.size(), 0);
+  const size_t rank = v.sizes.size();
+  for (size_t i = 0; i < rank; ++i) {
+    size_t d = sizes.size() - rank + i;
+    s[d] = v.sizes[i] == 1 ? 0 : v.strides[i];
+  }
+  return s;
+}
+
+struct Builder {
+  const Graph& g;
+  Program& p;
+  std::vector<std::vector<int>> consumers;  // per value: consuming node indices
+  std::vector<bool> is_output;
+
+  // The open pointwise group.
+  struct Group {
+    Kernel kernel;
+    std::set<int> nodes;
+    std::map<int, int> expr_of;    // value -> expression (produced in the group, or loaded)
+    std::map<int, int> buffer_of;  // value -> buffer index
+    std::vector<int> bindings;
+    std::vector<int> produced;     // values produced in the group, in order
+  };
+  std::optional<Group> open;
+
+  int buffer(Group& grp, int v) {
+    auto [it, inserted] = grp.buffer_of.try_emplace(v, static_cast<int>(grp.bindings.size()));
+    if (inserted) {
+      grp.bindings.push_back(v);
+      grp.kernel.buffers.push_back(g.values[v].dtype);
+    }
+    return it->second;
+  }
+
+  int load(Group& grp, int v) {
+    if (auto it = grp.expr_of.find(v); it != grp.expr_of.end()) return it->second;
+    Expr e;
+    e.kind = Expr::load;
+    e.buffer = buffer(grp, v);
+    e.strides = broadcast_strides(g.values[v], grp.kernel.sizes);
+    e.dtype = g.values[v].dtype;
+    ExprBuilder b(grp.kernel, g);
+    int id = b.add(std::move(e));
+    grp.expr_of[v] = id;
+    return id;
+  }
+
+  Group start(const std::vector<int64_t>& sizes) {
+    Group grp;
+    grp.kernel.sizes = sizes;
+    grp.kernel.name = "kiln_kernel_" + std::to_string(p.kernels.size());
+    return grp;
+  }
+
+  void add_pointwise(Group& grp, int node) {
+    const Node& n = g.nodes[node];
+    std::vector<int> in;
+    for (int v : n.inputs) in.push_back(v >= 0 ? load(grp, v) : -1);
+    ExprBuilder b(grp.kernel, g);
+    int e = lower_pointwise(b, g, node, in);
+    grp.expr_of[n.outputs[0]] = e;
+    grp.nodes.insert(node);
+    grp.produced.push_back(n.outputs[0]);
+    grp.kernel.ops.push_back(n.name.empty() ? n.op->name : n.name);
+    ++p.fused_nodes;
+  }
+
+  // Values of the group that someone outside it reads.
+  bool needed_outside(const Group& grp, int v, int except_node = -1) const {
+    if (is_output[v]) return true;
+    for (int c : consumers[v])
+      if (c != except_node && !grp.nodes.count(c)) return true;
+    return false;
+  }
+
+  void add_stores(Group& grp, int except_node, Step& step) {
+    for (int v : grp.produced) {
+      if (!needed_outside(grp, v, except_node)) continue;
+      Store s;
+      s.buffer = buffer(grp, v);
+      s.strides = broadcast_strides(g.values[v], grp.kernel.sizes);
+      s.expr = grp.expr_of.at(v);
+      grp.kernel.stores.push_back(s);
+      step.allocate.push_back(v);
+    }
+  }
+
+  void close() {
+    if (!open) return;
+    Step step;
+    step.kind = Step::Kind::kernel;
+    add_stores(*open, -1, step);
+    step.kernel = static_cast<int>(p.kernels.size());
+    step.bindings = open->bindings;
+    if (!open->kernel.stores.empty()) {
+      p.kernels.push_back(std::move(open->kernel));
+      p.steps.push_back(std::move(step));
+    }
+    open.reset();
+  }
+
+  void add_reduction(int node, const ReductionInfo& r) {
+    const Node& n = g.nodes[node];
+    const int x = n.inputs[0];
+    const ValueInfo& xi = g.values[x];
+    Group grp;
+    if (open && open->kernel.sizes == xi.sizes && open->expr_of.count(x) &&
+        std::find(open->produced.begin(), open->produced.end(), x) != open->produced.end()) {
+      grp = std::move(*open);  // prologue fusion: the group's loop nest also reduces
+      open.reset();
+    } else {
+      close();
+      grp = start(xi.sizes);
+    }
+    Kernel& k = grp.kernel;
+    k.kind = Kernel::reduction;
+    k.reduced = r.reduced;
+    k.reduce_op = r.op;
+    k.acc_dtype = r.acc;
+    int in = load(grp, x);
+    ExprBuilder b(k, g);
+    k.reduce_expr = b.cast(in, r.acc);
+    int64_t count = 1;
+    for (size_t d = 0; d < xi.sizes.size(); ++d)
+      if (r.reduced[d]) count *= xi.sizes[d];
+    if (r.mean) k.scale = count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count);
+    const int y = n.outputs[0];
+    const ValueInfo& yi = g.values[y];
+    k.result.buffer = buffer(grp, y);
+    k.result.strides.assign(xi.sizes.size(), 0);
+    for (size_t d = 0, od = 0; d < xi.sizes.size(); ++d) {
+      if (r.reduced[d]) {
+        if (r.keepdim) ++od;
+        continue;
+      }
+      k.result.strides[d] = yi.sizes[od] == 1 ? 0 : yi.strides[od];
+      ++od;
+    }
+    grp.nodes.insert(node);
+    k.ops.push_back(n.name.empty() ? n.op->name : n.name);
+    ++p.fused_nodes;
+    Step step;
+    step.kind = Step::Kind::kernel;
+    add_stores(grp, node, step);
+    step.allocate.push_back(y);
+    step.kernel = static_cast<int>(p.kernels.size());
+    step.bindings = grp.bindings;
+    p.kernels.push_back(std::move(k));
+    p.steps.push_back(std::move(step));
+  }
+
+  void run() {
+    consumers.assign(g.values.size(), {});
+    is_output.assign(g.values.size(), false);
+    for (size_t i = 0; i < g.nodes.size(); ++i)
+      for (int v : g.nodes[i].inputs)
+        if (v >= 0) consumers[v].push_back(static_cast<int>(i));
+    for (int v : g.outputs) is_output[v] = true;
+
+    for (size_t i = 0; i < g.nodes.size(); ++i) {
+      const int node = static_cast<int>(i);
+      const Node& n = g.nodes[i];
+      if (is_lowerable_pointwise(g, node)) {
+        const auto& sizes = g.values[n.outputs[0]].sizes;
+        if (!open || open->kernel.sizes != sizes) {
+          close();
+          open = start(sizes);
+        }
+        add_pointwise(*open, node);
+        continue;
+      }
+      if (auto r = lowerable_reduction(g, node)) {
+        add_reduction(node, *r);
+        continue;
+      }
+      close();
+      Step step;
+      step.kind = Step::Kind::node;
+      step.node = node;
+      p.steps.push_back(step);
+      ++p.extern_nodes;
+    }
+    close();
+    compute_releases();
+  }
+
+  // Frees each value after the last step that reads or writes it (outputs and constants live on).
+  void compute_releases() {
+    std::vector<int> last(g.values.size(), -1);
+    auto touch = [&](int v, int s) {
+      if (v >= 0) last[v] = s;
+    };
+    for (size_t s = 0; s < p.steps.size(); ++s) {
+      const Step& st = p.steps[s];
+      if (st.kind == Step::Kind::kernel) {
+        for (int v : st.bindings) touch(v, static_cast<int>(s));
+      } else {
+        const Node& n = g.nodes[st.node];
+        for (int v : n.inputs) touch(v, static_cast<int>(s));
+        for (int v : n.outputs) touch(v, static_cast<int>(s));
+      }
+    }
+    for (int v : g.outputs) last[v] = -1;
+    for (const auto& c : g.constants) last[c.first] = -1;
+    for (int v : g.inputs) last[v] = -1;  // the caller's tensors: nothing to free
+    for (size_t v = 0; v < last.size(); ++v)
+      if (last[v] >= 0) p.steps[last[v]].release.push_back(static_cast<int>(v));
+  }
+};
+
+}  // namespace
+
+Program schedule(Graph graph) {
+  Program p;
+  p.graph = std::move(graph);
+  Builder b{p.graph, p, {}, {}, std::nullopt};
+  b.run();
+  return p;
+}
+
+std::string describe(const Program& p) {
+  std::string out;
+  for (size_t s = 0; s < p.steps.size(); ++s) {
+    const Step& st = p.steps[s];
+    if (st.kind == Step::Kind::node) {
+      const Node& n = p.graph.nodes[st.node];
+      out += "step " + std::to_string(s) + ": dispatch " + (n.name.empty() ? n.op->name : n.name) + " (" +
+             n.op->name + ")\n";
+      continue;
+    }
+    const Kernel& k = p.kernels[st.kernel];
+    out += "step " + std::to_string(s) + ": " + k.name + " (" +
+           (k.kind == Kernel::pointwise ? "pointwise" : "reduction " + k.reduce_op) + ") over [";
+    for (size_t d = 0; d < k.sizes.size(); ++d) out += (d ? ", " : "") + std::to_string(k.sizes[d]);
+    out += "], fuses";
+    for (const auto& op : k.ops) out += " " + op;
+    out += "; buffers";
+    for (int v : st.bindings) {
+      out += " %";
+      if (p.graph.values[v].name.empty()) {
+        out += 'v';
+        out += std::to_string(v);
+      } else {
+        out += p.graph.values[v].name;
+      }
+    }
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace kiln::compiler::lower

@@ -1,0 +1,69 @@
+// The on-disk cache of compiled CPU kernel libraries (DESIGN §2.5).
+//
+// Entries live in <cache_dir()>/cpp-v<Kiln version>/ as <key>.so plus <key>.sha256 (hex SHA-256 of
+// the .so). The key is a SHA-256 over everything that affects the binary: the sources, the compiler
+// path, its --version and predefined macros (the target ISA), all flags, Kiln's version and its
+// headers. An entry is verified before dlopen; a bad one (checksum mismatch, truncated or missing
+// file, wrong owner or writable by others, a symlink) is deleted and rebuilt, never loaded.
+// Writes are temp file + fsync + atomic rename, and an flock on <key>.lock makes concurrent
+// processes (and threads) build a key once and never see a half-written entry.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kiln::compiler::runtime {
+
+// A shared object loaded with dlopen(RTLD_NOW | RTLD_LOCAL); dlclose on destruction. Function
+// pointers taken from it are valid while it lives: keep the shared_ptr next to them.
+class SharedObject {
+ public:
+  // Loads `path`; throws CompileError with dlerror() when it cannot be loaded.
+  SharedObject(const std::string& path, std::string label);
+  ~SharedObject();
+  SharedObject(const SharedObject&) = delete;
+  SharedObject& operator=(const SharedObject&) = delete;
+
+  // The address of `name`; throws CompileError naming the symbol and the library if missing.
+  void* symbol(const char* name) const;
+  // symbol() cast to a function pointer type, e.g. function<int()>("kiln_answer").
+  template <class Signature>
+  Signature* function(const char* name) const {
+    return reinterpret_cast<Signature*>(symbol(name));
+  }
+  const std::string& path() const { return path_; }
+  const std::string& label() const { return label_; }
+
+ private:
+  void* handle_ = nullptr;
+  std::string path_;
+  std::string label_;
+};
+
+struct BuildRequest {
+  std::vector<std::string> sources;  // translation units; compiled in parallel, linked into one .so
+  std::vector<std::string> extra_flags;  // appended to the default flags
+  std::string label;                     // for messages and debug dirs, e.g. "graph 0/3"
+};
+
+// Loads the shared object for `req` from the cache, or builds it with the system compiler, stores
+// it and loads it. Objects already loaded by this process are shared, not loaded again. Thread
+// safe. Throws CompileError with the compiler's output and the source path on failure (the
+// sources are kept in a tmp-* directory of the cache for inspection).
+std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req);
+
+// The cache directory: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else $HOME/.cache/kiln; read
+// on every call. Created 0700 if missing; throws CompileError if it is a symlink, not a
+// directory, not owned by this user, or group/world-writable.
+std::string cache_dir();
+
+// Counters for tests and benches, since process start: loads served by the cache (memory or
+// disk), builds, and bad entries rejected.
+struct CacheStats {
+  int64_t hits = 0, builds = 0, rejected = 0;
+};
+CacheStats cache_stats();
+
+}  // namespace kiln::compiler::runtime
