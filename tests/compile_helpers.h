@@ -63,6 +63,8 @@ inline compiler::Counters operator-(compiler::Counters a, const compiler::Counte
   a.graph_breaks -= b.graph_breaks;
   a.eager_frames -= b.eager_frames;
   a.replays -= b.replays;
+  a.kernel_runs -= b.kernel_runs;
+  a.dispatched_nodes -= b.dispatched_nodes;
   return a;
 }
 

@@ -270,6 +270,8 @@ struct Counters {
   int64_t graph_breaks = 0;
   int64_t eager_frames = 0;     // calls whose body ran eagerly (stances, limits)
   int64_t replays = 0;          // pure calls that skipped the body
+  int64_t kernel_runs = 0;      // generated kernels run (kiln backend)
+  int64_t dispatched_nodes = 0; // graph nodes the kiln backend ran through the eager dispatcher
 };
 Counters counters();
 

@@ -66,6 +66,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   for (size_t k = 0; k < scalars.size(); ++k) scalars[k] = to_double(args.scalars[k]);
 
   std::vector<void*> pointers;
+  int64_t kernels = 0, dispatched = 0;
   for (const lower::Step& step : ex.program.steps) {
     if (step.kind == lower::Step::Kind::kernel) {
       for (int v : step.allocate) {
@@ -75,7 +76,9 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       pointers.clear();
       for (int v : step.bindings) pointers.push_back(env[v].impl().data());
       ex.kernels[step.kernel](pointers.data(), scalars.data());
+      ++kernels;
     } else {
+      ++dispatched;
       const Node& n = g.nodes[step.node];
       std::vector<Tensor> inputs;
       inputs.reserve(n.inputs.size());
@@ -93,6 +96,8 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
     }
     for (int v : step.release) env[v] = Tensor();
   }
+  detail::counter_set().kernel_runs.fetch_add(kernels, std::memory_order_relaxed);
+  detail::counter_set().dispatched_nodes.fetch_add(dispatched, std::memory_order_relaxed);
   std::vector<Tensor> out;
   out.reserve(g.outputs.size());
   for (int v : g.outputs) out.push_back(env[v]);

@@ -173,6 +173,8 @@ Counters counters() {
   out.graph_breaks = c.graph_breaks.load();
   out.eager_frames = c.eager_frames.load();
   out.replays = c.replays.load();
+  out.kernel_runs = c.kernel_runs.load();
+  out.dispatched_nodes = c.dispatched_nodes.load();
   return out;
 }
 
@@ -186,7 +188,7 @@ void reset() {
   }
   auto& c = detail::counter_set();
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
-                  &c.eager_frames, &c.replays})
+                  &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes})
     a->store(0);
 }
 

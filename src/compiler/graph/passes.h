@@ -1,5 +1,18 @@
 // Graph-to-graph passes that keep a graph's meaning (each one in passes/<name>.cpp).
+//
+// Every pass rewrites the graph in place; afterwards graph.validate() passes and interpreter(graph)
+// computes the same outputs and writes the same graph inputs as before, called with the same
+// Arguments: passes keep the number and order of Graph::scalars (a slot may move to another node).
 #pragma once
+
+#include <cstdint>
+#include <functional>
+#include <set>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
 
 #include "kiln/compiler/graph.h"
 
@@ -14,5 +27,82 @@ void eliminate_dead_code(Graph& graph);
 // outputs (or aliases of them) are written in place, and never matches across a node that writes
 // existing memory. Merged nodes are erased; their output values stay in `values`, unused.
 void eliminate_common_subexpressions(Graph& graph);
+
+// Turns in-place writes into values, so that the code generator sees dataflow instead of memory.
+// An in-place node whose every target is a base (a node's fresh result, or a placeholder that
+// shares its storage with no other placeholder) and whose targets have no older alias read later
+// becomes the out-of-place call of its op (plus a `copy` node casting to the target's dtype when
+// the result's dtype differs); later reads of the target read the new value. A placeholder
+// rewritten this way gets one in-place `copy` node at the end of the graph (what Tensor::copy_
+// records) writing its final value back: the caller sees the same input mutation as before.
+// Left in place, and run in order by the code generator: writes into views (and into values with
+// a view or an overlapping placeholder still read later), writes followed by an as_strided view,
+// and ops with OpDef::mutated_inputs (batch norm's running statistics; their kernel writes the
+// input, so they run as extern calls in order). Node outputs' layouts and alias groups are
+// re-derived afterwards (refresh_layouts).
+void functionalize(Graph& graph);
+
+// Replaces the nodes of the listed ops by their decompositions into core ops, traced from
+// ordinary Kiln code in passes/decompositions.cpp (decomposable_ops() lists them). Attrs the
+// decomposition reads are baked in, except float run-time scalars (eps, momentum), which stay
+// run-time scalars: the slot moves to a node that materializes the value as a 0-dim tensor.
+// A node stays as it is when its op has no decomposition, when the decomposition does not apply
+// (its inputs' dtypes or sizes, see decompositions.cpp), when it reads a scalar slot it cannot
+// keep, or when it is an in-place (out=) call. Decompositions may write inputs in place (the
+// batch-norm running statistics), so run functionalize() afterwards; outputs nothing reads
+// become dead code, so run eliminate_dead_code() too.
+void decompose(Graph& graph, const std::set<std::string>& ops);
+// The ops decompose() knows.
+std::set<std::string> decomposable_ops();
+
+// Evaluates, when the graph is compiled, the nodes whose inputs are all constants (or None), and
+// the factories without inputs: their outputs become Graph::constants and the nodes go (no other
+// node becomes dead by it); constants nothing reads are dropped. Never folded: random ops
+// (OpDef::runtime_attrs), nodes with scalar slots, nodes with side effects, nodes whose outputs
+// (or aliases of them) are written in place, graph outputs (each call returns a buffer of its
+// own), and results of more than `max_numel` elements (a large filled tensor is cheaper to
+// recompute than to keep; negative: no limit).
+void fold_constants(Graph& graph, int64_t max_numel = 1 << 16);
+
+// Re-derives, in node order, every node output's strides, storage offset and alias group from
+// its op's meta on the current inputs (as capture records them). Run it after rewrites that give
+// a value another producer: a view of a new value has the new value's layout. Node outputs whose
+// meta fails keep their recorded layout (validate() then names the node).
+void refresh_layouts(Graph& graph);
+
+namespace internal {
+
+// One entry of the decomposition table (passes/decompositions.cpp).
+struct Decomposition {
+  // Attrs the decomposition reads as 0-dim float64 tensors (passed after the op's tensor inputs)
+  // instead of C++ values: the float attrs that compile() turns into run-time scalars.
+  std::vector<int> scalar_attrs;
+  // The decomposition, traced with capture on: `call` holds the node's inputs (undefined for
+  // None) and attrs; `scalars` one 0-dim tensor per scalar_attrs entry. Returns one tensor per op
+  // output, each a new value (not an input, not a view), or {} to leave the node as it is.
+  std::function<std::vector<Tensor>(const OpCall& call, std::span<const Tensor> scalars)> fn;
+};
+
+// The table entry for `op`, or nullptr.
+const Decomposition* find_decomposition(std::string_view op);
+// The names in the table.
+std::vector<std::string> decomposition_names();
+
+// FX-style names for nodes added by a pass: "mul", then "mul_1", ... one past the largest suffix
+// in use by the graph's nodes and placeholders when the namer was made, or handed out since.
+class NodeNamer {
+ public:
+  explicit NodeNamer(const Graph& graph);
+  std::string operator()(std::string_view op_name);
+
+ private:
+  std::vector<std::string> taken_;
+  std::unordered_map<std::string, int64_t> largest_;  // base name -> largest suffix (-1: base)
+};
+
+// A tensor with `info`'s metadata and no data, for meta functions.
+Tensor meta_tensor(const ValueInfo& info);
+
+}  // namespace internal
 
 }  // namespace kiln::compiler::passes

@@ -23,6 +23,13 @@ struct Expr {
     scalar,    // a run-time scalar argument (Graph::scalars), as a double
     constant,  // a literal
     call,      // `code` with $0, $1, ... replaced by the operands
+    cat,       // a load from one of several buffers, chosen by the index along `cat_dim` (a fused
+               // cat: the code generator splits the loop nest at the segment boundaries)
+  };
+  struct Segment {
+    int buffer = -1;
+    std::vector<int64_t> strides;  // per iteration dim
+    int64_t start = 0, end = 0;    // range along cat_dim
   };
   Kind kind = constant;
   DType dtype = DType::float32;  // the C++ type of the result
@@ -33,6 +40,8 @@ struct Expr {
   double value = 0;              // constant
   std::string code;              // call: "kiln::math::Exp{}($0)"
   std::vector<int> args;         // call
+  int cat_dim = -1;              // cat
+  std::vector<Segment> segments; // cat
 };
 
 // buffer[offset + sum(index[d] * strides[d])] = exprs[expr] (cast to the buffer's dtype).

@@ -29,6 +29,20 @@ std::vector<int64_t> broadcast_strides(const ValueInfo& v, const std::vector<int
   return s;
 }
 
+// A cat the code generator can fuse: CPU, one dtype, every input a value of the output's rank.
+bool is_lowerable_cat(const Graph& g, int node) {
+  const Node& n = g.nodes[node];
+  if (n.op->name != "cat" || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
+  const ValueInfo& out = g.values[n.outputs[0]];
+  if (!codegen_dtype(out.dtype) || !out.device.is_cpu()) return false;
+  for (int v : n.inputs) {
+    if (v < 0) return false;
+    const ValueInfo& in = g.values[v];
+    if (in.dtype != out.dtype || in.sizes.size() != out.sizes.size() || !in.device.is_cpu()) return false;
+  }
+  return true;
+}
+
 struct Builder {
   const Graph& g;
   Program& p;
@@ -43,6 +57,8 @@ struct Builder {
     std::map<int, int> buffer_of;  // value -> buffer index
     std::vector<int> bindings;
     std::vector<int> produced;     // values produced in the group, in order
+    std::vector<int64_t> cat_bounds;  // segment starts of the group's fused cat (at most one layout)
+    int cat_dim = -1;
   };
   std::optional<Group> open;
 
@@ -88,6 +104,49 @@ struct Builder {
     ++p.fused_nodes;
   }
 
+  // The segment layout a cat node would bring into a group.
+  std::pair<int, std::vector<int64_t>> cat_layout(int node) const {
+    const Node& n = g.nodes[node];
+    const ValueInfo& out = g.values[n.outputs[0]];
+    int64_t rank = static_cast<int64_t>(out.sizes.size());
+    int64_t dim = std::get<int64_t>(n.attrs.at(0));
+    if (dim < 0) dim += rank;
+    std::vector<int64_t> starts;
+    int64_t at = 0;
+    for (int v : n.inputs) {
+      starts.push_back(at);
+      at += g.values[v].sizes[dim];
+    }
+    return {static_cast<int>(dim), starts};
+  }
+
+  void add_cat(Group& grp, int node) {
+    const Node& n = g.nodes[node];
+    auto [dim, starts] = cat_layout(node);
+    Expr e;
+    e.kind = Expr::cat;
+    e.dtype = g.values[n.outputs[0]].dtype;
+    e.cat_dim = dim;
+    for (size_t k = 0; k < n.inputs.size(); ++k) {
+      const ValueInfo& in = g.values[n.inputs[k]];
+      Expr::Segment seg;
+      seg.buffer = buffer(grp, n.inputs[k]);
+      seg.strides.assign(in.sizes.size(), 0);
+      for (size_t d = 0; d < in.sizes.size(); ++d) seg.strides[d] = in.sizes[d] == 1 ? 0 : in.strides[d];
+      seg.start = starts[k];
+      seg.end = starts[k] + in.sizes[dim];
+      e.segments.push_back(std::move(seg));
+    }
+    ExprBuilder b(grp.kernel, g);
+    grp.expr_of[n.outputs[0]] = b.add(std::move(e));
+    grp.cat_dim = dim;
+    grp.cat_bounds = starts;
+    grp.nodes.insert(node);
+    grp.produced.push_back(n.outputs[0]);
+    grp.kernel.ops.push_back(n.name.empty() ? n.op->name : n.name);
+    ++p.fused_nodes;
+  }
+
   // Values of the group that someone outside it reads.
   bool needed_outside(const Group& grp, int v, int except_node = -1) const {
     if (is_output[v]) return true;
@@ -127,7 +186,7 @@ struct Builder {
     const int x = n.inputs[0];
     const ValueInfo& xi = g.values[x];
     Group grp;
-    if (open && open->kernel.sizes == xi.sizes && open->expr_of.count(x) &&
+    if (open && open->kernel.sizes == xi.sizes && open->expr_of.count(x) && open->cat_dim < 0 &&
         std::find(open->produced.begin(), open->produced.end(), x) != open->produced.end()) {
       grp = std::move(*open);  // prologue fusion: the group's loop nest also reduces
       open.reset();
@@ -183,6 +242,17 @@ struct Builder {
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       const int node = static_cast<int>(i);
       const Node& n = g.nodes[i];
+      if (is_lowerable_cat(g, node)) {
+        const auto& sizes = g.values[n.outputs[0]].sizes;
+        auto layout = cat_layout(node);
+        if (!open || open->kernel.sizes != sizes ||
+            (open->cat_dim >= 0 && (open->cat_dim != layout.first || open->cat_bounds != layout.second))) {
+          close();
+          open = start(sizes);
+        }
+        add_cat(*open, node);
+        continue;
+      }
       if (is_lowerable_pointwise(g, node)) {
         const auto& sizes = g.values[n.outputs[0]].sizes;
         if (!open || open->kernel.sizes != sizes) {

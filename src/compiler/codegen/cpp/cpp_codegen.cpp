@@ -96,7 +96,8 @@ std::string substitute(const std::string& code, const std::vector<int>& args) {
   return out;
 }
 
-void emit_kernel(std::ostringstream& os, const Kernel& k) {
+// One loop nest computing kernel `k` (its buffers b0, b1, ... are declared by the caller).
+void emit_nest(std::ostringstream& os, const Kernel& k) {
   // Accesses: loads, stores, and a reduction's result.
   std::vector<const std::vector<int64_t>*> accesses;
   std::vector<int> load_access(k.exprs.size(), -1);
@@ -115,24 +116,8 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
   int64_t total = 1;
   for (int64_t s : sp.sizes) total *= s;
 
-  os << "extern \"C\" void " << k.name << "(void* const* buffers, const double* scalars) {\n";
-  os << "  (void)scalars;\n";
-  std::set<int> stored;
-  for (const Store& s : k.stores) stored.insert(s.buffer);
-  if (k.kind == Kernel::reduction) stored.insert(k.result.buffer);
-  for (size_t b = 0; b < k.buffers.size(); ++b) {
-    const char* t = ctype(k.buffers[b]);
-    if (stored.count(static_cast<int>(b))) {
-      os << "  " << t << "* __restrict b" << b << " = static_cast<" << t << "*>(buffers[" << b << "]);\n";
-    } else {
-      os << "  const " << t << "* __restrict b" << b << " = static_cast<const " << t << "*>(buffers[" << b
-         << "]);\n";
-    }
-  }
-  if (total == 0) {
-    os << "}\n\n";
-    return;
-  }
+  if (total == 0) return;
+  os << "  {\n";
   // Loop-invariant expressions (scalars, constants and what depends only on them) go first.
   std::vector<bool> varies(k.exprs.size(), false);
   for (size_t e = 0; e < k.exprs.size(); ++e) {
@@ -150,6 +135,7 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
       case Expr::scalar: out << "scalars[" << x.scalar_index << "]"; break;
       case Expr::constant: out << literal(x.value, x.dtype); break;
       case Expr::call: out << substitute(x.code, x.args); break;
+      case Expr::cat: break;  // emit_kernel turns cats into loads, one loop nest per segment
     }
     out << ";\n";
   };
@@ -250,6 +236,54 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
   if (reduction && kept.empty()) {
     os << "  b" << k.result.buffer << "[0] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">("
        << (k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc")) << ");\n";
+  }
+  os << "  }\n";
+}
+
+// The kernel's function. A fused cat splits the iteration space at its segment boundaries: one
+// loop nest per segment, in which the cat reads one input like a plain load.
+void emit_kernel(std::ostringstream& os, const Kernel& k) {
+  os << "extern \"C\" void " << k.name << "(void* const* buffers, const double* scalars) {\n";
+  os << "  (void)scalars;\n";
+  std::set<int> stored;
+  for (const Store& s : k.stores) stored.insert(s.buffer);
+  if (k.kind == Kernel::reduction) stored.insert(k.result.buffer);
+  for (size_t b = 0; b < k.buffers.size(); ++b) {
+    const char* t = ctype(k.buffers[b]);
+    if (stored.count(static_cast<int>(b))) {
+      os << "  " << t << "* __restrict b" << b << " = static_cast<" << t << "*>(buffers[" << b << "]);\n";
+    } else {
+      os << "  const " << t << "* __restrict b" << b << " = static_cast<const " << t << "*>(buffers[" << b
+         << "]);\n";
+    }
+  }
+  const Expr* cat = nullptr;
+  for (const Expr& e : k.exprs)
+    if (e.kind == Expr::cat) cat = &e;
+  if (!cat) {
+    emit_nest(os, k);
+  } else {
+    const size_t d = static_cast<size_t>(cat->cat_dim);
+    for (size_t s = 0; s < cat->segments.size(); ++s) {
+      const int64_t start = cat->segments[s].start, len = cat->segments[s].end - start;
+      if (len == 0) continue;
+      Kernel inst = k;
+      inst.sizes[d] = len;
+      for (Expr& e : inst.exprs) {
+        if (e.kind == Expr::load) e.offset += start * e.strides[d];
+        if (e.kind == Expr::cat) {
+          Expr::Segment seg = e.segments[s];
+          e.kind = Expr::load;
+          e.buffer = seg.buffer;
+          e.strides = seg.strides;
+          e.offset = 0;
+          e.segments.clear();
+        }
+      }
+      for (Store& st : inst.stores) st.offset += start * st.strides[d];
+      if (inst.kind == Kernel::reduction) inst.result.offset += start * inst.result.strides[d];
+      emit_nest(os, inst);
+    }
   }
   os << "}\n\n";
 }
