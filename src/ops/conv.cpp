@@ -139,6 +139,46 @@ const OpDef& kConv2d = register_op({
     .lowering = "extern",
 });
 
+// conv2d_relu: relu(conv2d(...)) in one call (the relu runs in place on the fresh result). Made
+// by the kiln backend's epilogue fusion; it has no derivative because compiled graphs already
+// hold their backward.
+const OpDef& kConv2dRelu = register_op({
+    .name = "conv2d_relu",
+    .schema = "conv2d_relu(Tensor input, Tensor weight, Tensor? bias=None, int[2] stride=1, int[2] padding=0, "
+              "int[2] dilation=1, int groups=1) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& x = c.input(0);
+      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_relu"), {}, x.dtype(), x.device()}};
+    },
+    .lowering = "extern",
+});
+
+// conv2d_bn: an inference batch norm (and optionally a relu) folded into the convolution before
+// it: conv2d(input, weight * s, (bias - running_mean) * s + bn_bias) with
+// s = bn_weight / sqrt(running_var + eps), per output channel, then the relu in place if asked.
+// Made by the kiln backend's epilogue
+// fusion (passes/fuse_conv_bn.cpp); no derivative (compiled graphs hold their backward).
+// Inputs: input, weight, bias?, bn_weight?, bn_bias?, running_mean, running_var.
+// Attrs: stride, padding, dilation, groups, eps, relu.
+const OpDef& kConv2dBn = register_op({
+    .name = "conv2d_bn",
+    .schema = "conv2d_bn(Tensor input, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
+              "Tensor running_mean, Tensor running_var, int[2] stride, int[2] padding, int[2] dilation, "
+              "int groups, float eps, bool relu) -> Tensor",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const Tensor& x = c.input(0);
+      const int64_t o = c.input(1).sizes()[0];
+      for (size_t i = 3; i < 7; ++i) {
+        const Tensor& p = c.input(i);
+        KILN_CHECK(!p.defined() || (p.dim() == 1 && p.sizes()[0] == o), ShapeError,
+                   "[kiln::conv2d_bn] batch-norm parameter " + std::to_string(i) + " must have " +
+                       std::to_string(o) + " elements (one per output channel).");
+      }
+      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_bn"), {}, x.dtype(), x.device()}};
+    },
+    .lowering = "extern",
+});
+
 // convolution_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask)
 // -> (grad_input, grad_weight, grad_bias). output_mask holds three 0/1 flags.
 const OpDef& kConvolutionBackward = register_op({

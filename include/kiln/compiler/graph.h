@@ -47,7 +47,8 @@ struct ValueInfo {
   std::string name;        // printed name: "x", "sin", "add_1"
 };
 
-// An attr slot filled at run time: nodes[node].attrs[attr].
+// An attr slot filled at run time: nodes[node].attrs[attr]. Slots never move (the runtime passes
+// scalars by position); a slot whose node was erased is unused: node = attr = -1.
 struct ScalarSlot {
   int node = 0;
   int attr = 0;
@@ -94,7 +95,8 @@ class Graph {
   Node& add_node(const OpDef& op, std::vector<int> inputs, std::vector<Attr> attrs);
   // Replaces every use of value `from` (node inputs, graph outputs) with `to`.
   void replace_all_uses(int from, int to);
-  // Removes the nodes for which `pred` is true. Scalar slots follow their nodes.
+  // Removes the nodes for which `pred` is true. Scalar slots follow their nodes; slots of erased
+  // nodes become unused ({-1, -1}), keeping every slot's position.
   void erase_nodes_if(const std::function<bool(const Node&)>& pred);
   // Number of uses of each value (node inputs and graph outputs).
   std::vector<int> use_counts() const;

@@ -321,7 +321,7 @@ void fill_with_bias(Tensor& out, const Tensor& bias) {
   out.copy_(bias.view({1, bias.numel(), 1, 1}));
 }
 
-void conv2d_kernel(const OpCall& call, std::span<Tensor> outs) {
+void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   Tensor& out = outs[0];
   const Tensor& bias = call.input(2);
   if (out.numel() == 0) return;
@@ -331,7 +331,11 @@ void conv2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   ConvShape s{x.sizes()[0], x.sizes()[1], x.sizes()[2], x.sizes()[3], w.sizes()[0], w.sizes()[2], w.sizes()[3],
               out.sizes()[2], out.sizes()[3], {pair(0, 0), pair(0, 1)}, {pair(1, 0), pair(1, 1)},
               {pair(2, 0), pair(2, 1)}, call.int_attr(3), bias.defined()};
-  if (s.c == 0) return fill_with_bias(out, bias);
+  if (s.c == 0) {
+    fill_with_bias(out, bias);
+    if (relu) out.relu_();
+    return;
+  }
   Tensor y = out.is_contiguous() ? out : detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
   const DType t = x.dtype();
   bool done = false;
@@ -357,7 +361,30 @@ void conv2d_kernel(const OpCall& call, std::span<Tensor> outs) {
       y.copy_(y32);
     }
   }
+  // The relu runs in place on the result while it is hot in cache. (oneDNN 2.7's relu post-op
+  // picked a 3x slower implementation for 1x1 NCHW convolutions here: measured 1125 vs 348 us.)
+  if (relu) y.relu_();
   if (!y.same(out)) out.copy_(y);
+}
+
+// conv2d_bn: fold the batch norm into the weights and bias (per output channel, cheap next to the
+// convolution), then one convolution with the relu as a post-op.
+void conv2d_bn_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const Tensor& w = call.input(1);
+  const Tensor& bias = call.input(2);
+  const Tensor& bn_weight = call.input(3);
+  const Tensor& bn_bias = call.input(4);
+  const Tensor& mean = call.input(5);
+  const Tensor& var = call.input(6);
+  const double eps = call.double_attr(4);
+  Tensor scale = rsqrt(var.to(w.dtype()) + eps);
+  if (bn_weight.defined()) scale = scale * bn_weight.to(w.dtype());
+  Tensor folded_w = w * scale.view({w.sizes()[0], 1, 1, 1});
+  Tensor folded_b = (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
+  if (bn_bias.defined()) folded_b = folded_b + bn_bias.to(w.dtype());
+  std::vector<Tensor> inputs{call.input(0), folded_w, folded_b};
+  std::vector<Attr> attrs{call.attrs[0], call.attrs[1], call.attrs[2], call.attrs[3]};
+  conv2d_impl(OpCall(call.op, inputs, attrs), outs, call.bool_attr(5));
 }
 
 // ---------------- backward: oneDNN ----------------
@@ -757,7 +784,11 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 }
 
 [[maybe_unused]] const bool registered = [] {
-  register_kernel("conv2d", DeviceType::cpu, conv2d_kernel);
+  register_kernel("conv2d", DeviceType::cpu,
+                  [](const OpCall& call, std::span<Tensor> outs) { conv2d_impl(call, outs, false); });
+  register_kernel("conv2d_bn", DeviceType::cpu, conv2d_bn_kernel);
+  register_kernel("conv2d_relu", DeviceType::cpu,
+                  [](const OpCall& call, std::span<Tensor> outs) { conv2d_impl(call, outs, true); });
   register_kernel("convolution_backward", DeviceType::cpu, convolution_backward_kernel);
   return true;
 }();

@@ -127,6 +127,11 @@ void write_debug(const Graph& before, const lower::Program& p, const std::vector
 
 CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
+  passes::functionalize(graph);
+  passes::fuse_conv_bn(graph);
+  passes::decompose(graph, {"native_batch_norm", "native_layer_norm", "softmax", "log_softmax"});
+  passes::functionalize(graph);  // decompositions write running statistics in place
+  passes::fold_constants(graph);
   passes::eliminate_dead_code(graph);
   passes::eliminate_common_subexpressions(graph);
   auto ex = std::make_shared<Executable>();
@@ -134,7 +139,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   const Graph& g = ex->program.graph;
   ex->slots.resize(g.nodes.size());
   for (size_t k = 0; k < g.scalars.size(); ++k)
-    ex->slots[g.scalars[k].node].emplace_back(g.scalars[k].attr, static_cast<int>(k));
+    if (g.scalars[k].node >= 0) ex->slots[g.scalars[k].node].emplace_back(g.scalars[k].attr, static_cast<int>(k));
   std::vector<std::string> sources = lower::generate_cpp(ex->program);
   write_debug(before, ex->program, sources);
   if (detail::log_options().output_code) {

@@ -138,12 +138,15 @@ void Graph::erase_nodes_if(const std::function<bool(const Node&)>& pred) {
     ++kept;
   }
   nodes.resize(kept);
-  std::erase_if(scalars, [&](ScalarSlot& s) {
-    if (s.node < 0 || static_cast<size_t>(s.node) >= new_index.size() || new_index[s.node] < 0)
-      return true;
-    s.node = new_index[s.node];
-    return false;
-  });
+  // Slots keep their positions (the runtime passes scalars by index): a slot whose node went is
+  // left unused (node = attr = -1).
+  for (ScalarSlot& s : scalars) {
+    if (s.node < 0 || static_cast<size_t>(s.node) >= new_index.size() || new_index[s.node] < 0) {
+      s = ScalarSlot{-1, -1};
+    } else {
+      s.node = new_index[s.node];
+    }
+  }
 }
 
 std::vector<int> Graph::use_counts() const {
@@ -188,6 +191,7 @@ void Graph::validate() const {
     constant[v] = 1;
   }
   for (const ScalarSlot& s : scalars) {
+    if (s.node == -1 && s.attr == -1) continue;  // unused slot (its node was erased)
     if (s.node < 0 || static_cast<size_t>(s.node) >= nodes.size())
       invalid("a scalar slot names node " + std::to_string(s.node) + ", out of range");
     if (s.attr < 0 || static_cast<size_t>(s.attr) >= nodes[s.node].attrs.size())

@@ -107,6 +107,10 @@ std::shared_ptr<Program> build(const Graph& g) {
   }
   for (size_t k = 0; k < g.scalars.size(); ++k) {
     const ScalarSlot& slot = g.scalars[k];
+    if (slot.node == -1 && slot.attr == -1) {  // unused: its node was erased
+      p->slot_names.push_back("unused");
+      continue;
+    }
     if (slot.node < 0 || static_cast<size_t>(slot.node) >= g.nodes.size() || slot.attr < 0 ||
         static_cast<size_t>(slot.attr) >= g.nodes[slot.node].attrs.size())
       throw CompileError(

@@ -45,24 +45,31 @@ void functionalize(Graph& graph);
 // Replaces the nodes of the listed ops by their decompositions into core ops, traced from
 // ordinary Kiln code in passes/decompositions.cpp (decomposable_ops() lists them). Attrs the
 // decomposition reads are baked in, except float run-time scalars (eps, momentum), which stay
-// run-time scalars: the slot moves to a node that materializes the value as a 0-dim tensor.
+// run-time scalars: the slot moves to a node that materializes the value as a 0-dim tensor (or
+// becomes unused, {-1, -1}, where the decomposition does not read it).
 // A node stays as it is when its op has no decomposition, when the decomposition does not apply
 // (its inputs' dtypes or sizes, see decompositions.cpp), when it reads a scalar slot it cannot
 // keep, or when it is an in-place (out=) call. Decompositions may write inputs in place (the
 // batch-norm running statistics), so run functionalize() afterwards; outputs nothing reads
-// become dead code, so run eliminate_dead_code() too.
+// become dead code, so run eliminate_dead_code() too. Slots never change position.
 void decompose(Graph& graph, const std::set<std::string>& ops);
 // The ops decompose() knows.
 std::set<std::string> decomposable_ops();
 
 // Evaluates, when the graph is compiled, the nodes whose inputs are all constants (or None), and
 // the factories without inputs: their outputs become Graph::constants and the nodes go (no other
-// node becomes dead by it); constants nothing reads are dropped. Never folded: random ops
+// node becomes dead by it); readers of equal one-element constants share one, and constants
+// nothing reads are dropped. Never folded: random ops
 // (OpDef::runtime_attrs), nodes with scalar slots, nodes with side effects, nodes whose outputs
 // (or aliases of them) are written in place, graph outputs (each call returns a buffer of its
 // own), and results of more than `max_numel` elements (a large filled tensor is cheaper to
 // recompute than to keep; negative: no limit).
 void fold_constants(Graph& graph, int64_t max_numel = 1 << 16);
+
+// Epilogue fusion into convolutions: conv2d → native_batch_norm (inference) [→ relu] becomes one
+// conv2d_bn node (the batch norm folded into the weights, the relu a oneDNN post-op), where the
+// intermediate values are read by nothing else. Run after functionalize() (in-place relu_).
+void fuse_conv_bn(Graph& graph);
 
 // Re-derives, in node order, every node output's strides, storage offset and alias group from
 // its op's meta on the current inputs (as capture records them). Run it after rewrites that give

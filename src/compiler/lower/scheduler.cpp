@@ -60,7 +60,7 @@ struct Builder {
     std::vector<int64_t> cat_bounds;  // segment starts of the group's fused cat (at most one layout)
     int cat_dim = -1;
   };
-  std::optional<Group> open;
+  std::vector<Group> open;  // open groups, oldest first
 
   int buffer(Group& grp, int v) {
     auto [it, inserted] = grp.buffer_of.try_emplace(v, static_cast<int>(grp.bindings.size()));
@@ -86,8 +86,7 @@ struct Builder {
 
   Group start(const std::vector<int64_t>& sizes) {
     Group grp;
-    grp.kernel.sizes = sizes;
-    grp.kernel.name = "kiln_kernel_" + std::to_string(p.kernels.size());
+    grp.kernel.sizes = sizes;  // named when emitted
     return grp;
   }
 
@@ -167,18 +166,41 @@ struct Builder {
     }
   }
 
-  void close() {
-    if (!open) return;
+  // Emits open group `i` as a kernel step (if it stores anything) and forgets it.
+  void close(size_t i) {
+    Group grp = std::move(open[i]);
+    open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
     Step step;
     step.kind = Step::Kind::kernel;
-    add_stores(*open, -1, step);
+    add_stores(grp, -1, step);
     step.kernel = static_cast<int>(p.kernels.size());
-    step.bindings = open->bindings;
-    if (!open->kernel.stores.empty()) {
-      p.kernels.push_back(std::move(open->kernel));
+    step.bindings = grp.bindings;
+    if (!grp.kernel.stores.empty()) {
+      grp.kernel.name = "kiln_kernel_" + std::to_string(p.kernels.size());
+      p.kernels.push_back(std::move(grp.kernel));
       p.steps.push_back(std::move(step));
     }
-    open.reset();
+  }
+  void close_all() {
+    while (!open.empty()) close(0);
+  }
+  // The open group producing value v, or -1.
+  int producer_group(int v) const {
+    for (size_t i = 0; i < open.size(); ++i)
+      if (std::find(open[i].produced.begin(), open[i].produced.end(), v) != open[i].produced.end())
+        return static_cast<int>(i);
+    return -1;
+  }
+  // Materializes the inputs of `node` that open groups other than `keep` produce.
+  void close_producers_of(const Node& n, int keep = -1) {
+    for (int v : n.inputs) {
+      if (v < 0) continue;
+      int i = producer_group(v);
+      if (i >= 0 && i != keep) {
+        close(static_cast<size_t>(i));
+        return close_producers_of(n, keep < 0 ? -1 : (keep > i ? keep - 1 : keep));
+      }
+    }
   }
 
   void add_reduction(int node, const ReductionInfo& r) {
@@ -186,12 +208,12 @@ struct Builder {
     const int x = n.inputs[0];
     const ValueInfo& xi = g.values[x];
     Group grp;
-    if (open && open->kernel.sizes == xi.sizes && open->expr_of.count(x) && open->cat_dim < 0 &&
-        std::find(open->produced.begin(), open->produced.end(), x) != open->produced.end()) {
-      grp = std::move(*open);  // prologue fusion: the group's loop nest also reduces
-      open.reset();
+    int i = producer_group(x);
+    if (i >= 0 && open[i].kernel.sizes == xi.sizes && open[i].cat_dim < 0) {
+      grp = std::move(open[i]);  // prologue fusion: the group's loop nest also reduces
+      open.erase(open.begin() + i);
     } else {
-      close();
+      close_producers_of(n);
       grp = start(xi.sizes);
     }
     Kernel& k = grp.kernel;
@@ -227,10 +249,26 @@ struct Builder {
     step.allocate.push_back(y);
     step.kernel = static_cast<int>(p.kernels.size());
     step.bindings = grp.bindings;
+    k.name = "kiln_kernel_" + std::to_string(p.kernels.size());
     p.kernels.push_back(std::move(k));
     p.steps.push_back(std::move(step));
   }
 
+  // The open group a pointwise node of these sizes (and cat layout) joins; -1 when none fits.
+  int group_for(const std::vector<int64_t>& sizes, int cat_dim, const std::vector<int64_t>* bounds) const {
+    for (size_t i = 0; i < open.size(); ++i) {
+      if (open[i].kernel.sizes != sizes) continue;
+      if (bounds && open[i].cat_dim >= 0 && (open[i].cat_dim != cat_dim || open[i].cat_bounds != *bounds)) continue;
+      return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  // Several groups (one per iteration space) stay open at once, so independent work of another
+  // shape (a batch norm's per-channel scale between a cat and its normalization) does not split a
+  // group. A node that reads a value an open group produces closes that group first (the value
+  // must be in memory); a node with side effects closes every group (they must not move across
+  // the write).
   void run() {
     consumers.assign(g.values.size(), {});
     is_output.assign(g.values.size(), false);
@@ -242,38 +280,40 @@ struct Builder {
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       const int node = static_cast<int>(i);
       const Node& n = g.nodes[i];
-      if (is_lowerable_cat(g, node)) {
+      const bool cat = is_lowerable_cat(g, node);
+      if (cat || is_lowerable_pointwise(g, node)) {
         const auto& sizes = g.values[n.outputs[0]].sizes;
-        auto layout = cat_layout(node);
-        if (!open || open->kernel.sizes != sizes ||
-            (open->cat_dim >= 0 && (open->cat_dim != layout.first || open->cat_bounds != layout.second))) {
-          close();
-          open = start(sizes);
+        std::pair<int, std::vector<int64_t>> layout{-1, {}};
+        if (cat) layout = cat_layout(node);
+        int gi = group_for(sizes, layout.first, cat ? &layout.second : nullptr);
+        if (gi < 0) {
+          // A cat whose layout differs from the same-sized open group's: that group closes.
+          if (cat)
+            if (int same = group_for(sizes, -1, nullptr); same >= 0) close(static_cast<size_t>(same));
+          close_producers_of(n);
+          open.push_back(start(sizes));
+          gi = static_cast<int>(open.size()) - 1;
+        } else {
+          close_producers_of(n, gi);
+          gi = group_for(sizes, layout.first, cat ? &layout.second : nullptr);
         }
-        add_cat(*open, node);
-        continue;
-      }
-      if (is_lowerable_pointwise(g, node)) {
-        const auto& sizes = g.values[n.outputs[0]].sizes;
-        if (!open || open->kernel.sizes != sizes) {
-          close();
-          open = start(sizes);
-        }
-        add_pointwise(*open, node);
+        if (cat) add_cat(open[gi], node);
+        else add_pointwise(open[gi], node);
         continue;
       }
       if (auto r = lowerable_reduction(g, node)) {
         add_reduction(node, *r);
         continue;
       }
-      close();
+      if (n.has_side_effects()) close_all();
+      else close_producers_of(n);
       Step step;
       step.kind = Step::Kind::node;
       step.node = node;
       p.steps.push_back(step);
       ++p.extern_nodes;
     }
-    close();
+    close_all();
     compute_releases();
   }
 
@@ -306,7 +346,7 @@ struct Builder {
 Program schedule(Graph graph) {
   Program p;
   p.graph = std::move(graph);
-  Builder b{p.graph, p, {}, {}, std::nullopt};
+  Builder b{p.graph, p, {}, {}, {}};
   b.run();
   return p;
 }

@@ -1,6 +1,9 @@
 // Constant folding: nodes computable when the graph is compiled run once, and their results
 // become Graph::constants (see passes.h for what is never folded).
+#include <map>
 #include <numeric>
+#include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -8,6 +11,7 @@
 #include "compiler/graph/format.h"
 #include "compiler/graph/passes.h"
 #include "kiln/autograd.h"
+#include "kiln/detail/tensor_impl.h"
 #include "kiln/error.h"
 
 namespace kiln::compiler::passes {
@@ -57,6 +61,28 @@ int64_t numel_of(const ValueInfo& v) {
   return n;
 }
 
+// Readers of a one-element CPU constant read the first constant with the same bytes, dtype and
+// promotion kind instead (decompositions bake the same 0.5 or 1 many times).
+void merge_equal_scalars(Graph& g) {
+  std::map<std::tuple<DType, bool, std::string>, int> first;
+  std::unordered_map<int, int> rename;
+  for (const auto& [v, t] : g.constants) {
+    if (!valid(g, v) || t.numel() != 1 || t.device() != kCPU || t.impl().lazy) continue;
+    const char* data = static_cast<const char*>(t.impl().data());
+    std::string bytes(data, data + itemsize(t.dtype()));
+    auto [it, fresh] = first.try_emplace({t.dtype(), g.values[v].is_wrapped_number, bytes}, v);
+    if (!fresh && g.values[it->second].sizes == g.values[v].sizes) rename[v] = it->second;
+  }
+  if (rename.empty()) return;
+  auto apply = [&](int& v) {
+    auto it = rename.find(v);
+    if (it != rename.end()) v = it->second;
+  };
+  for (Node& n : g.nodes)
+    for (int& v : n.inputs) apply(v);
+  for (int& v : g.outputs) apply(v);
+}
+
 }  // namespace
 
 void fold_constants(Graph& g, int64_t max_numel) {
@@ -102,7 +128,7 @@ void fold_constants(Graph& g, int64_t max_numel) {
       kiln::compiler::detail::SuspendCapture no_capture;
       NoGradGuard no_grad;
       results = call_op(*n.op, std::move(inputs), n.attrs);
-    } catch (const Error&) {
+    } catch (const std::exception&) {
       continue;  // no kernel here, or it rejects the values: the node runs at run time
     }
     if (results.size() != n.outputs.size()) continue;
@@ -120,10 +146,11 @@ void fold_constants(Graph& g, int64_t max_numel) {
     folded[i] = 1;
   }
 
-  // A folded node's inputs were constants, so folding leaves no other node dead: only folded
-  // nodes go (eliminate_dead_code would also drop dead nodes that carry scalar slots).
+  // A folded node's inputs were constants, so folding leaves no other node dead: only the folded
+  // nodes go, and constants nothing reads.
   const Node* first = g.nodes.data();
   g.erase_nodes_if([&](const Node& n) { return folded[&n - first] != 0; });
+  merge_equal_scalars(g);
   std::vector<int> uses = g.use_counts();
   std::erase_if(g.constants, [&](const auto& c) { return !valid(g, c.first) || uses[c.first] == 0; });
 }

@@ -118,16 +118,22 @@ class Splicer {
         declined = result.empty();
         return result;
       });
-    } catch (const Error&) {
+    } catch (const std::exception&) {
       return false;  // the decomposition rejects these inputs: the op's own kernel handles them
     }
     if (declined || !acceptable(n, t)) return false;
 
     std::vector<int> map(t.values.size(), -1);
     for (size_t k = 0; k < num_tensors; ++k) map[t.inputs[k]] = n.inputs[positions[k]];
+    const std::vector<int> traced_uses = t.use_counts();
     for (size_t j = 0; j < scalar_values.size(); ++j) {
       int slot = slots.size() > static_cast<size_t>(d.scalar_attrs[j]) ? slots[d.scalar_attrs[j]] : -1;
-      map[t.inputs[num_tensors + j]] = materialize(scalar_values[j], device, slot);
+      int traced = t.inputs[num_tensors + j];
+      if (traced_uses[traced] == 0) {  // not read here (momentum in evaluation)
+        if (slot >= 0) unused_.push_back(slot);
+        continue;
+      }
+      map[traced] = materialize(scalar_values[j], device, slot);
     }
     for (const auto& [v, tensor] : t.constants) {
       map[v] = new_value(t.values[v]);
@@ -166,6 +172,8 @@ class Splicer {
 
   // Scalar slots moved to materializing nodes: (slot index, node index in the new list).
   const std::vector<std::pair<int, int>>& moved_slots() const { return moved_; }
+  // Scalar slots of decomposed nodes that their decomposition does not read.
+  const std::vector<int>& unused_slots() const { return unused_; }
 
  private:
   // The traced outputs stand for the node's: one fresh, distinct buffer each, with the recorded
@@ -242,6 +250,7 @@ class Splicer {
   internal::NodeNamer namer_;
   std::unordered_map<int, int> rename_;
   std::vector<std::pair<int, int>> moved_;
+  std::vector<int> unused_;
 };
 
 }  // namespace
@@ -298,8 +307,9 @@ void decompose(Graph& g, const std::set<std::string>& ops) {
   }
   splicer.finish(out);
   for (ScalarSlot& s : g.scalars)
-    if (s.node >= 0 && s.node < num_nodes) s.node = new_index[s.node];
+    if (s.node >= 0 && s.node < num_nodes) s.node = new_index[s.node];  // spliced: set below
   for (auto [slot, node] : splicer.moved_slots()) g.scalars[slot] = {node, 0};
+  for (int slot : splicer.unused_slots()) g.scalars[slot] = {-1, -1};
   g.nodes = std::move(out);
   refresh_layouts(g);
 }

@@ -70,7 +70,10 @@ int add_result(Graph& g, const TensorMeta& m) {
 void refresh_layouts(Graph& g) {
   std::vector<Tensor> metas(g.values.size());
   // Placeholders keep their groups (the caller decides which inputs overlap) and share one
-  // storage per group, sized to cover every member.
+  // storage per group, sized to cover every member. Values nothing defines any more (outputs of
+  // replaced nodes) leave their group, which a new value may now use.
+  for (ValueInfo& info : g.values)
+    if (!info.is_input) info.storage = -1;
   int next_group = 0;
   for (int v : g.inputs)
     if (valid(g, v)) next_group = std::max(next_group, g.values[v].storage + 1);
@@ -108,7 +111,7 @@ void refresh_layouts(Graph& g) {
     if (ready) {
       try {
         result = n.op->meta(OpCall(n.op, call_inputs, n.attrs));
-      } catch (const Error&) {
+      } catch (const std::exception&) {
         result.clear();
       }
     }
@@ -240,7 +243,7 @@ void functionalize(Graph& g) {
       for (int v : n.inputs) call_inputs.push_back(valid(g, v) ? internal::meta_tensor(g.values[v]) : Tensor());
       try {
         result = n.op->meta(OpCall(n.op, call_inputs, n.attrs));
-      } catch (const Error&) {
+      } catch (const std::exception&) {
         functional = false;
       }
       functional &= result.size() == n.outputs.size();
