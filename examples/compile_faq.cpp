@@ -131,8 +131,8 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
 
   out << "\n--- Why is my code crashing? ---\n";
   // Bisect: the "eager" backend only captures and runs the graph op by op; "aot_eager" also runs
-  // the graph passes (validation, dead-code and common-subexpression elimination). Kiln's own
-  // code generator ("kiln", alias "inductor") arrives with the next issue.
+  // the graph passes (validation, dead-code and common-subexpression elimination); "kiln" (alias
+  // "inductor") generates and compiles C++ kernels.
   out << "registered backends:";
   for (const auto& name : compiler::list_backends({})) out << " " << name;
   out << "\n";
@@ -146,7 +146,7 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
   };
   Tensor a = randn({4, 4}), b = randn({4, 4});
   Tensor expected = g(a, b);
-  for (const char* backend : {"eager", "aot_eager"}) {
+  for (const char* backend : {"eager", "aot_eager", "kiln"}) {
     auto opt_g = compile(g, {.backend = backend});
     out << "backend=\"" << backend << "\": same result as eager: " << py_bool(allclose(opt_g(a, b), expected)) << "\n";
   }

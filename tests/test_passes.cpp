@@ -878,10 +878,3 @@ TEST_F(PassPipeline, DenseNetInferenceMatchesEager) {
 }
 
 }  // namespace
-namespace {
-TEST(Scratch, DceSlots) {
-  auto f = kiln::compile([](const Tensor& x) { Tensor unused = kiln::add(x, x, 2.0); return x.sin(); }, {.backend = std::string("aot_eager")});
-  Tensor x = kiln::randn({3});
-  EXPECT_NO_THROW(f(x));
-}
-}
