@@ -22,6 +22,10 @@
 #include <vector>
 
 #include "bench.h"
+#include <filesystem>
+#include <cstdlib>
+
+#include "compiler/runtime/kernel_cache.h"
 #include "kiln/kiln.h"
 
 namespace kiln::cli {
@@ -93,8 +97,8 @@ BenchArgs parse(const std::vector<std::string>& args) {
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
-    KILN_CHECK(m == "eager", ValueError,
-               "[kiln bench] unknown mode '" + m + "'. Available modes: eager.");
+    KILN_CHECK(m == "eager" || m == "kiln", ValueError,
+               "[kiln bench] unknown mode '" + m + "'. Available modes: eager, kiln (compile() with the kiln backend).");
   return a;
 }
 
@@ -273,6 +277,78 @@ int run_toy_bench(const std::vector<std::string>& args) {
 
 }  // namespace
 
+// Seconds since t0.
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The kiln mode: compile() with the kiln backend. Cold compile time is the first call with an
+// empty kernel cache (a fresh directory inside the cache, removed afterwards); warm compile time
+// is the first call of a new compile() after compiler::reset(), served by the disk cache.
+nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, const Tensor& x,
+                              const Tensor& y) {
+  namespace fs = std::filesystem;
+  nlohmann::json m;
+  const char* old_dir = std::getenv("KILN_CACHE_DIR");
+  const std::string saved = old_dir ? old_dir : "";
+  std::string base = compiler::runtime::cache_dir();
+  std::string cold_dir = base + "/bench-cold-XXXXXX";
+  KILN_CHECK(mkdtemp(cold_dir.data()) != nullptr, Error, "[kiln bench] cannot create " + cold_dir + ".");
+  setenv("KILN_CACHE_DIR", cold_dir.c_str(), 1);
+  struct Restore {
+    std::string dir, saved;
+    bool had;
+    ~Restore() {
+      std::error_code ec;
+      fs::remove_all(dir, ec);
+      if (had) setenv("KILN_CACHE_DIR", saved.c_str(), 1);
+      else unsetenv("KILN_CACHE_DIR");
+    }
+  } restore{cold_dir, saved, old_dir != nullptr};
+
+  const CompileOptions options{.backend = std::string("kiln")};
+  auto run_inference = [&](auto& compiled) {
+    NoGradGuard ng;
+    Tensor out = compiled(x);
+    out.sum().item<float>();
+  };
+  model->eval();
+  {
+    compiler::reset();
+    auto compiled = compile(model, options);
+    auto t0 = std::chrono::steady_clock::now();
+    run_inference(compiled);
+    m["inference_compile_cold_s"] = since(t0);
+  }
+  compiler::reset();
+  auto compiled = compile(model, options);
+  auto t0 = std::chrono::steady_clock::now();
+  run_inference(compiled);
+  m["inference_compile_warm_s"] = since(t0);
+  const int64_t runs_before = compiler::counters().kernel_runs;
+  m["inference_ms"] = time_ms(a.warmup, a.iters, [&] { run_inference(compiled); });
+  KILN_CHECK(compiler::counters().kernel_runs > runs_before, Error,
+             "[kiln bench] the compiled model ran no generated kernel: its timing would mean nothing.");
+  if (a.train) {
+    model->train();
+    optim::Adam opt(model->parameters(), {.lr = 1e-3});
+    auto step = [&](const Tensor& images, const Tensor& labels) {
+      opt.zero_grad();
+      Tensor loss = cross_entropy(model->forward(images), labels);
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    compiler::reset();
+    auto compiled_step = compile(step, options);
+    auto t1 = std::chrono::steady_clock::now();
+    compiled_step(x, y).item<float>();
+    m["train_compile_cold_s"] = since(t1);
+    m["train_step_ms"] = time_ms(a.warmup, a.iters, [&] { compiled_step(x, y).item<float>(); });
+  }
+  return m;
+}
+
 int run_bench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "toy") return run_toy_bench({args.begin() + 1, args.end()});
   BenchArgs a = parse(args);
@@ -288,22 +364,26 @@ int run_bench(const std::vector<std::string>& args) {
                            {"warmup", a.warmup}, {"iters", a.iters}};
   for (const auto& mode : a.modes) {
     nlohmann::json m;
-    model->eval();
-    m["inference_ms"] = time_ms(a.warmup, a.iters, [&] {
-      NoGradGuard ng;
-      Tensor out = model->forward(x);
-      out.sum().item<float>();  // synchronize on the result
-    });
-    if (a.train) {
-      model->train();
-      optim::Adam opt(model->parameters(), {.lr = 1e-3});
-      m["train_step_ms"] = time_ms(a.warmup, a.iters, [&] {
-        opt.zero_grad();
-        Tensor loss = cross_entropy(model->forward(x), y);
-        loss.backward();
-        opt.step();
-        loss.item<float>();
+    if (mode == "kiln") {
+      m = bench_compiled(a, model, x, y);
+    } else {
+      model->eval();
+      m["inference_ms"] = time_ms(a.warmup, a.iters, [&] {
+        NoGradGuard ng;
+        Tensor out = model->forward(x);
+        out.sum().item<float>();  // synchronize on the result
       });
+      if (a.train) {
+        model->train();
+        optim::Adam opt(model->parameters(), {.lr = 1e-3});
+        m["train_step_ms"] = time_ms(a.warmup, a.iters, [&] {
+          opt.zero_grad();
+          Tensor loss = cross_entropy(model->forward(x), y);
+          loss.backward();
+          opt.step();
+          loss.item<float>();
+        });
+      }
     }
     result["modes"][mode] = m;
   }
@@ -314,10 +394,18 @@ int run_bench(const std::vector<std::string>& args) {
   }
   std::cout << fmt::format("{} on {}, batch {}, 3x{}x{}, {} threads (median of {} runs)\n", a.model,
                            a.device.str(), a.batch, a.size, a.size, get_num_threads(), a.iters);
-  std::cout << fmt::format("{:<12} {:>16} {:>16}\n", "mode", "inference ms", "train step ms");
+  std::cout << fmt::format("{:<12} {:>16} {:>16} {:>18} {:>18}\n", "mode", "inference ms", "train step ms",
+                           "compile cold s", "compile warm s");
   for (auto& [mode, m] : result["modes"].items()) {
     std::string train = m.contains("train_step_ms") ? fmt::format("{:.1f}", m["train_step_ms"].get<double>()) : "-";
-    std::cout << fmt::format("{:<12} {:>16.1f} {:>16}\n", mode, m["inference_ms"].get<double>(), train);
+    std::string cold = m.contains("inference_compile_cold_s")
+                           ? fmt::format("{:.2f}", m["inference_compile_cold_s"].get<double>())
+                           : "-";
+    std::string warm = m.contains("inference_compile_warm_s")
+                           ? fmt::format("{:.2f}", m["inference_compile_warm_s"].get<double>())
+                           : "-";
+    std::cout << fmt::format("{:<12} {:>16.1f} {:>16} {:>18} {:>18}\n", mode, m["inference_ms"].get<double>(), train,
+                             cold, warm);
   }
   return 0;
 }
