@@ -5,6 +5,10 @@
 //
 // Every test checks compiler::counters().kernel_runs, so a silent eager fallback fails it, and
 // where every op of a function has a lowering, that nothing went through the dispatcher.
+// Results are compared with matches() below rather than compile_helpers.h's close(): NaN must
+// match NaN, int64 must compare exactly, and float64 uses DESIGN §3's rtol 1e-10.
+// Tests marked BUG fail because of backend bugs (each comment says which); they stay failing
+// until the backend is fixed.
 // Each distinct graph costs a system-compiler run, so ops are batched: one compiled function per
 // op family returns all of that family's results.
 #include <gtest/gtest.h>
@@ -148,17 +152,19 @@ Tol reduction_tol(DType t) { return t == kFloat64 ? Tol{1e-10, 1e-12} : Tol{1e-5
   return ::testing::AssertionFailure() << "outputs differ from eager:" << failures.str();
 }
 
-// `n` values: signed zeros, infinities, NaN, tiny and large magnitudes, exact halves, then
-// normal random values (scaled by 3).
+// Values the math must agree on at the edges: NaN, infinities, signed zeros, halves, tiny and
+// large magnitudes (in that order, so that small tensors get the first ones), then random normal
+// values scaled by 3.
 Tensor special_values(IntArrayRef sizes, DType dtype) {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> v = {nan, inf, -inf, -0.0, 0.0, -3.5, -1.0, -0.5, 0.25,
+                           0.5, 1.0, 2.5,  3.0,  1e-8, -1e-8, 30.0, -30.0, 2.0};
+  const size_t specials = v.size();
   int64_t n = 1;
   for (int64_t s : sizes) n *= s;
-  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<double> v = {nan, inf, -inf, -0.0, 0.0, -3.5, -1.0, -0.5, 0.25, 0.5, 1.0, 2.5, 3.0, 1e-8, -1e-8, 30.0, -30.0, 2.0};
-  std::vector<double> r = randn({n}, kFloat64).to_vector<double>();
-  v.resize(std::max<int64_t>(n, static_cast<int64_t>(v.size())));
-  for (size_t i = 18; i < v.size(); ++i) v[i] = 3 * r[i];
-  v.resize(n);
+  const std::vector<double> r = randn({n}, kFloat64).to_vector<double>();
+  v.resize(static_cast<size_t>(n));
+  for (size_t i = specials; i < v.size(); ++i) v[i] = 3 * r[i];
   return tensor<double>(v, sizes).to(dtype);
 }
 
@@ -315,18 +321,20 @@ TEST_F(KilnBackend, WrappedHostScalarsMatchEager) {
     Delta d;
     std::vector<Tensor> got = compiled(x, zero_dim);
     EXPECT_GT(d.now().kernel_runs, 0);
-    EXPECT_EQ(d.now().dispatched_nodes, 0) << "scalar operands are loads, not dispatched nodes";
+    // The four powers by a host scalar run through the dispatcher (eager's pow takes shortcuts
+    // for 0-dim exponents whose special values std::pow does not reproduce); every other scalar
+    // operand is a load.
+    EXPECT_EQ(d.now().dispatched_nodes, 4);
     EXPECT_TRUE(all_match(got, scalar_operand_ops(x, zero_dim), kScalarOperandNames));
   }
 }
 
 std::vector<Tensor> half_powers(const Tensor& x) { return {x.pow(0.5), x.pow(-0.5)}; }
 
-// BUG (kiln backend, reported): x ** 0.5 and x ** -0.5 with a host-scalar exponent. Eager's pow
-// kernel takes PyTorch's shortcuts for a 0-dim exponent (0.5: sqrt, -0.5: rsqrt, 2: square,
-// -1: reciprocal), so pow(-inf, 0.5) is NaN and pow(-0.0, -0.5) is -inf, as in PyTorch; the
-// lowering always emits kiln::math::Pow (std::pow), which gives +inf and +inf there
-// (pow(-inf, -0.5) is +0 instead of NaN).
+// x ** 0.5 and x ** -0.5 with a host-scalar exponent. Eager's pow kernel takes PyTorch's shortcuts
+// for a 0-dim exponent (0.5: sqrt, -0.5: rsqrt, 2: square, -1: reciprocal), so (-inf) ** 0.5 and
+// (-inf) ** -0.5 are NaN and (-0.0) ** -0.5 is -inf, as in PyTorch, where std::pow gives +inf,
+// +0 and +inf: the kiln backend runs these through the dispatcher.
 TEST_F(KilnBackend, PowByPlusOrMinusAHalfMatchesEagerSqrt) {
   auto compiled = compile_kiln(half_powers);
   for (DType t : {kFloat32, kFloat64}) {
@@ -334,7 +342,7 @@ TEST_F(KilnBackend, PowByPlusOrMinusAHalfMatchesEagerSqrt) {
     Tensor x = special_values({3, 12}, t);  // -inf and -0.0 among them
     Delta d;
     std::vector<Tensor> got = compiled(x);
-    EXPECT_GT(d.now().kernel_runs, 0);
+    EXPECT_EQ(d.now().dispatched_nodes, 2);
     EXPECT_TRUE(all_match(got, half_powers(x), {"x ** 0.5", "x ** -0.5"}));
   }
 }
@@ -457,12 +465,14 @@ TEST_F(KilnBackend, IntegerOpsMatchEagerForInt64Int32AndUint8) {
     Delta d;
     std::vector<Tensor> got = compiled(a, b, lo, hi);
     EXPECT_GT(d.now().kernel_runs, 0);
-    EXPECT_EQ(d.now().dispatched_nodes, 0) << "every integer op has a lowering";
+    // Integer divisions (div, trunc, floor) run through the dispatcher, which checks for a zero
+    // divisor before dividing; every other integer op is lowered.
+    EXPECT_EQ(d.now().dispatched_nodes, 2);
     EXPECT_TRUE(all_match(got, int_ops(a, b, lo, hi), kIntNames));
   }
 }
 
-// BUG (kiln backend, reported): integer division by zero. Eager throws ValueError
+// Regression (fixed): integer division by zero. Eager throws ValueError
 // ("ZeroDivisionError: integer division by zero") before writing anything; the generated kernel
 // divides without a check and the process dies of SIGFPE. Runs in a child process
 // (a death-test re-run of this binary) so that the crash cannot take the other tests with it.
@@ -640,7 +650,7 @@ TEST_F(KilnBackend, ReductionsOverEveryDimChoiceMatchEager) {
     Delta d;
     std::vector<Tensor> got = compiled(x);
     EXPECT_GE(d.now().kernel_runs, 24);
-    EXPECT_EQ(d.now().dispatched_nodes, 1) << "only the transpose view is dispatched";
+    EXPECT_LE(d.now().dispatched_nodes, 1) << "at most the transpose view is dispatched";
     EXPECT_TRUE(all_match(got, reductions(x), kReductionNames, reduction_tol));
   }
 }
@@ -765,8 +775,7 @@ TEST_F(KilnBackend, ReductionOverASizeOneDimAndOverAZeroDimTensor) {
   Tensor x = randn({4, 1, 5}), ones = randn({1, 1}), zero_dim = scalar_tensor(-2.5, kFloat32);
   Delta d;
   std::vector<Tensor> got = compiled(x, ones, zero_dim);
-  EXPECT_GE(d.now().kernel_runs, 9);
-  EXPECT_EQ(d.now().dispatched_nodes, 0);
+  EXPECT_GE(d.now().kernel_runs, 8);  // amax(0) of a 0-dim tensor may go to the dispatcher
   EXPECT_TRUE(all_match(got, size_one_reductions(x, ones, zero_dim),
                         {"sum(1)", "amax(1, keepdim)", "mean(1)", "amin(1)", "prologue sum(1, keepdim)",
                          "[1, 1] sum()", "[1, 1] amax(0)", "0-dim sum()", "0-dim amax(0)"},
@@ -777,7 +786,7 @@ std::vector<Tensor> empty_reductions(const Tensor& x, const Tensor& rows, const 
   return {x.sum({1}), x.mean({1}), x.sum(), rows.sum({0}), rows.sum({1}), i.sum({1}), (x + 1).sum({1}, true)};
 }
 
-// BUG (kiln backend, reported): a reduction over an empty dim must give its identity (sum 0,
+// Regression (fixed): a reduction over an empty dim must give its identity (sum 0,
 // mean NaN) like eager. The generated loop nest returns early when the iteration space has no
 // elements (emit_nest: `if (total == 0) return;`), so nothing writes the freshly allocated
 // result, and the outputs hold whatever the allocator returned.
@@ -870,12 +879,14 @@ std::vector<Tensor> cat_of_fused_inputs(const Tensor& x, const Tensor& none) {
   return {cat({relu(x)}, 0) * 2, cat({relu(x), none}, 1) + 1};
 }
 
-// BUG (kiln backend, reported): a cat whose input is computed in the same kernel. When a cat's
+// Regression (fixed): a cat whose input is computed in the same kernel. When a cat's
 // output has the shape of one of its inputs (a single input, or the others empty along the cat
-// dim), the scheduler puts the cat into the kernel that computes that input; the input then
-// counts as used inside the kernel, is never stored or allocated, but is still bound as a buffer
-// that the cat reads: the run throws "the tensor is undefined".
-TEST_F(KilnBackend, CatOfAValueComputedInTheSameKernel) {
+// dim), the scheduler puts the cat into the kernel that computes that input, and the cat reads
+// the input's buffer instead of its value. If nothing outside the kernel reads the input, the
+// buffer is never allocated and the run throws "the tensor is undefined"; if something does (as
+// here: both cats read relu(x)), the cat loads the buffer before the kernel stores it and returns
+// uninitialized memory.
+TEST_F(KilnBackend, CatOfAValueComputedInTheSameKernelMatchesEager) {
   auto compiled = compile_kiln(cat_of_fused_inputs);
   Tensor x = randn({3, 4}), none = randn({3, 0});
   Delta d;
@@ -932,7 +943,7 @@ TEST_F(KilnBackend, IntegerRunTimeScalarsStayRight) {
 }
 
 // int64 run-time scalars beyond 2^53 (alpha, addcmul's value) must keep all their bits.
-// BUG (kiln backend, reported): kernels receive run-time scalars as `const double* scalars`
+// Regression (fixed): kernels receive run-time scalars as `const double* scalars`
 // (kiln_backend.cpp converts every slot with to_double), so an int64 alpha of 2^53 + 1 reaches
 // the kernel as 2^53 and the result is silently off by one; eager uses the exact integer.
 TEST_F(KilnBackend, Int64RunTimeScalarsKeepAllTheirBits) {
@@ -981,7 +992,7 @@ TEST_F(KilnBackend, OpsWithoutLoweringsRunThroughTheDispatcher) {
 // ================================ in-place ops on inputs ================================
 
 TEST_F(KilnBackend, InPlaceOpsMutateTheCallersTensorsLikeEager) {
-  auto fn = [](Tensor x, const Tensor& y) {
+  auto fn = [](Tensor x, const Tensor& y, Tensor z) {
     Tensor before = x * 2;  // reads x before the writes: must not be merged with `after`
     x.add_(1);
     x.mul_(y);
@@ -989,22 +1000,27 @@ TEST_F(KilnBackend, InPlaceOpsMutateTheCallersTensorsLikeEager) {
     Tensor t = (x - 3).exp();
     t.relu_();
     t.add_(y);
-    return std::make_tuple(before, after, t);
+    z.mul_(2);  // a transposed view of the caller's tensor
+    z.add_(y.unsqueeze(1));
+    return std::make_tuple(before, after, t, x, z + 1);
   };
   auto compiled = compile_kiln(fn);
   Tensor y = randn({5});  // broadcast over x's rows
-  Tensor xc = randn({4, 5});
-  Tensor xe = xc.clone();
+  Tensor xc = randn({4, 5}), zc = randn({6, 5});
+  Tensor xe = xc.clone(), ze = zc.clone();
   for (int call = 0; call < 2; ++call) {
     SCOPED_TRACE("call " + std::to_string(call));
     Delta d;
-    auto [before, after, t] = compiled(xc, y);
-    auto [want_before, want_after, want_t] = fn(xe, y);
+    auto [before, after, t, x, z1] = compiled(xc, y, zc.t());
+    auto [want_before, want_after, want_t, want_x, want_z1] = fn(xe, y, ze.t());
     EXPECT_GT(d.now().kernel_runs, 0);
     EXPECT_TRUE(matches(xc, xe)) << "the caller's x after add_ and mul_";
+    EXPECT_TRUE(matches(zc, ze)) << "the caller's z, written through a transposed view";
     EXPECT_TRUE(matches(before, want_before));
     EXPECT_TRUE(matches(after, want_after));
     EXPECT_TRUE(matches(t, want_t));
+    EXPECT_TRUE(matches(x, want_x)) << "the mutated input, returned";
+    EXPECT_TRUE(matches(z1, want_z1));
   }
 }
 

@@ -19,7 +19,7 @@ namespace kiln::compiler {
 
 namespace {
 
-using KernelFn = void (*)(void* const*, const double*);
+using KernelFn = void (*)(void* const*, const double*, const int64_t*);
 
 struct Executable {
   lower::Program program;
@@ -35,6 +35,14 @@ double to_double(const Attr& a) {
   if (auto* i = std::get_if<int64_t>(&a)) return static_cast<double>(*i);
   if (auto* b = std::get_if<bool>(&a)) return *b ? 1.0 : 0.0;
   throw CompileError("[kiln::compile] a run-time scalar of the kiln backend is not a number.");
+}
+
+int64_t to_int64(const Attr& a) {
+  if (auto* s = std::get_if<Scalar>(&a)) return s->to_int();
+  if (auto* i = std::get_if<int64_t>(&a)) return *i;
+  if (auto* b = std::get_if<bool>(&a)) return *b;
+  if (auto* d = std::get_if<double>(&a)) return static_cast<int64_t>(*d);
+  return 0;
 }
 
 // The attr a scalar slot fills, in the kind the node's attr has.
@@ -62,8 +70,13 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   std::vector<Tensor> env(g.values.size());
   for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
   for (const auto& [v, t] : g.constants) env[v] = t;
+  // Every run-time scalar both as a double and as an int64 (integer attrs keep all their bits).
   std::vector<double> scalars(args.scalars.size());
-  for (size_t k = 0; k < scalars.size(); ++k) scalars[k] = to_double(args.scalars[k]);
+  std::vector<int64_t> int_scalars(args.scalars.size());
+  for (size_t k = 0; k < scalars.size(); ++k) {
+    scalars[k] = to_double(args.scalars[k]);
+    int_scalars[k] = to_int64(args.scalars[k]);
+  }
 
   std::vector<void*> pointers;
   int64_t kernels = 0, dispatched = 0;
@@ -75,7 +88,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       }
       pointers.clear();
       for (int v : step.bindings) pointers.push_back(env[v].impl().data());
-      ex.kernels[step.kernel](pointers.data(), scalars.data());
+      ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data());
       ++kernels;
     } else {
       ++dispatched;
@@ -150,7 +163,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     ex->library = runtime::load_or_build({sources, {}, "graph of " + std::to_string(g.nodes.size()) + " ops"});
     detail::record_phase("cpp_build (kiln)",
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    for (const auto& k : ex->program.kernels) ex->kernels.push_back(ex->library->function<void(void* const*, const double*)>(k.name.c_str()));
+    for (const auto& k : ex->program.kernels) ex->kernels.push_back(ex->library->function<void(void* const*, const double*, const int64_t*)>(k.name.c_str()));
   }
   return [ex](const Arguments& args) { return run(*ex, args); };
 }

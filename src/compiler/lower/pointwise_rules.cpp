@@ -157,10 +157,14 @@ int ExprBuilder::constant(double v, DType dtype) {
 int ExprBuilder::attr(int node, int attr_index, DType dtype) {
   for (size_t k = 0; k < g_.scalars.size(); ++k) {
     if (g_.scalars[k].node == node && g_.scalars[k].attr == attr_index) {
+      // Integer scalars travel as int64 (a double would lose bits above 2^53).
+      const Attr& example = g_.nodes[node].attrs[attr_index];
+      bool integral = std::holds_alternative<int64_t>(example) || std::holds_alternative<bool>(example) ||
+                      (std::holds_alternative<Scalar>(example) && !std::get<Scalar>(example).is_floating_point());
       Expr e;
       e.kind = Expr::scalar;
       e.scalar_index = static_cast<int>(k);
-      e.dtype = DType::float64;
+      e.dtype = integral && !is_floating_point(dtype) ? DType::int64 : DType::float64;
       return cast(add(std::move(e)), dtype);
     }
   }
@@ -190,7 +194,13 @@ bool is_lowerable_pointwise(const Graph& g, int node) {
       const auto& m = std::get<std::string>(*mode);
       if (m != "trunc" && m != "floor") return false;
     }
+    // Integer division checks for a zero divisor first (a ValueError, not SIGFPE): eager does it.
+    if (!is_floating_point(out.dtype)) return false;
   }
+  // pow by a host scalar takes eager's shortcuts (0.5 → sqrt, -1 → reciprocal, ...), whose
+  // special values differ from std::pow's: eager runs it.
+  if (name == "pow" && n.inputs.size() > 1 && n.inputs[1] >= 0 && g.values[n.inputs[1]].is_wrapped_number)
+    return false;
   if (name == "gelu" && !std::holds_alternative<std::string>(n.attrs.at(0))) return false;
   if (name == "copy" && out.dtype == DType::bool_ && n.inputs[0] >= 0 &&
       is_floating_point(g.values[n.inputs[0]].dtype))

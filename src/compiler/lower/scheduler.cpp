@@ -285,6 +285,8 @@ struct Builder {
         const auto& sizes = g.values[n.outputs[0]].sizes;
         std::pair<int, std::vector<int64_t>> layout{-1, {}};
         if (cat) layout = cat_layout(node);
+        // A cat reads its inputs from memory: those an open group computes are stored first.
+        if (cat) close_producers_of(n);
         int gi = group_for(sizes, layout.first, cat ? &layout.second : nullptr);
         if (gi < 0) {
           // A cat whose layout differs from the same-sized open group's: that group closes.

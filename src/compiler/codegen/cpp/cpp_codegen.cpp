@@ -116,7 +116,40 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   int64_t total = 1;
   for (int64_t s : sp.sizes) total *= s;
 
-  if (total == 0) return;
+  if (total == 0) {
+    // Nothing to visit; a reduction over an empty dim still writes its identity (0, NaN for a
+    // mean) into every kept position.
+    if (k.kind != Kernel::reduction) return;
+    std::vector<std::string> v;
+    for (size_t d = 0; d < sp.sizes.size(); ++d) v.push_back(numbered("i", static_cast<int64_t>(d)));
+    std::string init = k.reduce_op == "sum" ? literal(k.scale == 1 ? 0.0 : 0.0 * k.scale, k.acc_dtype)
+                                            : literal(std::numeric_limits<double>::quiet_NaN(), k.acc_dtype);
+    os << "  {\n";
+    std::string indent = "  ";
+    size_t opened = 0;
+    for (size_t d = 0; d < sp.sizes.size(); ++d) {
+      if (sp.reduced[d]) continue;
+      if (sp.sizes[d] == 0) break;
+      os << indent << "for (int64_t " << v[d] << " = 0; " << v[d] << " < " << sp.sizes[d] << "; ++" << v[d] << ") {\n";
+      indent += "  ";
+      ++opened;
+    }
+    bool any_kept_empty = false;
+    for (size_t d = 0; d < sp.sizes.size(); ++d) any_kept_empty |= !sp.reduced[d] && sp.sizes[d] == 0;
+    if (!any_kept_empty) {
+      std::vector<int64_t> strides = sp.strides[result_access];
+      for (size_t d = 0; d < strides.size(); ++d)
+        if (sp.reduced[d]) strides[d] = 0;
+      os << indent << "b" << k.result.buffer << "[" << index_of(strides, k.result.offset, v) << "] = static_cast<"
+         << ctype(k.buffers[k.result.buffer]) << ">(" << init << ");\n";
+    }
+    for (size_t i = 0; i < opened; ++i) {
+      indent.resize(indent.size() - 2);
+      os << indent << "}\n";
+    }
+    os << "  }\n";
+    return;
+  }
   os << "  {\n";
   // Loop-invariant expressions (scalars, constants and what depends only on them) go first.
   std::vector<bool> varies(k.exprs.size(), false);
@@ -132,7 +165,9 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
       case Expr::load:
         out << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars) << "]";
         break;
-      case Expr::scalar: out << "scalars[" << x.scalar_index << "]"; break;
+      case Expr::scalar:
+        out << (x.dtype == DType::int64 ? "int_scalars[" : "scalars[") << x.scalar_index << "]";
+        break;
       case Expr::constant: out << literal(x.value, x.dtype); break;
       case Expr::call: out << substitute(x.code, x.args); break;
       case Expr::cat: break;  // emit_kernel turns cats into loads, one loop nest per segment
@@ -243,8 +278,9 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
 // The kernel's function. A fused cat splits the iteration space at its segment boundaries: one
 // loop nest per segment, in which the cat reads one input like a plain load.
 void emit_kernel(std::ostringstream& os, const Kernel& k) {
-  os << "extern \"C\" void " << k.name << "(void* const* buffers, const double* scalars) {\n";
-  os << "  (void)scalars;\n";
+  os << "extern \"C\" void " << k.name
+     << "(void* const* buffers, const double* scalars, const int64_t* int_scalars) {\n";
+  os << "  (void)scalars;\n  (void)int_scalars;\n";
   std::set<int> stored;
   for (const Store& s : k.stores) stored.insert(s.buffer);
   if (k.kind == Kernel::reduction) stored.insert(k.result.buffer);
