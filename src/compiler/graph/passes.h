@@ -52,7 +52,9 @@ void functionalize(Graph& graph);
 // keep, or when it is an in-place (out=) call. Decompositions may write inputs in place (the
 // batch-norm running statistics), so run functionalize() afterwards; outputs nothing reads
 // become dead code, so run eliminate_dead_code() too. Slots never change position.
-void decompose(Graph& graph, const std::set<std::string>& ops);
+// `filter`, when given, picks which nodes of those ops to decompose.
+void decompose(Graph& graph, const std::set<std::string>& ops,
+               const std::function<bool(const Node&)>& filter = {});
 // The ops decompose() knows.
 std::set<std::string> decomposable_ops();
 

@@ -68,6 +68,7 @@ struct Kernel {
   double scale = 1;              // mean: 1 / count
   Store result;                  // strides over the iteration dims (0 on reduced dims)
   std::vector<std::string> ops;  // graph nodes fused in (for the debug dump and logs)
+  std::string profile_name;      // KILN_PROFILE's row for this kernel
 };
 
 struct Step {
@@ -93,8 +94,9 @@ struct Program {
 Program schedule(Graph graph);
 
 // The C++ source of every kernel of `p` (one translation unit per chunk of kernels, so that the
-// system compiler can build them in parallel).
-std::vector<std::string> generate_cpp(const Program& p, int max_kernels_per_unit = 24);
+// system compiler can build them in parallel). Kernels with identical bodies are emitted once:
+// the duplicates' names are set to the first one's.
+std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit = 24);
 
 // The loop IR as text (KILN_COMPILE_DEBUG).
 std::string describe(const Program& p);

@@ -254,10 +254,16 @@ struct Builder {
     p.steps.push_back(std::move(step));
   }
 
+  // A group this big stops taking nodes: independent work of one shape (the optimizer update of
+  // every same-sized parameter) would otherwise become one loop body of thousands of statements,
+  // which the C++ compiler takes tens of seconds to build. Smaller groups cost nothing at run time
+  // and identical ones are emitted once.
+  static bool full(const Group& grp) { return grp.nodes.size() >= 32 || grp.bindings.size() >= 24; }
+
   // The open group a pointwise node of these sizes (and cat layout) joins; -1 when none fits.
   int group_for(const std::vector<int64_t>& sizes, int cat_dim, const std::vector<int64_t>* bounds) const {
     for (size_t i = 0; i < open.size(); ++i) {
-      if (open[i].kernel.sizes != sizes) continue;
+      if (open[i].kernel.sizes != sizes || full(open[i])) continue;
       if (bounds && open[i].cat_dim >= 0 && (open[i].cat_dim != cat_dim || open[i].cat_bounds != *bounds)) continue;
       return static_cast<int>(i);
     }

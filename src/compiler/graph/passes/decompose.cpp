@@ -282,7 +282,7 @@ std::set<std::string> decomposable_ops() {
   return {names.begin(), names.end()};
 }
 
-void decompose(Graph& g, const std::set<std::string>& ops) {
+void decompose(Graph& g, const std::set<std::string>& ops, const std::function<bool(const Node&)>& filter) {
   if (ops.empty()) return;
   const int num_nodes = static_cast<int>(g.nodes.size());
   std::vector<std::vector<int>> slots(num_nodes);  // per node: slot index per attr, -1 if none
@@ -300,7 +300,8 @@ void decompose(Graph& g, const std::set<std::string>& ops) {
   for (int i = 0; i < num_nodes; ++i) {
     Node& n = g.nodes[i];
     const internal::Decomposition* d =
-        n.op && !n.inplace && ops.count(n.op->name) ? internal::find_decomposition(n.op->name) : nullptr;
+        n.op && !n.inplace && ops.count(n.op->name) && (!filter || filter(n)) ? internal::find_decomposition(n.op->name)
+                                                                                : nullptr;
     if (d && splicer.splice(n, *d, slots[i])) continue;
     new_index[i] = static_cast<int>(out.size());
     out.push_back(std::move(n));
