@@ -367,9 +367,32 @@ void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   if (!y.same(out)) out.copy_(y);
 }
 
-// conv2d_bn: fold the batch norm into the weights and bias (per output channel, cheap next to the
-// convolution), then one convolution with the relu as a post-op.
-void conv2d_bn_kernel(const OpCall& call, std::span<Tensor> outs) {
+// conv2d_bn: fold the batch norm into the weights and bias (per output channel), then one
+// convolution and the relu in place. The folded weights are cached by the identity and version of
+// every parameter they come from, so inference (parameters unchanged) folds once; a training step
+// bumps the versions and refolds.
+struct FoldKey {
+  std::array<const void*, 6> storage{};
+  std::array<uint64_t, 6> version{};
+  std::array<int64_t, 6> offset{};
+  double eps = 0;
+  bool operator==(const FoldKey&) const = default;
+};
+struct FoldKeyHash {
+  size_t operator()(const FoldKey& k) const {
+    size_t h = std::hash<double>{}(k.eps);
+    for (int i = 0; i < 6; ++i)
+      h = (h * 1000003u) ^ std::hash<const void*>{}(k.storage[i]) ^ (k.version[i] * 0x9e3779b97f4a7c15ull) ^
+          static_cast<size_t>(k.offset[i]);
+    return h;
+  }
+};
+struct Folded {
+  std::array<std::weak_ptr<detail::Storage>, 6> sources;  // a freed source's address may be reused
+  Tensor weight, bias;
+};
+
+std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   const Tensor& w = call.input(1);
   const Tensor& bias = call.input(2);
   const Tensor& bn_weight = call.input(3);
@@ -377,11 +400,45 @@ void conv2d_bn_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& mean = call.input(5);
   const Tensor& var = call.input(6);
   const double eps = call.double_attr(4);
+  FoldKey key;
+  key.eps = eps;
+  const Tensor* params[6] = {&w, &bias, &bn_weight, &bn_bias, &mean, &var};
+  for (int i = 0; i < 6; ++i) {
+    if (!params[i]->defined()) continue;
+    key.storage[i] = params[i]->impl().storage.get();
+    key.version[i] = params[i]->version();
+    key.offset[i] = params[i]->storage_offset();
+  }
+  static std::mutex mutex;
+  static std::unordered_map<FoldKey, Folded, FoldKeyHash> cache;
+  {
+    std::lock_guard lock(mutex);
+    if (auto it = cache.find(key); it != cache.end()) {
+      bool alive = true;
+      for (int i = 0; i < 6; ++i)
+        if (params[i]->defined()) alive = alive && it->second.sources[i].lock() == params[i]->impl().storage;
+      if (alive) return {it->second.weight, it->second.bias};
+      cache.erase(it);
+    }
+  }
   Tensor scale = rsqrt(var.to(w.dtype()) + eps);
   if (bn_weight.defined()) scale = scale * bn_weight.to(w.dtype());
-  Tensor folded_w = w * scale.view({w.sizes()[0], 1, 1, 1});
+  Tensor folded_w = (w * scale.view({w.sizes()[0], 1, 1, 1})).contiguous();
   Tensor folded_b = (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
   if (bn_bias.defined()) folded_b = folded_b + bn_bias.to(w.dtype());
+  Folded entry;
+  for (int i = 0; i < 6; ++i)
+    if (params[i]->defined()) entry.sources[i] = params[i]->impl().storage;
+  entry.weight = folded_w;
+  entry.bias = folded_b;
+  std::lock_guard lock(mutex);
+  if (cache.size() >= 4096) cache.clear();  // stale versions of trained parameters pile up otherwise
+  cache[key] = std::move(entry);
+  return {folded_w, folded_b};
+}
+
+void conv2d_bn_kernel(const OpCall& call, std::span<Tensor> outs) {
+  auto [folded_w, folded_b] = fold_batch_norm(call);
   std::vector<Tensor> inputs{call.input(0), folded_w, folded_b};
   std::vector<Attr> attrs{call.attrs[0], call.attrs[1], call.attrs[2], call.attrs[3]};
   conv2d_impl(OpCall(call.op, inputs, attrs), outs, call.bool_attr(5));
