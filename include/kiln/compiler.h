@@ -222,6 +222,10 @@ BackendFn lookup_backend(std::string_view name);
 std::string default_backend();
 void set_default_backend(std::string name);
 
+// The options of the compile() whose graph a backend is compiling right now (on this thread), or
+// nullptr outside a backend call: lets a backend read `mode` and `options`.
+const CompileOptions* compiling_options();
+
 // Clears every in-memory compile cache and statistic (never a disk cache), as if the process
 // had just started; compiled callables stay usable and recompile on their next call.
 void reset();

@@ -15,6 +15,7 @@ namespace kiln::compiler::detail {
 namespace {
 
 std::atomic<int> g_next_frame_id{0};
+thread_local const CompileOptions* t_compiling_options = nullptr;
 thread_local int t_disabled_depth = 0;  // inside disable(fn, recursive=true)
 
 using Clock = std::chrono::steady_clock;
@@ -596,6 +597,11 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     BackendFn backend = ctx.backend == st.backend_name && st.backend_fn ? st.backend_fn : lookup_backend(ctx.backend);
     Graph working = cg->graph;  // the backend may rewrite its copy; the cache compares against cg->graph
     auto t0 = Clock::now();
+    struct OptionsScope {
+      const CompileOptions* saved;
+      explicit OptionsScope(const CompileOptions* o) : saved(std::exchange(t_compiling_options, o)) {}
+      ~OptionsScope() { t_compiling_options = saved; }
+    } options_scope(&st.options);
     cg->fn = backend(working, example);
     cg->compile_seconds = seconds_since(t0);
     if (!cg->fn) {
@@ -676,6 +682,8 @@ void materialize_lazy(const TensorImpl& impl) { compiler::detail::materialize(im
 namespace kiln::compiler {
 
 bool is_compiling() { return detail::active_capture() != nullptr; }
+
+const CompileOptions* compiling_options() { return detail::t_compiling_options; }
 
 void graph_break(std::string_view reason, std::source_location loc) {
   detail::CaptureContext* cap = detail::active_capture();
