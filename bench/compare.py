@@ -21,21 +21,29 @@ def compare_models(kiln, base):
     if "error" in base:
         print(f"(no baseline: {base['error']})")
     metrics = ["inference_ms", "train_step_ms"]
-    print(f"{'':34} {'inference ms':>14} {'train step ms':>14}")
+    print(f"{'':34} {'inference ms':>14} {'train step ms':>14} {'compile cold s':>15} {'compile warm s':>15}")
     for who, doc in (("kiln", kiln), (base.get("framework", "baseline"), base)):
         for mode, m in doc.get("modes", {}).items():
             cells = [f"{m[k]:14.1f}" if k in m else f"{'-':>14}" for k in metrics]
+            cells += [f"{m[k]:15.2f}" if k in m else f"{'-':>15}"
+                      for k in ("inference_compile_cold_s", "inference_compile_warm_s")]
             print(f"{who + ' ' + mode:34} {' '.join(cells)}")
+    # Every Kiln mode (eager, and compiled modes such as kiln) against every baseline mode.
     ratios = {}
-    k_eager = kiln.get("modes", {}).get("eager", {})
-    for mode, m in base.get("modes", {}).items():
-        for metric in metrics:
-            if metric in m and metric in k_eager:
-                ratios[f"{mode}/{metric}"] = m[metric] / k_eager[metric]
+    for k_mode, km in kiln.get("modes", {}).items():
+        for mode, m in base.get("modes", {}).items():
+            for metric in metrics:
+                if metric in m and metric in km:
+                    ratios[f"{mode}/kiln {k_mode}/{metric}"] = m[metric] / km[metric]
+        if k_mode != "eager":
+            ke = kiln.get("modes", {}).get("eager", {})
+            for metric in metrics:
+                if metric in km and metric in ke:
+                    ratios[f"kiln eager/kiln {k_mode}/{metric}"] = ke[metric] / km[metric]
     if ratios:
-        print("speedup of kiln eager over the baseline (baseline time / kiln time):")
+        print("speedups (first time / second time):")
         for k, v in ratios.items():
-            print(f"  {k:40} {v:6.2f}x")
+            print(f"  {k:48} {v:6.2f}x")
     return ratios
 
 
