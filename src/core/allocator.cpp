@@ -1,5 +1,6 @@
 // Storage allocation. CPU memory is 64-byte aligned (one cache line, one AVX-512 vector).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -115,6 +116,12 @@ void free_cpu_cached(void* data, void* ctx) {
 }
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_cpu_allocations{0};
+}  // namespace
+
+int64_t cpu_allocation_count() { return g_cpu_allocations.load(std::memory_order_relaxed); }
+
 void empty_cpu_cache() { CpuBlockCache::instance().empty(); }
 int64_t cpu_cached_bytes() { return CpuBlockCache::instance().cached_bytes(); }
 
@@ -124,6 +131,7 @@ std::shared_ptr<Storage> allocate_storage(int64_t nbytes, Device device) {
   storage->nbytes = nbytes;
   storage->device = device;
   if (device.is_cpu()) {
+    g_cpu_allocations.fetch_add(1, std::memory_order_relaxed);
     void* p = nullptr;
     if (nbytes >= kCacheMinBytes) {
       int64_t cls = size_class(nbytes);

@@ -97,8 +97,10 @@ BenchArgs parse(const std::vector<std::string>& args) {
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
-    KILN_CHECK(m == "eager" || m == "kiln", ValueError,
-               "[kiln bench] unknown mode '" + m + "'. Available modes: eager, kiln (compile() with the kiln backend).");
+    KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro", ValueError,
+               "[kiln bench] unknown mode '" + m +
+                   "'. Available modes: eager, kiln (compile() with the kiln backend), kiln-ro (the kiln backend "
+                   "with mode reduce_overhead: a static memory plan).");
   return a;
 }
 
@@ -286,7 +288,7 @@ double since(std::chrono::steady_clock::time_point t0) {
 // empty kernel cache (a fresh directory inside the cache, removed afterwards); warm compile time
 // is the first call of a new compile() after compiler::reset(), served by the disk cache.
 nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, const Tensor& x,
-                              const Tensor& y) {
+                              const Tensor& y, Mode mode) {
   namespace fs = std::filesystem;
   nlohmann::json m;
   const char* old_dir = std::getenv("KILN_CACHE_DIR");
@@ -306,7 +308,7 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
     }
   } restore{cold_dir, saved, old_dir != nullptr};
 
-  const CompileOptions options{.backend = std::string("kiln")};
+  const CompileOptions options{.backend = std::string("kiln"), .mode = mode};
   auto run_inference = [&](auto& compiled) {
     NoGradGuard ng;
     Tensor out = compiled(x);
@@ -364,8 +366,8 @@ int run_bench(const std::vector<std::string>& args) {
                            {"warmup", a.warmup}, {"iters", a.iters}};
   for (const auto& mode : a.modes) {
     nlohmann::json m;
-    if (mode == "kiln") {
-      m = bench_compiled(a, model, x, y);
+    if (mode == "kiln" || mode == "kiln-ro") {
+      m = bench_compiled(a, model, x, y, mode == "kiln" ? Mode::default_ : Mode::reduce_overhead);
     } else {
       model->eval();
       m["inference_ms"] = time_ms(a.warmup, a.iters, [&] {

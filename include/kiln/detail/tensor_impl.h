@@ -54,6 +54,9 @@ std::shared_ptr<Storage> allocate_storage(int64_t nbytes, Device device);
 // Frees the cached CPU blocks / reports their total size.
 void empty_cpu_cache();
 int64_t cpu_cached_bytes();
+// CPU allocate_storage calls since the process started (cached blocks included): tests use the
+// difference around a call to prove it allocates nothing more than expected.
+int64_t cpu_allocation_count();
 
 struct TensorImpl {
   std::shared_ptr<Storage> storage;

@@ -11,10 +11,12 @@
 #include "compiler/capture/runtime.h"
 #include "compiler/graph/passes.h"
 #include "compiler/lower/loop_ir.h"
+#include "compiler/lower/memory_plan.h"
 #include "compiler/runtime/kernel_cache.h"
 #include "core/profiler.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"
+#include "kiln/detail/tensor_impl.h"
 
 namespace kiln::compiler {
 
@@ -22,12 +24,81 @@ namespace {
 
 using KernelFn = void (*)(void* const*, const double*, const int64_t*);
 
+// reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
+// per planned value over it. Each of those tensors has a Storage of its own (not owning memory):
+// the dispatcher treats tensors of one Storage as overlapping and would copy through a temporary
+// on every out= call. A call takes the arena with `busy`; a concurrent call of the same graph
+// finds it taken and allocates as the default mode does.
+struct Arena {
+  std::atomic<bool> busy{false};
+  std::shared_ptr<kiln::detail::Storage> memory;
+  std::vector<Tensor> tensors;  // per graph value; undefined where not planned
+};
+
 struct Executable {
   lower::Program program;
   std::shared_ptr<runtime::SharedObject> library;
   std::vector<KernelFn> kernels;  // per Program kernel
   // Per node step: which attrs are scalar slots.
   std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
+  lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
+  std::unique_ptr<Arena> arena;   // set when the plan is not empty
+};
+
+// Holds the executable's arena for one call, or nothing when there is no plan or another call
+// holds it.
+class ArenaLease {
+ public:
+  explicit ArenaLease(const Executable& ex) {
+    if (!ex.arena) return;
+    bool expected = false;
+    if (!ex.arena->busy.compare_exchange_strong(expected, true, std::memory_order_acquire)) return;
+    arena_ = ex.arena.get();
+    if (!arena_->memory) {
+      try {
+        build(ex);
+      } catch (...) {
+        arena_->memory.reset();
+        arena_->tensors.clear();
+        arena_->busy.store(false, std::memory_order_release);
+        throw;
+      }
+    }
+  }
+  ~ArenaLease() {
+    if (arena_) arena_->busy.store(false, std::memory_order_release);
+  }
+  ArenaLease(const ArenaLease&) = delete;
+  ArenaLease& operator=(const ArenaLease&) = delete;
+  // The arena tensor of value v, or nullptr when v is not planned (or no arena is held).
+  const Tensor* tensor(const Executable& ex, int v) const {
+    if (!arena_ || ex.plan.entry_of[v] < 0) return nullptr;
+    return &arena_->tensors[v];
+  }
+  bool held() const { return arena_ != nullptr; }
+
+ private:
+  void build(const Executable& ex) {
+    const Graph& g = ex.program.graph;
+    arena_->memory = kiln::detail::allocate_storage(ex.plan.arena_bytes, kCPU);
+    arena_->tensors.assign(g.values.size(), Tensor());
+    for (const auto& e : ex.plan.entries) {
+      const ValueInfo& vi = g.values[e.value];
+      auto storage = std::make_shared<kiln::detail::Storage>();
+      storage->data = static_cast<char*>(arena_->memory->data) + e.offset;
+      storage->nbytes = e.nbytes;
+      storage->device = kCPU;  // free_fn stays null: the arena owns the memory
+      auto impl = std::make_shared<kiln::detail::TensorImpl>();
+      impl->storage = std::move(storage);
+      impl->sizes = vi.sizes;
+      impl->strides = vi.strides;
+      impl->dtype = vi.dtype;
+      impl->device = kCPU;
+      impl->refresh_metadata();
+      arena_->tensors[e.value] = Tensor(std::move(impl));
+    }
+  }
+  Arena* arena_ = nullptr;
 };
 
 double to_double(const Attr& a) {
@@ -79,11 +150,16 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
     int_scalars[k] = to_int64(args.scalars[k]);
   }
 
+  ArenaLease arena(ex);
   std::vector<void*> pointers;
   int64_t kernels = 0, dispatched = 0;
   for (const lower::Step& step : ex.program.steps) {
     if (step.kind == lower::Step::Kind::kernel) {
       for (int v : step.allocate) {
+        if (const Tensor* t = arena.tensor(ex, v)) {
+          env[v] = *t;
+          continue;
+        }
         const ValueInfo& vi = g.values[v];
         env[v] = kiln::detail::make_empty_strided(vi.sizes, vi.strides, vi.dtype, vi.device);
       }
@@ -104,6 +180,13 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
         std::vector<Tensor> targets;
         for (int v : n.outputs) targets.push_back(env[v]);
         call_op_out(*n.op, std::move(inputs), std::move(attrs), targets);
+      } else if (arena.held() && ex.plan.out_node[step.node]) {
+        // reduce_overhead: the planned outputs, written in place instead of allocated.
+        std::vector<Tensor> targets;
+        targets.reserve(n.outputs.size());
+        for (int v : n.outputs) targets.push_back(*arena.tensor(ex, v));
+        call_op_out(*n.op, std::move(inputs), std::move(attrs), targets);
+        for (size_t k = 0; k < targets.size(); ++k) env[n.outputs[k]] = std::move(targets[k]);
       } else {
         std::vector<Tensor> outs = call_op(*n.op, std::move(inputs), std::move(attrs));
         for (size_t k = 0; k < outs.size() && k < n.outputs.size(); ++k) env[n.outputs[k]] = std::move(outs[k]);
@@ -120,7 +203,8 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
 }
 
 // KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
-void write_debug(const Graph& before, const lower::Program& p, const std::vector<std::string>& sources) {
+void write_debug(const Graph& before, const lower::Program& p, const lower::MemoryPlan& plan,
+                 const std::vector<std::string>& sources) {
   const char* flag = std::getenv("KILN_COMPILE_DEBUG");
   if (!flag || std::string(flag) == "0") return;
   static std::atomic<int> counter{0};
@@ -135,7 +219,7 @@ void write_debug(const Graph& before, const lower::Program& p, const std::vector
   std::ofstream(dir / "graph_tabular.txt") << before.tabular();
   std::ofstream(dir / "graph.dot") << before.dot();
   std::ofstream(dir / "graph_after_passes.txt") << p.graph.str();
-  std::ofstream(dir / "loop_ir.txt") << lower::describe(p);
+  std::ofstream(dir / "loop_ir.txt") << lower::describe(p) << lower::describe(plan, p);
   for (size_t i = 0; i < sources.size(); ++i) std::ofstream(dir / ("kernels_" + std::to_string(i) + ".cpp")) << sources[i];
   detail::log_stream() << "[kiln.compile] debug trace: " << dir.string() << "\n";
 }
@@ -172,7 +256,12 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     k.profile_name = "kernel[" + ops + "]";
   }
   std::vector<std::string> sources = lower::generate_cpp(ex->program);
-  write_debug(before, ex->program, sources);
+  // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
+  if (const CompileOptions* opts = compiling_options(); opts && opts->mode == Mode::reduce_overhead) {
+    ex->plan = lower::plan_memory(ex->program);
+    if (!ex->plan.empty()) ex->arena = std::make_unique<Arena>();
+  }
+  write_debug(before, ex->program, ex->plan, sources);
   if (detail::log_options().output_code) {
     for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;
   }
