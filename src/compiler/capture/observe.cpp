@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "compiler/capture/runtime.h"
+#include "compiler/graph/format.h"
 
 namespace kiln::compiler {
 
@@ -100,9 +101,7 @@ void name_graph(Graph& g) {
     if (v.is_input && !v.name.empty()) used[v.name] = 1;
   for (Node& n : g.nodes) {
     if (n.name.empty()) {
-      std::string base = n.op->name;
-      for (char& c : base)
-        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      std::string base = identifier_from(n.op->name);
       int& count = used[base];
       n.name = count == 0 ? base : base + "_" + std::to_string(count);
       ++count;

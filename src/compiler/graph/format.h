@@ -26,4 +26,9 @@ std::vector<SchemaParam> parse_schema_params(std::string_view schema);
 // Names of the op's attrs (its non-Tensor parameters, in schema order).
 std::vector<std::string> attr_names(const OpDef& op);
 
+// Node names: "index.Tensor" -> "index_Tensor", "mylib::dct" -> "mylib__dct" (identifiers).
+std::string identifier_from(std::string_view op_name);
+// The suffix `name` takes after `base`: 0 for `base` itself, k for "base_k", -1 otherwise.
+int64_t suffix_after(std::string_view name, std::string_view base);
+
 }  // namespace kiln::compiler::detail

@@ -2,40 +2,16 @@
 #include "kiln/compiler/graph.h"
 
 #include <algorithm>
-#include <charconv>
 #include <memory>
 
 #include "compiler/graph/format.h"
+#include "compiler/graph/passes.h"
 #include "kiln/detail/tensor_impl.h"
 #include "kiln/error.h"
 
 namespace kiln::compiler {
 
 namespace {
-
-// "index.Tensor" -> "index_Tensor", "mylib::dct" -> "mylib__dct": names must be identifiers.
-std::string identifier_from(std::string_view op_name) {
-  std::string s(op_name);
-  for (char& c : s) {
-    bool ok =
-        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-    if (!ok) c = '_';
-  }
-  if (s.empty() || (s[0] >= '0' && s[0] <= '9')) s.insert(s.begin(), '_');
-  return s;
-}
-
-// The suffix `name` takes after `base`: 0 for `base` itself, k for "base_k", -1 otherwise.
-int64_t suffix_after(std::string_view name, std::string_view base) {
-  if (!name.starts_with(base)) return -1;
-  if (name.size() == base.size()) return 0;
-  if (name.size() < base.size() + 2 || name[base.size()] != '_') return -1;
-  std::string_view digits = name.substr(base.size() + 1);
-  int64_t k = -1;
-  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
-  if (ec != std::errc() || end != digits.data() + digits.size()) return -1;
-  return k;
-}
 
 [[noreturn]] void invalid(const std::string& what) {
   throw CompileError("[kiln::compile] graph validation: " + what +
@@ -68,23 +44,7 @@ std::vector<Tensor> meta_tensors(const Graph& g) {
       storage->device = info.device;
       if (info.storage >= 0) groups[info.storage] = storage;
     }
-    auto impl = std::make_shared<kiln::detail::TensorImpl>();
-    impl->storage = storage;
-    impl->storage_offset = info.storage_offset;
-    impl->sizes = info.sizes;
-    impl->strides =
-        info.strides.empty() ? kiln::detail::contiguous_strides(info.sizes) : info.strides;
-    impl->dtype = info.dtype;
-    impl->device = info.device;
-    impl->is_wrapped_number = info.is_wrapped_number;
-    impl->refresh_metadata();
-    int64_t span = impl->numel > 0 ? 1 : 0;
-    if (impl->numel > 0)
-      for (size_t d = 0; d < impl->sizes.size(); ++d)
-        span += (impl->sizes[d] - 1) * impl->strides[d];
-    storage->nbytes =
-        std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
-    out[v] = Tensor(std::move(impl));
+    out[v] = passes::internal::meta_tensor(info, std::move(storage));
   }
   return out;
 }
@@ -106,12 +66,12 @@ int Graph::add_input(ValueInfo info) {
 // Names follow FX: the first "mul", then "mul_1", "mul_2", ... (one past the largest suffix in
 // use, also avoiding placeholder names). This scans the graph: O(nodes) per call.
 Node& Graph::add_node(const OpDef& op, std::vector<int> node_inputs, std::vector<Attr> attrs) {
-  std::string base = identifier_from(op.name);
+  std::string base = detail::identifier_from(op.name);
   int64_t largest = -1;
-  for (const Node& n : nodes) largest = std::max(largest, suffix_after(n.name, base));
+  for (const Node& n : nodes) largest = std::max(largest, detail::suffix_after(n.name, base));
   for (int v : inputs)
     if (v >= 0 && static_cast<size_t>(v) < values.size())
-      largest = std::max(largest, suffix_after(values[v].name, base));
+      largest = std::max(largest, detail::suffix_after(values[v].name, base));
   Node& node = nodes.emplace_back();
   node.op = &op;
   node.inputs = std::move(node_inputs);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <set>
 #include <span>
 #include <string>
@@ -15,6 +16,10 @@
 #include <vector>
 
 #include "kiln/compiler/graph.h"
+
+namespace kiln::detail {
+struct Storage;
+}
 
 namespace kiln::compiler::passes {
 
@@ -109,8 +114,17 @@ class NodeNamer {
   std::unordered_map<std::string, int64_t> largest_;  // base name -> largest suffix (-1: base)
 };
 
-// A tensor with `info`'s metadata and no data, for meta functions.
-Tensor meta_tensor(const ValueInfo& info);
+// A tensor with `info`'s metadata and no data, for meta functions. It lives in `storage` (grown to
+// cover it), so that tensors of one alias group can share one, or else in a storage of its own.
+Tensor meta_tensor(const ValueInfo& info, std::shared_ptr<kiln::detail::Storage> storage = {});
+
+// Random ops (run-time attrs, or a seed parameter) draw fresh numbers per call: CSE never merges
+// them and constant folding never folds them (this and written_memory: passes/common.cpp).
+bool is_random(const OpDef& op);
+
+// Per value: 1 when some node writes its memory (an in-place output, or an input the op mutates,
+// OpDef::mutated_inputs), directly or through an alias (a shared storage group, or a view).
+std::vector<char> written_memory(const Graph& graph);
 
 }  // namespace internal
 

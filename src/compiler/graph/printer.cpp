@@ -103,6 +103,28 @@ std::vector<std::string> attr_names(const OpDef& op) {
   return names;
 }
 
+std::string identifier_from(std::string_view op_name) {
+  std::string s(op_name);
+  for (char& c : s) {
+    bool ok =
+        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
+    if (!ok) c = '_';
+  }
+  if (s.empty() || (s[0] >= '0' && s[0] <= '9')) s.insert(s.begin(), '_');
+  return s;
+}
+
+int64_t suffix_after(std::string_view name, std::string_view base) {
+  if (!name.starts_with(base)) return -1;
+  if (name.size() == base.size()) return 0;
+  if (name.size() < base.size() + 2 || name[base.size()] != '_') return -1;
+  std::string_view digits = name.substr(base.size() + 1);
+  int64_t k = -1;
+  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
+  if (ec != std::errc() || end != digits.data() + digits.size()) return -1;
+  return k;
+}
+
 }  // namespace detail
 
 namespace {

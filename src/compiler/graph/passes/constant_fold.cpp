@@ -1,14 +1,12 @@
 // Constant folding: nodes computable when the graph is compiled run once, and their results
 // become Graph::constants (see passes.h for what is never folded).
 #include <map>
-#include <numeric>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "compiler/capture/capture.h"
-#include "compiler/graph/format.h"
 #include "compiler/graph/passes.h"
 #include "kiln/autograd.h"
 #include "kiln/detail/tensor_impl.h"
@@ -19,41 +17,6 @@ namespace kiln::compiler::passes {
 namespace {
 
 bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
-
-// Draws fresh numbers per call (as CSE decides it).
-bool is_random(const OpDef& op) {
-  if (!op.runtime_attrs.empty()) return true;
-  for (const kiln::compiler::detail::SchemaParam& p : kiln::compiler::detail::parse_schema_params(op.schema))
-    if (p.name == "seed") return true;
-  return false;
-}
-
-// Values that share memory: the recorded storage groups, joined through view nodes.
-class AliasGroups {
- public:
-  explicit AliasGroups(const Graph& g) : parent_(g.values.size()) {
-    std::iota(parent_.begin(), parent_.end(), 0);
-    std::unordered_map<int, int> first_of_storage;
-    for (size_t v = 0; v < g.values.size(); ++v) {
-      int s = g.values[v].storage;
-      if (s < 0) continue;
-      auto [it, inserted] = first_of_storage.emplace(s, static_cast<int>(v));
-      if (!inserted) join(it->second, static_cast<int>(v));
-    }
-    for (const Node& n : g.nodes)
-      if (n.is_view() && !n.inputs.empty() && valid(g, n.inputs[0]))
-        for (int v : n.outputs)
-          if (valid(g, v)) join(v, n.inputs[0]);
-  }
-  int find(int v) {
-    while (parent_[v] != v) v = parent_[v] = parent_[parent_[v]];
-    return v;
-  }
-
- private:
-  void join(int a, int b) { parent_[find(a)] = find(b); }
-  std::vector<int> parent_;
-};
 
 int64_t numel_of(const ValueInfo& v) {
   int64_t n = 1;
@@ -93,17 +56,7 @@ void fold_constants(Graph& g, int64_t max_numel) {
   for (const ScalarSlot& s : g.scalars)
     if (s.node >= 0 && static_cast<size_t>(s.node) < has_slot.size()) has_slot[s.node] = 1;
   // A folded value is shared by every call: memory some node writes cannot be one.
-  AliasGroups groups(g);
-  std::vector<char> written(g.values.size(), 0);
-  for (const Node& n : g.nodes) {
-    if (n.inplace)
-      for (int v : n.outputs)
-        if (valid(g, v)) written[groups.find(v)] = 1;
-    if (n.op)
-      for (int i : n.op->mutated_inputs)
-        if (static_cast<size_t>(i) < n.inputs.size() && valid(g, n.inputs[i]))
-          written[groups.find(n.inputs[i])] = 1;
-  }
+  std::vector<char> written = internal::written_memory(g);
 
   // Graph outputs get a buffer of their own on every call: a fill costs what a copy would.
   std::vector<char> output(g.values.size(), 0);
@@ -113,11 +66,13 @@ void fold_constants(Graph& g, int64_t max_numel) {
   std::vector<char> folded(g.nodes.size(), 0);
   for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
-    if (!n.op || n.has_side_effects() || has_slot[i] || n.outputs.empty() || is_random(*n.op)) continue;
+    if (!n.op || n.has_side_effects() || has_slot[i] || n.outputs.empty() ||
+        internal::is_random(*n.op))
+      continue;
     bool foldable = true;
     for (int v : n.inputs) foldable &= v == -1 || (valid(g, v) && known[v].defined());
     for (int v : n.outputs)
-      foldable &= valid(g, v) && !written[groups.find(v)] && !output[v] &&
+      foldable &= valid(g, v) && !written[v] && !output[v] &&
                   (max_numel < 0 || numel_of(g.values[v]) <= max_numel);
     if (!foldable) continue;
 

@@ -4,45 +4,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "compiler/graph/format.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
 
 namespace {
-
-// Random ops draw fresh numbers per call: two of them are never the same computation.
-bool is_random(const OpDef& op) {
-  for (const detail::SchemaParam& p : detail::parse_schema_params(op.schema))
-    if (p.name == "seed") return true;
-  return op.name == "uniform" || op.name == "normal" || op.name == "randint" ||
-         op.name == "bernoulli" || op.name == "bernoulli.p" || op.name == "native_dropout";
-}
-
-// Values that share memory: the recorded storage groups, joined through view nodes.
-struct AliasGroups {
-  std::vector<int> parent;
-  explicit AliasGroups(const Graph& g) : parent(g.values.size()) {
-    std::iota(parent.begin(), parent.end(), 0);
-    std::unordered_map<int, int> first_of_storage;
-    for (size_t v = 0; v < g.values.size(); ++v) {
-      int s = g.values[v].storage;
-      if (s < 0) continue;
-      auto [it, inserted] = first_of_storage.emplace(s, static_cast<int>(v));
-      if (!inserted) join(it->second, static_cast<int>(v));
-    }
-    for (const Node& n : g.nodes)
-      if (n.is_view() && !n.inputs.empty() && valid(n.inputs[0]))
-        for (int v : n.outputs)
-          if (valid(v)) join(v, n.inputs[0]);
-  }
-  bool valid(int v) const { return v >= 0 && static_cast<size_t>(v) < parent.size(); }
-  int find(int v) {
-    while (parent[v] != v) v = parent[v] = parent[parent[v]];
-    return v;
-  }
-  void join(int a, int b) { parent[find(a)] = find(b); }
-};
 
 size_t key_hash(const Node& n) {
   size_t h = std::hash<const void*>()(n.op);
@@ -54,17 +20,8 @@ size_t key_hash(const Node& n) {
 
 void eliminate_common_subexpressions(Graph& graph) {
   const size_t num_values = graph.values.size();
-  AliasGroups groups(graph);
-  // Memory some node writes: merging a value in such a group would make the write hit the other.
-  std::vector<char> written(num_values, 0);
-  for (const Node& n : graph.nodes) {
-    if (n.inplace)
-      for (int v : n.outputs)
-        if (groups.valid(v)) written[groups.find(v)] = 1;
-    for (int i : n.op->mutated_inputs)
-      if (static_cast<size_t>(i) < n.inputs.size() && groups.valid(n.inputs[i]))
-        written[groups.find(n.inputs[i])] = 1;
-  }
+  // Values whose memory some node writes: merging one would make the write hit the other.
+  std::vector<char> written = internal::written_memory(graph);
   std::vector<char> has_slot(graph.nodes.size(), 0);
   for (const ScalarSlot& s : graph.scalars)
     if (s.node >= 0 && static_cast<size_t>(s.node) < has_slot.size()) has_slot[s.node] = 1;
@@ -86,10 +43,11 @@ void eliminate_common_subexpressions(Graph& graph) {
     }
     if (has_slot[i] || n.outputs.empty()) continue;
     auto [rit, fresh] = random.emplace(n.op, false);
-    if (fresh) rit->second = is_random(*n.op);
+    if (fresh) rit->second = internal::is_random(*n.op);
     if (rit->second) continue;
     bool eligible = true;
-    for (int v : n.outputs) eligible &= groups.valid(v) && !written[groups.find(v)];
+    for (int v : n.outputs)
+      eligible &= v >= 0 && static_cast<size_t>(v) < num_values && !written[v];
     if (!eligible) continue;
 
     std::vector<int>& candidates = seen[key_hash(n)];

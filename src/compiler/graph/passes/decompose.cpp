@@ -8,11 +8,11 @@
 // those moves to a node `add(0, 1, alpha=slot)` that makes the value a 0-dim tensor, so the
 // compiled graph still follows the value passed at run time; a static one becomes a constant.
 #include <algorithm>
-#include <charconv>
 #include <optional>
 #include <unordered_map>
 
 #include "compiler/capture/capture.h"
+#include "compiler/graph/format.h"
 #include "compiler/graph/passes.h"
 #include "kiln/autograd.h"
 #include "kiln/error.h"
@@ -21,30 +21,6 @@
 namespace kiln::compiler::passes {
 
 namespace {
-
-// "index.Tensor" -> "index_Tensor": node names are identifiers (as Graph::add_node makes them).
-std::string identifier_from(std::string_view op_name) {
-  std::string s(op_name);
-  for (char& c : s) {
-    bool ok =
-        (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
-    if (!ok) c = '_';
-  }
-  if (s.empty() || (s[0] >= '0' && s[0] <= '9')) s.insert(s.begin(), '_');
-  return s;
-}
-
-// The suffix `name` takes after `base`: 0 for `base` itself, k for "base_k", -1 otherwise.
-int64_t suffix_after(std::string_view name, std::string_view base) {
-  if (!name.starts_with(base)) return -1;
-  if (name.size() == base.size()) return 0;
-  if (name.size() < base.size() + 2 || name[base.size()] != '_') return -1;
-  std::string_view digits = name.substr(base.size() + 1);
-  int64_t k = -1;
-  auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), k);
-  if (ec != std::errc() || end != digits.data() + digits.size()) return -1;
-  return k;
-}
 
 bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
 
@@ -264,11 +240,12 @@ NodeNamer::NodeNamer(const Graph& g) {
 }
 
 std::string NodeNamer::operator()(std::string_view op_name) {
-  std::string base = identifier_from(op_name);
+  std::string base = kiln::compiler::detail::identifier_from(op_name);
   auto it = largest_.find(base);
   if (it == largest_.end()) {
     int64_t largest = -1;
-    for (const std::string& name : taken_) largest = std::max(largest, suffix_after(name, base));
+    for (const std::string& name : taken_)
+      largest = std::max(largest, kiln::compiler::detail::suffix_after(name, base));
     it = largest_.emplace(base, largest).first;
   }
   int64_t k = ++it->second;

@@ -24,9 +24,11 @@ namespace kiln::compiler::passes {
 
 namespace internal {
 
-Tensor meta_tensor(const ValueInfo& info) {
-  auto storage = std::make_shared<kiln::detail::Storage>();
-  storage->device = info.device;
+Tensor meta_tensor(const ValueInfo& info, std::shared_ptr<kiln::detail::Storage> storage) {
+  if (!storage) {
+    storage = std::make_shared<kiln::detail::Storage>();
+    storage->device = info.device;
+  }
   auto impl = std::make_shared<kiln::detail::TensorImpl>();
   impl->sizes = info.sizes;
   impl->strides = info.strides.size() == info.sizes.size()
@@ -40,7 +42,8 @@ Tensor meta_tensor(const ValueInfo& info) {
   int64_t span = impl->numel > 0 ? 1 : 0;
   if (impl->numel > 0)
     for (size_t d = 0; d < impl->sizes.size(); ++d) span += (impl->sizes[d] - 1) * impl->strides[d];
-  storage->nbytes = (info.storage_offset + span) * itemsize(info.dtype);
+  storage->nbytes =
+      std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
   impl->storage = std::move(storage);
   return Tensor(std::move(impl));
 }

@@ -1,0 +1,68 @@
+// Helpers that several passes share (declared in passes.h, namespace internal).
+#include <numeric>
+#include <unordered_map>
+#include <vector>
+
+#include "compiler/graph/format.h"
+#include "compiler/graph/passes.h"
+
+namespace kiln::compiler::passes::internal {
+
+namespace {
+
+bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+
+// Values that share memory: the recorded storage groups, joined through view nodes.
+class AliasGroups {
+ public:
+  explicit AliasGroups(const Graph& g) : parent_(g.values.size()) {
+    std::iota(parent_.begin(), parent_.end(), 0);
+    std::unordered_map<int, int> first_of_storage;
+    for (size_t v = 0; v < g.values.size(); ++v) {
+      int s = g.values[v].storage;
+      if (s < 0) continue;
+      auto [it, inserted] = first_of_storage.emplace(s, static_cast<int>(v));
+      if (!inserted) join(it->second, static_cast<int>(v));
+    }
+    for (const Node& n : g.nodes)
+      if (n.is_view() && !n.inputs.empty() && valid(g, n.inputs[0]))
+        for (int v : n.outputs)
+          if (valid(g, v)) join(v, n.inputs[0]);
+  }
+  int find(int v) {
+    while (parent_[v] != v) v = parent_[v] = parent_[parent_[v]];
+    return v;
+  }
+
+ private:
+  void join(int a, int b) { parent_[find(a)] = find(b); }
+  std::vector<int> parent_;
+};
+
+}  // namespace
+
+bool is_random(const OpDef& op) {
+  if (!op.runtime_attrs.empty()) return true;
+  for (const detail::SchemaParam& p : detail::parse_schema_params(op.schema))
+    if (p.name == "seed") return true;
+  return false;
+}
+
+std::vector<char> written_memory(const Graph& g) {
+  AliasGroups groups(g);
+  std::vector<char> written(g.values.size(), 0);  // by group root
+  for (const Node& n : g.nodes) {
+    if (n.inplace)
+      for (int v : n.outputs)
+        if (valid(g, v)) written[groups.find(v)] = 1;
+    if (n.op)
+      for (int i : n.op->mutated_inputs)
+        if (static_cast<size_t>(i) < n.inputs.size() && valid(g, n.inputs[i]))
+          written[groups.find(n.inputs[i])] = 1;
+  }
+  std::vector<char> out(g.values.size(), 0);
+  for (size_t v = 0; v < out.size(); ++v) out[v] = written[groups.find(static_cast<int>(v))];
+  return out;
+}
+
+}  // namespace kiln::compiler::passes::internal
