@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "backends/cpu/loops.h"
+#include "backends/cpu/pool_window.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -125,25 +126,15 @@ void avg_pool_backward_loop(const Tensor& grad, Tensor& dx, const AvgWindow& win
       const T* gr = gp + p * g.oh * g.ow;
       T* dst = o + p * g.h * g.w;
       for (int64_t oh = 0; oh < g.oh; ++oh) {
-        int64_t hstart = oh * win.stride[0] - win.pad[0];
-        int64_t hend = std::min(hstart + win.kernel[0], g.h + win.pad[0]);
-        const int64_t pool_h = hend - hstart;
-        hstart = std::max<int64_t>(hstart, 0);
-        hend = std::min(hend, g.h);
+        const AvgSpan hs = avg_span(oh, win.kernel[0], win.stride[0], win.pad[0], g.h);
         for (int64_t ow = 0; ow < g.ow; ++ow) {
-          int64_t wstart = ow * win.stride[1] - win.pad[1];
-          int64_t wend = std::min(wstart + win.kernel[1], g.w + win.pad[1]);
-          const int64_t pool_w = wend - wstart;
-          wstart = std::max<int64_t>(wstart, 0);
-          wend = std::min(wend, g.w);
-          if (hstart >= hend || wstart >= wend) continue;
-          const int64_t divisor = win.divisor_override ? *win.divisor_override
-                                  : win.count_include_pad ? pool_h * pool_w
-                                                          : (hend - hstart) * (wend - wstart);
+          const AvgSpan ws = avg_span(ow, win.kernel[1], win.stride[1], win.pad[1], g.w);
+          if (hs.start >= hs.end || ws.start >= ws.end) continue;
+          const int64_t divisor = avg_divisor(hs, ws, win.count_include_pad, win.divisor_override);
           const T v = gr[oh * g.ow + ow] / static_cast<T>(divisor);
-          for (int64_t ih = hstart; ih < hend; ++ih) {
+          for (int64_t ih = hs.start; ih < hs.end; ++ih) {
             T* row = dst + ih * g.w;
-            for (int64_t iw = wstart; iw < wend; ++iw) row[iw] += v;
+            for (int64_t iw = ws.start; iw < ws.end; ++iw) row[iw] += v;
           }
         }
       }

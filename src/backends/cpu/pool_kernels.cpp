@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "backends/cpu/loops.h"
+#include "backends/cpu/pool_window.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -149,28 +150,18 @@ void avg_pool_loop(const Tensor& x, Tensor& out, const Window& win, bool count_i
   using Acc = opmath_t<T>;
   for_each_output_row(g, g.ow * win.kernel[0] * win.kernel[1], [&](int64_t p, int64_t oh) {
     const T* plane = in + p * g.h * g.w;
-    int64_t hstart = oh * win.stride[0] - win.pad[0];
-    int64_t hend = std::min(hstart + win.kernel[0], g.h + win.pad[0]);
-    const int64_t pool_h = hend - hstart;
-    hstart = std::max<int64_t>(hstart, 0);
-    hend = std::min(hend, g.h);
+    const AvgSpan hs = avg_span(oh, win.kernel[0], win.stride[0], win.pad[0], g.h);
     for (int64_t ow = 0; ow < g.ow; ++ow) {
-      int64_t wstart = ow * win.stride[1] - win.pad[1];
-      int64_t wend = std::min(wstart + win.kernel[1], g.w + win.pad[1]);
-      const int64_t pool_w = wend - wstart;
-      wstart = std::max<int64_t>(wstart, 0);
-      wend = std::min(wend, g.w);
+      const AvgSpan ws = avg_span(ow, win.kernel[1], win.stride[1], win.pad[1], g.w);
       const int64_t at = (p * g.oh + oh) * g.ow + ow;
-      if (hstart >= hend || wstart >= wend) {
+      if (hs.start >= hs.end || ws.start >= ws.end) {
         o[at] = T(0);
         continue;
       }
       Acc sum = 0;
-      for (int64_t ih = hstart; ih < hend; ++ih)
-        for (int64_t iw = wstart; iw < wend; ++iw) sum += static_cast<Acc>(plane[ih * g.w + iw]);
-      const int64_t divisor = divisor_override ? *divisor_override
-                              : count_include_pad ? pool_h * pool_w
-                                                  : (hend - hstart) * (wend - wstart);
+      for (int64_t ih = hs.start; ih < hs.end; ++ih)
+        for (int64_t iw = ws.start; iw < ws.end; ++iw) sum += static_cast<Acc>(plane[ih * g.w + iw]);
+      const int64_t divisor = avg_divisor(hs, ws, count_include_pad, divisor_override);
       o[at] = static_cast<T>(sum / static_cast<Acc>(divisor));
     }
   });
