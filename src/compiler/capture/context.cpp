@@ -140,6 +140,14 @@ int value_of(Segment& seg, const Tensor& t) {
   return id;
 }
 
+// The value ids of `tensors` in `seg`, in order (-1 for undefined tensors, which stand for None).
+std::vector<int> value_ids(Segment& seg, std::span<const Tensor> tensors) {
+  std::vector<int> ids;
+  ids.reserve(tensors.size());
+  for (const Tensor& t : tensors) ids.push_back(t.defined() ? value_of(seg, t) : -1);
+  return ids;
+}
+
 bool is_dynamic_attr(const OpDef& op, const Attr& a, size_t index) {
   if (std::holds_alternative<Scalar>(a) || std::holds_alternative<double>(a)) return true;
   return std::find(op.runtime_attrs.begin(), op.runtime_attrs.end(), static_cast<int>(index)) !=
@@ -275,13 +283,9 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);  // shape errors raise here, as in eager
 
-  std::shared_ptr<Segment>& owner = cap.segment;
-  if (!owner) owner = std::make_shared<Segment>();
-  Segment& seg = *owner;
-  std::vector<int> in_ids;
-  in_ids.reserve(inputs.size());
-  for (const Tensor& t : inputs) in_ids.push_back(t.defined() ? value_of(seg, t) : -1);
-  int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/false);
+  Segment& seg = cap.pending();
+  const std::shared_ptr<Segment>& owner = cap.segment;
+  int node = append_node(seg, op, value_ids(seg, inputs), attrs, /*inplace=*/false);
   if (!op.runtime_attrs.empty()) cap.random = true;
 
   std::vector<Tensor> outputs;
@@ -335,15 +339,9 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   std::vector<Tensor> node_inputs;
   if (record) node_inputs = autograd::prepare_inplace(op, inputs, outputs);  // may capture clones
 
-  std::shared_ptr<Segment>& owner = cap.segment;
-  if (!owner) owner = std::make_shared<Segment>();
-  Segment& seg = *owner;
-  std::vector<int> in_ids;
-  in_ids.reserve(inputs.size());
-  for (const Tensor& t : inputs) in_ids.push_back(t.defined() ? value_of(seg, t) : -1);
-  std::vector<int> out_ids;
-  out_ids.reserve(outputs.size());
-  for (const Tensor& t : outputs) out_ids.push_back(value_of(seg, t));
+  Segment& seg = cap.pending();
+  std::vector<int> in_ids = value_ids(seg, inputs);
+  std::vector<int> out_ids = value_ids(seg, outputs);
   int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/true);
   for (int v : out_ids) mix(seg.hash, static_cast<uint64_t>(v));
   seg.graph.nodes[node].outputs = std::move(out_ids);
