@@ -104,4 +104,17 @@ class CompilerTest : public ::testing::Test {
   }
 };
 
+// One training step (zero_grad, forward, cross entropy, backward, optimizer step) as a callable to
+// compile, or to run eagerly for the reference.
+template <class Opt>
+auto training_step(std::shared_ptr<nn::Sequential> model, std::shared_ptr<Opt> opt) {
+  return [model, opt](const Tensor& x, const Tensor& y) {
+    opt->zero_grad();
+    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
+    loss.backward();
+    opt->step();
+    return loss;
+  };
+}
+
 }  // namespace kiln::testing

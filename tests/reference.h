@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -55,6 +56,42 @@ inline std::vector<double> map_ref(const Tensor& x, const std::function<double(d
   auto v = values(x);
   for (auto& e : v) e = f(e);
   return v;
+}
+
+// gradcheck / gradgradcheck with the tolerances every derivative test uses (eps 1e-6, atol 1e-5,
+// rtol 1e-3), reporting the failing entry.
+inline ::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
+  std::string report;
+  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << report;
+}
+
+inline ::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
+  std::string report;
+  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << report;
+}
+
+// A low-precision result compared with float64: each element within `rel` times the largest
+// magnitude of `want`.
+inline ::testing::AssertionResult close_to(const Tensor& got, const Tensor& want, double rel) {
+  if (got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << shape_str(got.sizes()) << " != " << shape_str(want.sizes());
+  auto g = values(got), w = values(want);
+  double scale = 1e-12;
+  for (double v : w) scale = std::max(scale, std::abs(v));
+  for (size_t i = 0; i < g.size(); ++i)
+    if (!(std::abs(g[i] - w[i]) <= rel * scale))
+      return ::testing::AssertionFailure() << "element " << i << ": got " << g[i] << ", expected " << w[i]
+                                           << " (scale " << scale << ")";
+  return ::testing::AssertionSuccess();
+}
+
+// The op-table entry `name` (tests call ops the public API does not expose).
+inline const OpDef& op(const char* name) {
+  const OpDef* d = OpTable::instance().find(name);
+  if (!d) throw Error(std::string("no op ") + name);
+  return *d;
 }
 
 }  // namespace kiln::testing

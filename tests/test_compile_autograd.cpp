@@ -127,17 +127,6 @@ std::shared_ptr<nn::Sequential> copy_of(const std::shared_ptr<nn::Sequential>& m
   return c;
 }
 
-template <class Opt>
-auto training_step(std::shared_ptr<nn::Sequential> model, std::shared_ptr<Opt> opt) {
-  return [model, opt](const Tensor& x, const Tensor& y) {
-    opt->zero_grad();
-    Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-    loss.backward();
-    opt->step();
-    return loss;
-  };
-}
-
 // Trains a compiled and an eager copy for three steps and compares them after each step.
 template <class Opt, class Options>
 void check_training_step(const Options& options) {

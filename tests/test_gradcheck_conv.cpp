@@ -14,30 +14,16 @@ using namespace kiln;
 using kiln::testing::matches;
 using kiln::testing::Tolerance;
 using kiln::testing::values;
+using kiln::testing::grad_ok;
+using kiln::testing::gradgrad_ok;
+using kiln::testing::close_to;
+using kiln::testing::op;
 
 namespace {
 
 Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).requires_grad_(); }
 
 Tensor sq(const Tensor& y) { return y * y; }
-
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-const OpDef& op(const char* name) {
-  const OpDef* d = OpTable::instance().find(name);
-  if (!d) throw Error(std::string("no op ") + name);
-  return *d;
-}
 
 struct Conv {
   std::vector<int64_t> stride{1, 1}, padding{0, 0}, dilation{1, 1};
@@ -54,20 +40,6 @@ TensorList conv_grads(const Conv& conv, const Tensor& x64, const Tensor& w64, co
   Tensor b = b64.defined() ? b64.to(t, /*copy=*/true).requires_grad_() : Tensor();
   conv(x, w, b).backward(g64.to(t));
   return {x.grad(), w.grad(), b.defined() ? b.grad() : Tensor()};
-}
-
-// Tolerance for a low-precision result compared with float64: relative to the largest magnitude.
-::testing::AssertionResult close_to(const Tensor& got, const Tensor& want, double rel) {
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << shape_str(got.sizes()) << " != " << shape_str(want.sizes());
-  auto g = values(got), w = values(want);
-  double scale = 1e-12;
-  for (double v : w) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < g.size(); ++i)
-    if (!(std::abs(g[i] - w[i]) <= rel * scale))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g[i] << ", expected " << w[i]
-                                           << " (scale " << scale << ")";
-  return ::testing::AssertionSuccess();
 }
 
 }  // namespace

@@ -10,6 +10,9 @@
 using namespace kiln;
 using kiln::testing::matches;
 using kiln::testing::values;
+using kiln::testing::grad_ok;
+using kiln::testing::gradgrad_ok;
+using kiln::testing::op;
 
 namespace {
 
@@ -20,24 +23,6 @@ Tensor longs(const std::vector<int64_t>& v) { return tensor<int64_t>(v); }
 // y * y: makes a linear op's gradient depend on its input, so that gradgradcheck goes through
 // the derivative of the op's derivative.
 Tensor sq(const Tensor& y) { return y * y; }
-
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-const OpDef& op(const char* name) {
-  const OpDef* d = OpTable::instance().find(name);
-  if (!d) throw Error(std::string("no op ") + name);
-  return *d;
-}
 
 }  // namespace
 

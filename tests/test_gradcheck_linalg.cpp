@@ -7,6 +7,8 @@
 using namespace kiln;
 using kiln::testing::matches;
 using kiln::testing::values;
+using kiln::testing::grad_ok;
+using kiln::testing::gradgrad_ok;
 
 namespace {
 
@@ -18,18 +20,6 @@ Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).re
 // y * y: makes a bilinear op's gradient depend on its own inputs, so that gradgradcheck also
 // exercises the derivative of the derivative's products.
 Tensor sq(const Tensor& y) { return y * y; }
-
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
 
 // Both checks for a function of two inputs.
 void check_binary(const std::function<Tensor(const Tensor&, const Tensor&)>& f, const Tensor& a, const Tensor& b) {

@@ -10,6 +10,8 @@
 using namespace kiln;
 using kiln::testing::matches;
 using kiln::testing::values;
+using kiln::testing::grad_ok;
+using kiln::testing::close_to;
 
 namespace {
 
@@ -18,30 +20,11 @@ void backward_ones(const Tensor& y) { y.backward(ones_like(y)); }
 
 Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).requires_grad_(); }
 
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
 // Weights the output so that every element's gradient differs (a plain sum makes the input
 // gradient of a normalization vanish).
 Tensor weighted(const Tensor& y) {
   Tensor w = linspace(-1, 2, y.numel(), kFloat64).view(y.sizes()).to(y.dtype());
   return y * w;
-}
-
-::testing::AssertionResult close_to(const Tensor& got, const Tensor& want, double rel) {
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << shape_str(got.sizes()) << " != " << shape_str(want.sizes());
-  auto g = values(got), w = values(want);
-  double scale = 1e-12;
-  for (double v : w) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < g.size(); ++i)
-    if (!(std::abs(g[i] - w[i]) <= rel * scale))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g[i] << ", expected " << w[i]
-                                           << " (scale " << scale << ")";
-  return ::testing::AssertionSuccess();
 }
 
 // Gradients of sum(f(x, w, b) * g) for x, w, b of dtype t (from float64 values).

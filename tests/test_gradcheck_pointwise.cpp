@@ -9,20 +9,10 @@
 
 using namespace kiln;
 using kiln::testing::matches;
+using kiln::testing::grad_ok;
+using kiln::testing::gradgrad_ok;
 
 namespace {
-
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
 
 Tensor leaf(Tensor t) {
   t.requires_grad_();

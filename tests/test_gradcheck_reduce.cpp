@@ -14,6 +14,9 @@
 using namespace kiln;
 using kiln::testing::matches;
 using kiln::testing::values;
+using kiln::testing::grad_ok;
+using kiln::testing::gradgrad_ok;
+using kiln::testing::close_to;
 
 namespace {
 
@@ -21,18 +24,6 @@ Tensor rnd(const std::vector<int64_t>& sizes) { return randn(sizes, kFloat64).re
 
 // A (rows, cols) float64 leaf stored transposed (non-contiguous).
 Tensor rnd_t(int64_t rows, int64_t cols) { return randn({cols, rows}, kFloat64).t().requires_grad_(); }
-
-::testing::AssertionResult grad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
-
-::testing::AssertionResult gradgrad_ok(const autograd::Function& fn, const TensorList& inputs) {
-  std::string report;
-  if (autograd::gradgradcheck(fn, inputs, 1e-6, 1e-5, 1e-3, &report)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << report;
-}
 
 // Single-input function from a unary map.
 autograd::Function unary(std::function<Tensor(const Tensor&)> f) {
@@ -48,19 +39,6 @@ Tensor grad_of(const Tensor& x0, const std::function<Tensor(const Tensor&)>& f) 
   Tensor w = sin(linspace(0, 3.0 * static_cast<double>(n), std::max<int64_t>(n, 1), kFloat64)).narrow(0, 0, n);
   y.backward(w.view(y.sizes()).to(y.dtype()));
   return x.grad();
-}
-
-::testing::AssertionResult close_to(const Tensor& got, const Tensor& want, double rel) {
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << shape_str(got.sizes()) << " != " << shape_str(want.sizes());
-  auto g = values(got), w = values(want);
-  double scale = 1e-12;
-  for (double v : w) scale = std::max(scale, std::abs(v));
-  for (size_t i = 0; i < g.size(); ++i)
-    if (!(std::abs(g[i] - w[i]) <= rel * scale))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g[i] << ", expected " << w[i]
-                                           << " (scale " << scale << ")";
-  return ::testing::AssertionSuccess();
 }
 
 using DimsCase = std::pair<std::vector<int64_t>, bool>;

@@ -1033,17 +1033,24 @@ TEST_F(KilnBackend, InPlaceOpsMutateTheCallersTensorsLikeEager) {
 // logits differ by about 1e-5 relative.
 constexpr Tol kDeepModelTol{1e-4, 1e-5};
 
-TEST_F(KilnBackend, DenseNet121EvalForwardMatchesEager) {
-  auto net = models::densenet121({.num_classes = 10});
-  net->eval();
-  NoGradGuard no_grad;
-  Tensor x = randn({2, 3, 32, 32});
+// A model's forward compiled with the kiln backend runs generated kernels and equals its eager
+// forward within `tol`.
+template <class M>
+void expect_compiled_forward(const std::shared_ptr<M>& net, const Tensor& x, Tol tol) {
   Tensor want = net->forward(x);
   auto compiled = kiln::compile(net, kiln_backend());
   Delta d;
   Tensor got = compiled(x);
   EXPECT_GT(d.now().kernel_runs, 0);
-  EXPECT_TRUE(matches(got, want, kDeepModelTol));
+  EXPECT_TRUE(matches(got, want, tol));
+}
+
+TEST_F(KilnBackend, DenseNet121EvalForwardMatchesEager) {
+  auto net = models::densenet121({.num_classes = 10});
+  net->eval();
+  NoGradGuard no_grad;
+  Tensor x = randn({2, 3, 32, 32});
+  expect_compiled_forward(net, x, kDeepModelTol);
 }
 
 TEST_F(KilnBackend, ResNet18EvalForwardMatchesEager) {
@@ -1051,23 +1058,13 @@ TEST_F(KilnBackend, ResNet18EvalForwardMatchesEager) {
   net->eval();
   NoGradGuard no_grad;
   Tensor x = randn({2, 3, 32, 32});
-  Tensor want = net->forward(x);
-  auto compiled = kiln::compile(net, kiln_backend());
-  Delta d;
-  Tensor got = compiled(x);
-  EXPECT_GT(d.now().kernel_runs, 0);
-  EXPECT_TRUE(matches(got, want, kDeepModelTol));
+  expect_compiled_forward(net, x, kDeepModelTol);
 }
 
 TEST_F(KilnBackend, MlpForwardMatchesEager) {
   auto net = models::mlp({16, 32, 32, 4}, "gelu");
   Tensor x = randn({8, 16});
-  Tensor want = net->forward(x);
-  auto compiled = kiln::compile(net, kiln_backend());
-  Delta d;
-  Tensor got = compiled(x);
-  EXPECT_GT(d.now().kernel_runs, 0);
-  EXPECT_TRUE(matches(got, want, reduction_tol(kFloat32)));
+  expect_compiled_forward(net, x, reduction_tol(kFloat32));
 }
 
 TEST_F(KilnBackend, GptForwardMatchesEager) {
@@ -1075,12 +1072,7 @@ TEST_F(KilnBackend, GptForwardMatchesEager) {
   net->eval();
   NoGradGuard no_grad;
   Tensor idx = randint(0, 64, {2, 8});
-  Tensor want = net->forward(idx);
-  auto compiled = kiln::compile(net, kiln_backend());
-  Delta d;
-  Tensor got = compiled(idx);
-  EXPECT_GT(d.now().kernel_runs, 0);
-  EXPECT_TRUE(matches(got, want, kDeepModelTol));
+  expect_compiled_forward(net, idx, kDeepModelTol);
 }
 
 TEST_F(KilnBackend, MlpTrainingStepMatchesEager) {
@@ -1091,17 +1083,8 @@ TEST_F(KilnBackend, MlpTrainingStepMatchesEager) {
   const optim::SGDOptions options{.lr = 0.1, .momentum = 0.9};
   auto opt_c = std::make_shared<optim::SGD>(model_c->parameters(), options);
   auto opt_e = std::make_shared<optim::SGD>(model_e->parameters(), options);
-  auto step = [](std::shared_ptr<nn::Sequential> model, std::shared_ptr<optim::SGD> opt) {
-    return [model, opt](const Tensor& x, const Tensor& y) {
-      opt->zero_grad();
-      Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-      loss.backward();
-      opt->step();
-      return loss;
-    };
-  };
-  auto step_c = compile_kiln(step(model_c, opt_c));
-  auto step_e = step(model_e, opt_e);
+  auto step_c = compile_kiln(training_step(model_c, opt_c));
+  auto step_e = training_step(model_e, opt_e);
   Tensor x = randn({8, 4});
   Tensor y = tensor<int64_t>({0, 1, 2, 1, 0, 2, 2, 1});
   Delta d;
