@@ -55,6 +55,18 @@ inline constexpr EllipsisIndex Ellipsis{};
 
 class TensorIndex;
 
+// How a 4-D (N, C, H, W) tensor's elements lie in memory (PyTorch's torch.memory_format). Sizes
+// never change with the format, only strides. See docs/memory_format.md.
+enum class MemoryFormat : uint8_t {
+  contiguous,     // row-major: W varies fastest (NCHW)
+  channels_last,  // C varies fastest (NHWC); strides (H*W*C, 1, W*C, C)
+  preserve,       // keep the source's format (conversions, clone-like copies)
+};
+inline constexpr MemoryFormat contiguous_format = MemoryFormat::contiguous;
+inline constexpr MemoryFormat channels_last = MemoryFormat::channels_last;
+inline constexpr MemoryFormat preserve_format = MemoryFormat::preserve;
+const char* memory_format_name(MemoryFormat f);  // "contiguous_format", "channels_last", ...
+
 class Tensor {
  public:
   Tensor() = default;  // undefined: defined() is false
@@ -73,6 +85,12 @@ class Tensor {
   bool is_cpu() const { return device().is_cpu(); }
   bool is_cuda() const { return device().is_cuda(); }
   bool is_contiguous() const { return impl().is_contiguous; }
+  // Whether the strides are exactly `format`'s (dims of size 1 may have any stride). Only 4-D
+  // tensors can be channels_last.
+  bool is_contiguous(MemoryFormat format) const;
+  // The format these strides resemble: channels_last for a 4-D tensor whose channels vary
+  // fastest (dense or not), contiguous otherwise. Ops that pick an output layout ask this.
+  MemoryFormat suggest_memory_format() const;
   bool is_floating_point() const { return kiln::is_floating_point(dtype()); }
   int64_t storage_offset() const { return impl().storage_offset; }
   int64_t element_size() const { return itemsize(dtype()); }
@@ -115,6 +133,8 @@ class Tensor {
   Tensor as_strided(IntArrayRef sizes, IntArrayRef strides,
                     std::optional<int64_t> storage_offset = {}) const;
   Tensor contiguous() const;
+  // This tensor if is_contiguous(format), else a copy in that format (preserve: this tensor).
+  Tensor contiguous(MemoryFormat format) const;
   Tensor operator[](int64_t i) const { return select(0, i); }
   // NumPy-style indexing: integers, Slice, None, Ellipsis, bool/long tensors.
   Tensor index(std::initializer_list<TensorIndex> indices) const;
@@ -127,6 +147,9 @@ class Tensor {
   Tensor to(DType t, bool copy = false) const;
   Tensor to(Device d, bool copy = false) const;
   Tensor to(Device d, DType t, bool copy = false) const;
+  // x.to(kiln::channels_last): the same values in another memory format (a copy unless x
+  // already is in it).
+  Tensor to(MemoryFormat format) const { return contiguous(format); }
   Tensor cpu() const { return to(kCPU); }
   Tensor cuda(int index = 0) const { return to(cuda_device(index)); }
   Tensor clone() const;

@@ -153,5 +153,54 @@ std::optional<std::vector<int64_t>> compute_view_strides(IntArrayRef old_sizes, 
   return new_strides;
 }
 
+// ---- memory formats ----
+
+std::vector<int64_t> channels_last_strides(IntArrayRef sizes) {
+  KILN_CHECK(sizes.size() == 4, ShapeError,
+             "[kiln::channels_last] channels_last needs a 4-D (N, C, H, W) tensor, got " +
+                 std::to_string(sizes.size()) + " dims.");
+  const int64_t c = std::max<int64_t>(sizes[1], 1), w = std::max<int64_t>(sizes[3], 1),
+                h = std::max<int64_t>(sizes[2], 1);
+  return {c * w * h, 1, c * w, c};
+}
+
+bool is_channels_last_contiguous(IntArrayRef sizes, IntArrayRef strides) {
+  if (sizes.size() != 4) return false;
+  for (int64_t s : sizes)
+    if (s == 0) return true;
+  int64_t expected = 1;
+  for (int d : {1, 3, 2, 0}) {  // fastest first
+    if (sizes[d] == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
+bool strides_like_channels_last(IntArrayRef sizes, IntArrayRef strides) {
+  if (sizes.size() != 4) return false;
+  for (int64_t s : sizes)
+    if (s == 0) return false;
+  // With one channel, or a 1x1 image, both formats order memory alike: call it contiguous.
+  if (sizes[1] == 1 || (sizes[2] == 1 && sizes[3] == 1)) return false;
+  // Channels vary fastest, then W, H, N: each dim's stride reaches past the dims inside it.
+  int64_t span = 1;
+  for (int d : {1, 3, 2, 0}) {
+    if (sizes[d] == 1) continue;
+    if (strides[d] < span) return false;
+    span = strides[d] * sizes[d];
+  }
+  return true;
+}
+
+std::vector<int64_t> format_strides(IntArrayRef sizes, bool channels_last) {
+  if (!channels_last || sizes.size() != 4) return {};
+  return channels_last_strides(sizes);
+}
+
+std::vector<int64_t> strides_following(IntArrayRef like_sizes, IntArrayRef like_strides, IntArrayRef sizes) {
+  return format_strides(sizes, sizes.size() == 4 && strides_like_channels_last(like_sizes, like_strides));
+}
+
 }  // namespace detail
 }  // namespace kiln

@@ -33,4 +33,20 @@ std::vector<int64_t> infer_size(IntArrayRef shape, int64_t numel, const std::str
 std::optional<std::vector<int64_t>> compute_view_strides(IntArrayRef old_sizes, IntArrayRef old_strides,
                                           IntArrayRef new_sizes);
 
+// ---- memory formats (4-D only) ----
+// Strides of a dense channels-last (NHWC) tensor of `sizes`.
+std::vector<int64_t> channels_last_strides(IntArrayRef sizes);
+// Whether (sizes, strides) are exactly channels-last (dims of size 1 may have any stride).
+bool is_channels_last_contiguous(IntArrayRef sizes, IntArrayRef strides);
+// Whether the strides order the dims as channels-last does (C, W, H, N from fastest), whether
+// dense or not. Ambiguous layouts (a C of 1, all of H and W 1, ...) count as contiguous, as in
+// PyTorch.
+bool strides_like_channels_last(IntArrayRef sizes, IntArrayRef strides);
+// The strides an output of `sizes` gets in `format`: empty (contiguous) unless channels_last
+// on a 4-D shape.
+std::vector<int64_t> format_strides(IntArrayRef sizes, bool channels_last);
+// The layout of a new 4-D result of `sizes` that follows `like` (conv, batch norm, pooling):
+// channels-last strides when `like` is 4-D and suggests channels_last, else empty (contiguous).
+std::vector<int64_t> strides_following(IntArrayRef like_sizes, IntArrayRef like_strides, IntArrayRef sizes);
+
 }  // namespace kiln::detail

@@ -43,4 +43,13 @@ void check_same_device(const std::string& op, std::initializer_list<const Tensor
   }
 }
 
+std::vector<int64_t> pointwise_strides(const OpCall& c, const std::vector<int64_t>& sizes) {
+  if (sizes.size() != 4) return {};
+  for (const Tensor& t : c.inputs) {
+    if (!t.defined() || t.sizes() != IntArrayRef(sizes)) continue;
+    return strides_following(t.sizes(), t.strides(), sizes);
+  }
+  return {};
+}
+
 }  // namespace kiln::detail

@@ -259,13 +259,19 @@ const OpDef& kAsStrided = register_op({
     .lowering = "view",
 });
 
-// copy(src, dtype, device): a new tensor with src's values converted; also the out= target of copy_.
+// copy(src, dtype, device, channels_last): a new tensor with src's values converted, row-major
+// or (4-D only) channels-last; also the out= target of copy_.
 const OpDef& kCopy = register_op({
     .name = "copy",
-    .schema = "copy(Tensor src, *, ScalarType dtype, Device device) -> Tensor",
+    .schema = "copy(Tensor src, *, ScalarType dtype, Device device, bool channels_last=False) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& src = c.input(0);
-      return {TensorMeta{src.sizes().vec(), {}, c.dtype_attr(0), c.device_attr(1)}};
+      const bool channels_last = c.has_attr(2) && c.bool_attr(2);
+      KILN_CHECK(!channels_last || src.dim() == 4, ShapeError,
+                 "[kiln::contiguous] channels_last needs a 4-D (N, C, H, W) tensor, got " +
+                     std::to_string(src.dim()) + " dims. Use a 4-D tensor or contiguous_format.");
+      return {TensorMeta{src.sizes().vec(), detail::format_strides(src.sizes(), channels_last), c.dtype_attr(0),
+                         c.device_attr(1)}};
     },
     .pointwise = true,
     .derivative = {.formula = "src: grad.to(src.dtype(), src.device())",
@@ -467,6 +473,35 @@ Tensor Tensor::as_strided(IntArrayRef s, IntArrayRef st, std::optional<int64_t> 
   return kiln::as_strided(*this, s, st, off);
 }
 Tensor Tensor::contiguous() const { return kiln::contiguous(*this); }
+Tensor Tensor::contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::preserve || is_contiguous(format)) return *this;
+  if (format == MemoryFormat::contiguous) return kiln::contiguous(*this);
+  return call_op1(kCopy, {*this}, {dtype(), device(), true});
+}
+
+bool Tensor::is_contiguous(MemoryFormat format) const {
+  switch (format) {
+    case MemoryFormat::contiguous: return is_contiguous();
+    case MemoryFormat::channels_last: return detail::is_channels_last_contiguous(sizes(), strides());
+    case MemoryFormat::preserve: break;
+  }
+  throw ValueError("[kiln::is_contiguous] preserve_format is not a memory format a tensor can be in; ask about "
+                   "contiguous_format or channels_last.");
+}
+
+MemoryFormat Tensor::suggest_memory_format() const {
+  return detail::strides_like_channels_last(sizes(), strides()) ? MemoryFormat::channels_last
+                                                                : MemoryFormat::contiguous;
+}
+
+const char* memory_format_name(MemoryFormat f) {
+  switch (f) {
+    case MemoryFormat::contiguous: return "contiguous_format";
+    case MemoryFormat::channels_last: return "channels_last";
+    case MemoryFormat::preserve: return "preserve_format";
+  }
+  return "unknown";
+}
 Tensor Tensor::clone() const { return kiln::clone(*this); }
 
 Tensor Tensor::to(DType t, bool copy) const { return to(device(), t, copy); }
