@@ -13,6 +13,7 @@
 
 #include "compile_helpers.h"
 #include "compiler/graph/passes.h"
+#include "core/shape.h"
 #include "kiln/compiler.h"
 #include "kiln/compiler/graph.h"
 #include "kiln/detail/tensor_impl.h"
@@ -878,3 +879,145 @@ TEST_F(PassPipeline, DenseNetInferenceMatchesEager) {
 }
 
 }  // namespace
+
+// ---- channels_last_convolutions ----
+
+namespace channels_last_tests {
+
+// The graph compile() captures for fn(args...), without running any pass, and the arguments it
+// was called with.
+struct Captured {
+  Graph graph;
+  std::vector<Tensor> tensors;
+  std::vector<Attr> scalars;
+};
+
+template <class F, class... Args>
+Captured capture(F fn, const Args&... args) {
+  auto captured = std::make_shared<Captured>();
+  auto f = kiln::compile(fn, {.backend = [captured](Graph& g, const Arguments& a) {
+                                captured->graph = g;
+                                for (const Tensor& t : a.tensors) captured->tensors.push_back(t.detach().clone());
+                                captured->scalars.assign(a.scalars.begin(), a.scalars.end());
+                                return kiln::compiler::interpreter(g);
+                              }});
+  f(args...);
+  return *captured;
+}
+
+// check_pass on a captured graph with its own arguments.
+Graph check_captured(const Captured& c, std::optional<Tol> tol = std::nullopt) {
+  return check_pass(c.graph, [](Graph& g) { passes::channels_last_convolutions(g); }, c.tensors, c.scalars, tol);
+}
+
+bool channels_last(const ValueInfo& v) { return kiln::detail::strides_like_channels_last(v.sizes, v.strides); }
+
+// Whether every convolution reads a channels-last activation.
+bool convolutions_read_channels_last(const Graph& g) {
+  for (const Node& n : g)
+    if (n.target() == "conv2d" && !channels_last(g.values[n.inputs[0]])) return false;
+  return true;
+}
+
+int count_layout_copies(const Graph& g, bool to_channels_last) {
+  int n = 0;
+  for (const Node& node : g)
+    if (node.target() == "copy" && !node.inplace && node.attrs.size() > 2 &&
+        std::get<bool>(node.attrs[2]) == to_channels_last)
+      ++n;
+  return n;
+}
+
+TEST(ChannelsLastConvolutions, OneConversionCoversAConvReluPoolConvChain) {
+  Tensor w1 = kiln::randn({8, 3, 3, 3}), w2 = kiln::randn({4, 8, 1, 1}), b2 = kiln::randn({4});
+  auto fn = [&](const Tensor& x) {
+    Tensor y = kiln::relu(kiln::conv2d(x, w1, {}, {1, 1}, {1, 1}));
+    y = kiln::max_pool2d(y, {2, 2});
+    return kiln::conv2d(y * 2 + 1, w2, b2);
+  };
+  Tensor x = kiln::randn({2, 3, 8, 8});
+  Graph h = check_captured(capture(fn, x));
+  EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
+  EXPECT_EQ(count_layout_copies(h, true), 1) << h;
+  EXPECT_EQ(count_layout_copies(h, false), 1) << "the 4-D output goes back to row-major\n" << h;
+  for (int v : h.outputs) EXPECT_FALSE(channels_last(h.values[v]));
+}
+
+TEST(ChannelsLastConvolutions, AReshapeBetweenConvolutionsNeedsASecondConversion) {
+  Tensor w1 = kiln::randn({4, 2, 3, 3}), w2 = kiln::randn({2, 4, 3, 3});
+  auto fn = [&](const Tensor& x) {
+    Tensor y = kiln::conv2d(x, w1, {}, {1, 1}, {1, 1});
+    y = y.reshape({2, 4 * 6 * 6}).reshape({2, 4, 6, 6});  // needs row-major: drops the layout
+    return kiln::conv2d(y, w2).sum();
+  };
+  Tensor x = kiln::randn({2, 2, 6, 6});
+  Graph h = check_captured(capture(fn, x));
+  EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
+  EXPECT_EQ(count_layout_copies(h, true), 2) << h;
+  EXPECT_EQ(count_layout_copies(h, false), 1) << "the reshape, captured as a view, reads a row-major copy\n" << h;
+}
+
+TEST(ChannelsLastConvolutions, AFlattenOfAChannelsLastActivationReadsARowMajorCopy) {
+  Tensor w = kiln::randn({4, 3, 3, 3}), fc = kiln::randn({4 * 4 * 4, 5});
+  auto fn = [&](const Tensor& x) { return kiln::matmul(kiln::relu(kiln::conv2d(x, w)).flatten(1), fc); };
+  Tensor x = kiln::randn({2, 3, 6, 6});
+  Captured c = capture(fn, x);
+  ASSERT_GT(count_op(c.graph, "view"), 0) << "capture records the flatten as a view\n" << c.graph;
+  Graph h = check_captured(c);
+  EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
+  EXPECT_EQ(count_layout_copies(h, false), 1) << "the view reads a row-major copy\n" << h;
+}
+
+TEST(ChannelsLastConvolutions, LeavesGraphsWithoutAnythingToConvert) {
+  Tensor w = kiln::randn({4, 3, 3, 3});
+  Tensor w64 = w.to(kiln::kFloat64);
+  Tensor x = kiln::randn({2, 3, 6, 6});
+  struct Case {
+    const char* what;
+    Graph graph;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"no convolution", capture([](const Tensor& t) { return kiln::relu(t) * 3; }, x).graph});
+  cases.push_back({"float64 (no oneDNN path)",
+                   capture([&](const Tensor& t) { return kiln::conv2d(t, w64); }, x.to(kiln::kFloat64)).graph});
+  cases.push_back({"a 1x1 image lies alike in both layouts",
+                   capture([&](const Tensor& t) { return kiln::conv2d(t, w, {}, {1, 1}, {1, 1}); },
+                           kiln::randn({2, 3, 1, 1}))
+                       .graph});
+  cases.push_back({"already channels-last",
+                   capture([&](const Tensor& t) { return kiln::conv2d(t, w); }, x.contiguous(kiln::channels_last))
+                       .graph});
+  for (Case& c : cases) {
+    Graph before = c.graph;
+    EXPECT_FALSE(passes::channels_last_convolutions(c.graph)) << c.what;
+    EXPECT_EQ(c.graph.str(), before.str()) << c.what;
+  }
+}
+
+TEST(ChannelsLastConvolutions, DenseNetTrainingStepKeepsChannelsLastThroughTheBackward) {
+  kiln::models::DenseNetConfig config{.growth_rate = 4, .block_config = {2, 2}, .num_init_features = 8,
+                                      .bn_size = 2, .num_classes = 5};
+  kiln::manual_seed(3);
+  auto net = std::make_shared<kiln::models::DenseNet>(config);
+  Tensor x = kiln::randn({2, 3, 32, 32});
+  Tensor target = kiln::randint(0, 5, {2});
+  Captured c = capture(
+      [&](const Tensor& in) {
+        Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
+        loss.backward();
+        return loss;
+      },
+      x);
+  ASSERT_GT(count_op(c.graph, "convolution_backward"), 0) << "the backward is part of the graph";
+  // Loose: in a tiny net a few activations sit at the relu threshold, where float rounding of
+  // either layout decides which side they fall on.
+  Graph h = check_captured(c, Tol{1e-2, 5e-3});
+  EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
+  EXPECT_EQ(count_layout_copies(h, true), 1) << "one conversion at the stem covers the network\n" << h;
+  for (const Node& n : h)
+    if (n.target() == "convolution_backward") {
+      EXPECT_TRUE(channels_last(h.values[n.inputs[0]])) << "grad_output of " << n.name;
+    }
+}
+
+}  // namespace channels_last_tests

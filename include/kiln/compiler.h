@@ -63,7 +63,9 @@ struct CompileOptions {
   // A registered backend name ("eager", "aot_eager", a custom one), or a backend function.
   // Empty: compiler::default_backend().
   std::variant<std::string, compiler::BackendFn> backend;
-  // Either a mode or options, not both (like torch.compile).
+  // Either a mode or options, not both (like torch.compile). Options (bool values):
+  // "fallback_to_eager" (a graph the backend fails to compile runs op by op, with a warning),
+  // "layout_optimization" (kiln backend, default true: convolution activations run channels-last).
   std::optional<Mode> mode;
   std::map<std::string, compiler::OptionValue> options;
   // Replay a stable one-graph frame without running the body (see the header comment).
@@ -218,7 +220,7 @@ void register_backend(std::string name, BackendFn fn, std::vector<std::string> t
 std::vector<std::string> list_backends(const std::vector<std::string>& exclude_tags = {"debug", "experimental"});
 // Throws CompileError "Invalid backend: 'x', see kiln::compiler::list_backends() ...".
 BackendFn lookup_backend(std::string_view name);
-// The backend CompileOptions{} uses ("eager" until the kiln code generator lands).
+// The backend CompileOptions{} uses: "kiln" (generated C++ kernels), like torch.compile's inductor.
 std::string default_backend();
 void set_default_backend(std::string name);
 

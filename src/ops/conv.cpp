@@ -1,7 +1,8 @@
 // Convolution and pooling. Table ops: conv2d, max_pool2d, max_pool2d_with_indices, avg_pool2d,
 // adaptive_avg_pool2d. The string-padding conv2d ("same"/"valid") is a front-end over conv2d.
-// Inputs and outputs are plain NCHW tensors; the kernels (oneDNN, with loop fallbacks) choose
-// their own internal layouts.
+// A convolution's result is channels-last when its input or its weight suggests channels_last
+// (PyTorch's rule), else contiguous; convolution_backward's input and weight gradients take the
+// input's and the weight's layouts. The kernels (oneDNN, with loop fallbacks) accept any strides.
 //
 // Derivatives (PyTorch's) go through backward table ops with their own kernels:
 // convolution_backward (input, weight and bias gradients, as output_mask asks),
@@ -114,6 +115,16 @@ std::vector<int64_t> conv2d_output_sizes(const Tensor& x, const Tensor& w, const
   return sizes;
 }
 
+// The layout of a convolution's result (PyTorch's mkldnn_conv_use_channels_last): channels-last
+// when the input or the weight suggests it, so a channels-last network stays NHWC. The CPU kernel
+// (backends/cpu/conv_kernels.cpp) runs in the layout this picks.
+TensorMeta conv2d_result(const Tensor& x, const Tensor& w, std::vector<int64_t> sizes) {
+  const bool channels_last = x.suggest_memory_format() == MemoryFormat::channels_last ||
+                             w.suggest_memory_format() == MemoryFormat::channels_last;
+  std::vector<int64_t> strides = detail::format_strides(sizes, channels_last);
+  return TensorMeta{std::move(sizes), std::move(strides), x.dtype(), x.device()};
+}
+
 // conv2d(input, weight, bias?, stride, padding, dilation, groups): input (N, C, H, W), weight
 // (O, C / groups, kH, kW), symmetric zero padding.
 const OpDef& kConv2d = register_op({
@@ -122,7 +133,7 @@ const OpDef& kConv2d = register_op({
               "int[2] dilation=1, int groups=1) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
-      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d"), {}, x.dtype(), x.device()}};
+      return {conv2d_result(x, c.input(1), conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d"))};
     },
     .derivative = {.formula = "input, weight, bias: convolution_backward(grad, input, weight, stride, padding, "
                               "dilation, groups, output_mask)",
@@ -148,7 +159,7 @@ const OpDef& kConv2dRelu = register_op({
               "int[2] dilation=1, int groups=1) -> Tensor",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const Tensor& x = c.input(0);
-      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_relu"), {}, x.dtype(), x.device()}};
+      return {conv2d_result(x, c.input(1), conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_relu"))};
     },
     .lowering = "extern",
 });
@@ -174,7 +185,7 @@ const OpDef& kConv2dBn = register_op({
                    "[kiln::conv2d_bn] batch-norm parameter " + std::to_string(i) + " must have " +
                        std::to_string(o) + " elements (one per output channel).");
       }
-      return {TensorMeta{conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_bn"), {}, x.dtype(), x.device()}};
+      return {conv2d_result(x, c.input(1), conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_bn"))};
     },
     .lowering = "extern",
 });
@@ -202,10 +213,15 @@ const OpDef& kConvolutionBackward = register_op({
       KILN_CHECK(mask.size() == 3, ValueError,
                  "[kiln::convolution_backward] output_mask must have 3 entries (input, weight, bias), got " +
                      std::to_string(mask.size()) + ".");
-      auto masked = [&](int i, std::vector<int64_t> s) { return mask[i] ? s : std::vector<int64_t>{0}; };
-      return {TensorMeta{masked(0, x.sizes().vec()), {}, x.dtype(), x.device()},
-              TensorMeta{masked(1, w.sizes().vec()), {}, x.dtype(), x.device()},
-              TensorMeta{masked(2, {w.sizes()[0]}), {}, x.dtype(), x.device()}};
+      // Each gradient takes the layout of what it is the gradient of; an unasked one is (0).
+      auto like = [&](int i, const Tensor& t) {
+        if (!mask[i]) return TensorMeta{{0}, {}, x.dtype(), x.device()};
+        return TensorMeta{t.sizes().vec(), detail::strides_following(t.sizes(), t.strides(), t.sizes()), x.dtype(),
+                          x.device()};
+      };
+      return {like(0, x), like(1, w),
+              TensorMeta{mask[2] ? std::vector<int64_t>{w.sizes()[0]} : std::vector<int64_t>{0}, {}, x.dtype(),
+                         x.device()}};
     },
     // Each output is bilinear: grad_input = Bx(grad_output, weight), grad_weight = Bw(grad_output,
     // input), grad_bias = sum(grad_output). The adjoints of Bx and Bw in grad_output are
@@ -232,7 +248,9 @@ const OpDef& kConvolutionBackward = register_op({
                                                       c.int_attr(3)));
                        if (mask[2]) {
                          Tensor b = ggb.view({1, ggb.numel(), 1, 1});
-                         go = go.defined() ? add(go, b) : b.expand(grad_output.sizes()).contiguous();
+                         go = go.defined() ? add(go, b)
+                                           : b.expand(grad_output.sizes()).contiguous(
+                                                 grad_output.suggest_memory_format());
                        }
                        g[0] = go;
                      }
@@ -368,7 +386,8 @@ const OpDef& kMaxPool2d = register_op({
       const Tensor& x = c.input(0);
       check_max_pool_dtype(x, "max_pool2d");
       auto sizes = pool_output_sizes(x.sizes(), max_pool_params(c, "max_pool2d"), "max_pool2d", true);
-      return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
+      auto strides = detail::strides_following(x.sizes(), x.strides(), sizes);
+      return {TensorMeta{std::move(sizes), std::move(strides), x.dtype(), x.device()}};
     },
     // The eager front-end records max_pool2d_with_indices instead; this path (a direct call_op)
     // recomputes the indices.
@@ -398,7 +417,9 @@ const OpDef& kMaxPool2dWithIndices = register_op({
       check_max_pool_dtype(x, "max_pool2d_with_indices");
       auto sizes = pool_output_sizes(x.sizes(), max_pool_params(c, "max_pool2d_with_indices"),
                                      "max_pool2d_with_indices", true);
-      return {TensorMeta{sizes, {}, x.dtype(), x.device()}, TensorMeta{sizes, {}, kInt64, x.device()}};
+      // Indices share the output's layout (their values stay flat h * W + w offsets).
+      auto strides = detail::strides_following(x.sizes(), x.strides(), sizes);
+      return {TensorMeta{sizes, strides, x.dtype(), x.device()}, TensorMeta{sizes, strides, kInt64, x.device()}};
     },
     .derivative = {.formula = "self: max_pool2d_with_indices_backward(grad, self.sizes(), kernel_size, stride, "
                               "padding, dilation, ceil_mode, indices)",
@@ -431,7 +452,9 @@ const OpDef& kMaxPool2dWithIndicesBackward = register_op({
       KILN_CHECK(indices.sizes() == grad.sizes(), ShapeError,
                  "[kiln::" + op + "] indices of shape " + shape_str(indices.sizes()) +
                      " do not match grad_output of shape " + shape_str(grad.sizes()) + ".");
-      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+      // The indices have the forward input's layout (grad_output may not: mixed layouts).
+      return {TensorMeta{input_sizes.vec(), detail::strides_following(indices.sizes(), indices.strides(), input_sizes),
+                         grad.dtype(), grad.device()}};
     },
     .derivative = {.formula = "grad_output: ggI.flatten(-2).gather(-1, indices.flatten(-2)).view_as(grad_output)",
                    .save_inputs = {1},
@@ -451,7 +474,8 @@ const OpDef& kAvgPool2d = register_op({
       const Tensor& x = c.input(0);
       check_float_pool_dtype(x, "avg_pool2d");
       auto sizes = pool_output_sizes(x.sizes(), avg_pool_params(c, "avg_pool2d"), "avg_pool2d", false);
-      return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
+      auto strides = detail::strides_following(x.sizes(), x.strides(), sizes);
+      return {TensorMeta{std::move(sizes), std::move(strides), x.dtype(), x.device()}};
     },
     .derivative = {.formula = "self: avg_pool2d_backward(grad, self.sizes(), kernel_size, stride, padding, "
                               "ceil_mode, count_include_pad, divisor_override)",
@@ -477,7 +501,8 @@ const OpDef& kAvgPool2dBackward = register_op({
       check_float_pool_dtype(grad, op);
       IntArrayRef input_sizes = c.ints_attr(0);
       check_pool_grad(grad, pool_output_sizes(input_sizes, avg_pool_params(c, op, 1), op, false), op);
-      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+      return {TensorMeta{input_sizes.vec(), detail::strides_following(grad.sizes(), grad.strides(), input_sizes),
+                         grad.dtype(), grad.device()}};
     },
     .derivative = {.formula = "grad_output: avg_pool2d(ggI, kernel_size, stride, padding, ceil_mode, "
                               "count_include_pad, divisor_override)",
@@ -502,7 +527,8 @@ const OpDef& kAdaptiveAvgPool2d = register_op({
       std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end() - 2);
       sizes.push_back(out[0]);
       sizes.push_back(out[1]);
-      return {TensorMeta{std::move(sizes), {}, x.dtype(), x.device()}};
+      auto strides = detail::strides_following(x.sizes(), x.strides(), sizes);
+      return {TensorMeta{std::move(sizes), std::move(strides), x.dtype(), x.device()}};
     },
     .derivative = {.formula = "self: adaptive_avg_pool2d_backward(grad, self.sizes())",
                    .fn = [](const BackwardContext& c) -> TensorList {
@@ -528,7 +554,8 @@ const OpDef& kAdaptiveAvgPool2dBackward = register_op({
                  ShapeError,
                  "[kiln::" + op + "] grad_output of shape " + shape_str(grad.sizes()) +
                      " does not match the input's leading dims " + shape_str(input_sizes) + ".");
-      return {TensorMeta{input_sizes.vec(), {}, grad.dtype(), grad.device()}};
+      return {TensorMeta{input_sizes.vec(), detail::strides_following(grad.sizes(), grad.strides(), input_sizes),
+                         grad.dtype(), grad.device()}};
     },
     .derivative = {.formula = "grad_output: adaptive_avg_pool2d(ggI, grad_output.sizes()[-2:])",
                    .fn = [](const BackwardContext& c) -> TensorList {
@@ -594,6 +621,8 @@ Tensor detail::conv2d_padding_mode(const Tensor& input, const Tensor& weight, co
     sizes[hd] += extra[0];
     sizes[wd] += extra[1];
     Tensor padded = zeros(sizes, TensorOptions(x.dtype(), x.device()));
+    if (x.suggest_memory_format() == MemoryFormat::channels_last)  // keep a channels-last input so
+      padded = padded.contiguous(kiln::channels_last);             // the convolution stays NHWC
     padded.narrow(hd, 0, x.sizes()[hd]).narrow(wd, 0, x.sizes()[wd]).copy_(x);
     x = padded;
   }

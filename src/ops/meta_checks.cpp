@@ -47,6 +47,10 @@ std::vector<int64_t> pointwise_strides(const OpCall& c, const std::vector<int64_
   if (sizes.size() != 4) return {};
   for (const Tensor& t : c.inputs) {
     if (!t.defined() || t.sizes() != IntArrayRef(sizes)) continue;
+    // An expanded operand (a stride 0 over a dim of size > 1) has no layout of its own.
+    bool expanded = false;
+    for (size_t d = 0; d < sizes.size(); ++d) expanded |= t.strides()[d] == 0 && sizes[d] > 1;
+    if (expanded) continue;
     return strides_following(t.sizes(), t.strides(), sizes);
   }
   return {};

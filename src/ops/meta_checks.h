@@ -15,8 +15,8 @@ Device common_device(const OpCall& c);
 // The broadcast shape of the op's defined tensor inputs.
 std::vector<int64_t> broadcast_inputs(const OpCall& c);
 // The strides of a pointwise result of `sizes` (empty: contiguous): the layout of the first
-// defined input that has the result's shape — channels-last stays channels-last (PyTorch's
-// memory-format propagation, simplified to the first full-shaped operand).
+// defined input that has the result's shape and is not expanded — channels-last stays
+// channels-last (PyTorch's memory-format propagation, simplified to that one operand).
 std::vector<int64_t> pointwise_strides(const OpCall& c, const std::vector<int64_t>& sizes);
 // Throws DeviceError unless all defined tensors are on one device.
 void check_same_device(const std::string& op, std::initializer_list<const Tensor*> tensors);

@@ -7,6 +7,10 @@
 // 1 / sqrt(running_var + eps) as its statistics (PyTorch returns empty tensors there), so
 // backward can read them the same way in both modes.
 //
+// Layouts (PyTorch's rule): batch_norm's output and grad_input follow the input's
+// suggest_memory_format() (channels-last stays channels-last); statistics and parameter
+// gradients are 1-D.
+//
 // Derivatives go through fused backward table ops with their own kernels (aten's names):
 // native_batch_norm_backward, native_layer_norm_backward and native_group_norm_backward, each
 // returning (grad_input, grad_weight, grad_bias) for the outputs output_mask asks for; an output
@@ -127,8 +131,10 @@ const OpDef& kNativeBatchNorm = register_op({
                  "[kiln::batch_norm] expected more than 1 value per channel when training, got input size " +
                      shape_str(x.sizes()) + ".");
       const DType st = stat_dtype(x.dtype());
-      return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}, TensorMeta{{channels}, {}, st, x.device()},
-              TensorMeta{{channels}, {}, st, x.device()}};
+      // The output keeps a channels-last input's layout (as PyTorch's); statistics are 1-D.
+      return {TensorMeta{x.sizes().vec(), detail::strides_following(x.sizes(), x.strides(), x.sizes()), x.dtype(),
+                         x.device()},
+              TensorMeta{{channels}, {}, st, x.device()}, TensorMeta{{channels}, {}, st, x.device()}};
     },
     .mutated_inputs = {3, 4},
     .derivative = {.formula = "input, weight, bias: native_batch_norm_backward(grad, input, weight, save_mean, "
@@ -164,7 +170,10 @@ const OpDef& kNativeBatchNormBackward = register_op({
       check_backward_operands(op, c.input(0), x, {&c.input(3), &c.input(4)}, channels);
       check_floating(op, weight, "weight");
       check_channel_vector(op, weight, "weight", channels);
-      return backward_metas(c, x, weight, {channels}, 1, op);
+      std::vector<TensorMeta> metas = backward_metas(c, x, weight, {channels}, 1, op);
+      // grad_input takes the input's layout (channels-last stays channels-last, as in PyTorch).
+      if (c.ints_attr(1)[0]) metas[0].strides = detail::strides_following(x.sizes(), x.strides(), x.sizes());
+      return metas;
     },
     .lowering = "extern",
 });

@@ -41,7 +41,8 @@ MetaFn binary_meta(DTypeRule rule) {
     Device device = common_device(c);
     auto sizes = broadcast_inputs(c);
     DType out = rule(c, detail::result_type(c.inputs));
-    return {TensorMeta{std::move(sizes), {}, out, device}};
+    auto strides = detail::pointwise_strides(c, sizes);  // channels-last in, channels-last out
+    return {TensorMeta{std::move(sizes), std::move(strides), out, device}};
   };
 }
 

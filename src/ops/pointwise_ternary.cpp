@@ -27,9 +27,12 @@ using detail::common_device;
 
 using detail::broadcast_inputs;
 
+// The broadcast shape, laid out like the first full-shaped operand (channels-last stays so).
 TensorMeta broadcast_meta(const OpCall& c, DType dtype) {
   Device device = common_device(c);
-  return TensorMeta{broadcast_inputs(c), {}, dtype, device};
+  std::vector<int64_t> sizes = broadcast_inputs(c);
+  std::vector<int64_t> strides = detail::pointwise_strides(c, sizes);
+  return TensorMeta{std::move(sizes), std::move(strides), dtype, device};
 }
 
 // where(condition, self, other)

@@ -12,10 +12,19 @@
 
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
+#include "ops/meta_checks.h"
 
 namespace kiln {
 
 namespace {
+
+// The result of a unary op has x's shape and, for 4-D x, x's memory format.
+TensorMeta unary_meta(const OpCall& c, DType dtype) {
+  const Tensor& x = c.input(0);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  std::vector<int64_t> strides = detail::pointwise_strides(c, sizes);
+  return TensorMeta{std::move(sizes), std::move(strides), dtype, x.device()};
+}
 
 enum class UnaryRule {
   floating,      // integer/bool → default float dtype
@@ -53,7 +62,7 @@ OpDef unary_def(std::string name, UnaryRule rule, Derivative derivative = {}) {
       .schema = std::move(schema),
       .meta = [name, rule](const OpCall& c) -> std::vector<TensorMeta> {
         const Tensor& x = c.input(0);
-        return {TensorMeta{x.sizes().vec(), {}, unary_dtype(name, rule, x.dtype()), x.device()}};
+        return {unary_meta(c, unary_dtype(name, rule, x.dtype()))};
       },
       .pointwise = true,
       .derivative = std::move(derivative),
@@ -120,7 +129,7 @@ const OpDef& kNeg = register_op(OpDef{
       KILN_CHECK(x.dtype() != kBool, DTypeError,
                  "[kiln::neg] Negation, the `-` operator, on a bool tensor is not supported. "
                  "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.");
-      return {TensorMeta{x.sizes().vec(), {}, x.dtype(), x.device()}};
+      return {unary_meta(c, x.dtype())};
     },
     .pointwise = true,
     .derivative = kNegDerivative,
@@ -135,7 +144,7 @@ const OpDef& kGelu = register_op(OpDef{
       const std::string& approximate = c.string_attr(0);
       KILN_CHECK(approximate == "none" || approximate == "tanh", ValueError,
                  "[kiln::gelu] approximate argument must be either none or tanh, got '" + approximate + "'.");
-      return {TensorMeta{x.sizes().vec(), {}, unary_dtype("gelu", UnaryRule::floating, x.dtype()), x.device()}};
+      return {unary_meta(c, unary_dtype("gelu", UnaryRule::floating, x.dtype()))};
     },
     .pointwise = true,
     .derivative = {.formula = "self: gelu_backward(grad, self, approximate)",

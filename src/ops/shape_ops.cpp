@@ -82,7 +82,17 @@ std::vector<TensorMeta> cat_meta(const OpCall& c) {
     sizes[dim] += t.sizes()[dim];
   }
   detail::checked_numel(sizes, "cat");
-  return {TensorMeta{std::move(sizes), {}, dtype, ts[0].device()}};
+  // PyTorch's rule: the inputs' memory format when they all suggest the same one, else
+  // contiguous. Inputs without elements have no say.
+  int voters = 0, channels_last_votes = 0;
+  for (const Tensor& t : ts) {
+    if (t.numel() == 0) continue;
+    ++voters;
+    channels_last_votes += t.suggest_memory_format() == MemoryFormat::channels_last;
+  }
+  bool channels_last = sizes.size() == 4 && voters > 0 && channels_last_votes == voters;
+  std::vector<int64_t> strides = detail::format_strides(sizes, channels_last);
+  return {TensorMeta{std::move(sizes), std::move(strides), dtype, ts[0].device()}};
 }
 
 const OpDef& kCat = register_op({

@@ -8,12 +8,21 @@
 // and any configuration oneDNN rejects, use im2col + GEMM (also the path for everything when
 // KILN_ONEDNN=0).
 //
-// convolution_backward mirrors this: a cached backward plan per configuration and output mask
-// holds oneDNN's backward-data and backward-weights primitives (built against a forward_training
-// hint with the forward's layout choice: blocked "any" layouts, plain NCHW for 1x1/stride-1), the
-// gradient is reordered into the blocked layout once and shared by both primitives when they
-// agree on it, and the bias gradient comes out of backward-weights. float64 and fallbacks run
-// col2im/im2col + GEMM; float16 computes through float32.
+// Channels-last: when the input or the weight suggests channels_last (the rule the metas in
+// ops/conv.cpp use for the result's layout), the plan runs oneDNN on plain NHWC activations
+// (src, dst, diff_src, diff_dst): no activation reorders at all, 1x1 included. Weights stay in
+// their user layout (OIHW, or OHWI for a channels-last weight) and are reordered into oneDNN's
+// choice as in the NCHW path. Plans are keyed by configuration and layout. A configuration oneDNN
+// has no fast NHWC kernel for, and the float64/fallback paths, run in NCHW through copies.
+// Outputs are written in place when they have the plan's layout, else through a temporary.
+//
+// convolution_backward mirrors this: a cached backward plan per configuration, layout and output
+// mask holds oneDNN's backward-data and backward-weights primitives (built against a
+// forward_training hint with the forward's layout choice: blocked "any" layouts, plain NCHW for
+// 1x1/stride-1, plain NHWC for channels-last), the gradient is reordered into the blocked layout
+// once and shared by both primitives when they agree on it, and the bias gradient comes out of
+// backward-weights. 1x1/stride-1 float32 weight gradients are threaded GEMMs instead, in both
+// layouts. float64 and fallbacks run col2im/im2col + GEMM; float16 computes through float32.
 //
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
@@ -22,6 +31,7 @@
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <cstring>
@@ -31,8 +41,10 @@
 #include <new>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "backends/cpu/loops.h"
+#include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -128,10 +140,38 @@ struct ConvKeyHash {
   }
 };
 
-ConvKey make_key(const ConvShape& s, DType dtype) {
+// The memory layouts a plan runs on: activations NCHW or NHWC; user weights OIHW or OHWI.
+struct Layout {
+  bool channels_last = false;  // activations (src, dst and their gradients) are NHWC
+  bool weight_channels_last = false;
+
+  MemoryFormat activations() const { return channels_last ? kiln::channels_last : contiguous_format; }
+  MemoryFormat weights() const { return weight_channels_last ? kiln::channels_last : contiguous_format; }
+};
+
+// The layout a convolution runs in: channels-last when the input or the weight suggests it
+// (PyTorch's rule, the one ops/conv.cpp's metas give the result); user weights in OHWI when the
+// weight itself suggests channels_last.
+Layout preferred_layout(const Tensor& input, const Tensor& weight) {
+  const bool weight_cl = weight.suggest_memory_format() == MemoryFormat::channels_last;
+  const bool cl = weight_cl || input.suggest_memory_format() == MemoryFormat::channels_last;
+  return {cl, weight_cl};
+}
+
+ConvKey make_key(const ConvShape& s, DType dtype, Layout layout) {
   return {{s.n, s.c, s.h, s.w, s.o, s.kh, s.kw, s.stride[0], s.stride[1], s.pad[0], s.pad[1], s.dilation[0],
-           s.dilation[1], s.groups, s.bias, 0},
+           s.dilation[1], s.groups, s.bias, (layout.channels_last ? 1 : 0) | (layout.weight_channels_last ? 2 : 0)},
           dtype};
+}
+
+// oneDNN descriptors of the user (Kiln) buffers in `layout`.
+memory::desc activation_desc(const memory::dims& dims, memory::data_type dt, Layout layout) {
+  return memory::desc(dims, dt, layout.channels_last ? Tag::nhwc : Tag::nchw);
+}
+memory::desc user_weights_desc(const memory::dims& dims, memory::data_type dt, Layout layout) {
+  const bool grouped = dims.size() == 5;
+  if (layout.weight_channels_last) return memory::desc(dims, dt, grouped ? Tag::gohwi : Tag::ohwi);
+  return memory::desc(dims, dt, grouped ? Tag::goihw : Tag::oihw);
 }
 
 // Everything needed to run one convolution configuration.
@@ -155,20 +195,27 @@ bool plain_layout(const ConvShape& s) {
          s.groups == 1;
 }
 
+// The activation tag the primitive is built with: the user's NHWC as is; for NCHW, plain for
+// 1x1/stride-1 and oneDNN's blocked choice otherwise.
+Tag primitive_activation_tag(const ConvShape& s, Layout layout) {
+  if (layout.channels_last) return Tag::nhwc;
+  return plain_layout(s) ? Tag::nchw : Tag::any;
+}
+
 memory::data_type onednn_type(DType t) { return t == DType::bfloat16 ? memory::data_type::bf16 : memory::data_type::f32; }
 
 // Builds a plan; nullptr when oneDNN has no implementation for it.
-std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype) {
+std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype, Layout layout) {
   const auto dt = onednn_type(dtype);
   const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
   const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
                                                  : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
-  const Tag act = plain_layout(s) ? Tag::nchw : Tag::any;
+  const Tag act = primitive_activation_tag(s, layout);
   try {
     auto plan = std::make_shared<ConvPlan>();
-    plan->src_user = memory::desc(src_dims, dt, Tag::nchw);
-    plan->dst_user = memory::desc(dst_dims, dt, Tag::nchw);
-    plan->weights_user = memory::desc(weight_dims, dt, s.groups == 1 ? Tag::oihw : Tag::goihw);
+    plan->src_user = activation_desc(src_dims, dt, layout);
+    plan->dst_user = activation_desc(dst_dims, dt, layout);
+    plan->weights_user = user_weights_desc(weight_dims, dt, layout);
     if (s.bias) plan->bias = memory::desc({s.o}, memory::data_type::f32, Tag::x);
     const memory::dims strides{s.stride[0], s.stride[1]}, padding{s.pad[0], s.pad[1]},
         dilation{s.dilation[0] - 1, s.dilation[1] - 1};  // oneDNN counts dilation from 0
@@ -207,16 +254,16 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype) {
 }
 
 // The cached plan for this configuration (built on first use); nullptr if oneDNN can't run it.
-std::shared_ptr<const ConvPlan> find_plan(const ConvShape& s, DType dtype) {
+std::shared_ptr<const ConvPlan> find_plan(const ConvShape& s, DType dtype, Layout layout) {
   static std::mutex mutex;
   static std::unordered_map<ConvKey, std::shared_ptr<const ConvPlan>, ConvKeyHash> cache;
-  const ConvKey key = make_key(s, dtype);
+  const ConvKey key = make_key(s, dtype, layout);
   {
     std::lock_guard lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  auto plan = build_plan(s, dtype);  // outside the lock: building can take milliseconds
+  auto plan = build_plan(s, dtype, layout);  // outside the lock: building can take milliseconds
   std::lock_guard lock(mutex);
   return cache.emplace(key, std::move(plan)).first->second;
 }
@@ -321,45 +368,59 @@ void fill_with_bias(Tensor& out, const Tensor& bias) {
   out.copy_(bias.view({1, bias.numel(), 1, 1}));
 }
 
+// `out` itself when it is dense in `format` (4-D results only can be channels-last), else a new
+// tensor in that format for the caller to copy back.
+Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
+  const bool channels_last = format == MemoryFormat::channels_last && out.dim() == 4;
+  if (channels_last ? out.is_contiguous(kiln::channels_last) : out.is_contiguous()) return out;
+  if (!channels_last) return detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
+  return detail::make_empty_strided(out.sizes().vec(), detail::channels_last_strides(out.sizes()), out.dtype(),
+                                    out.device());
+}
+
 void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   Tensor& out = outs[0];
+  const Tensor& input = call.input(0);
+  const Tensor& weight = call.input(1);
   const Tensor& bias = call.input(2);
   if (out.numel() == 0) return;
-  const Tensor x = call.input(0).contiguous();
-  const Tensor w = call.input(1).contiguous();
   auto pair = [&](size_t i, int d) { IntArrayRef v = call.ints_attr(i); return v.size() == 1 ? v[0] : v[d]; };
-  ConvShape s{x.sizes()[0], x.sizes()[1], x.sizes()[2], x.sizes()[3], w.sizes()[0], w.sizes()[2], w.sizes()[3],
-              out.sizes()[2], out.sizes()[3], {pair(0, 0), pair(0, 1)}, {pair(1, 0), pair(1, 1)},
-              {pair(2, 0), pair(2, 1)}, call.int_attr(3), bias.defined()};
+  ConvShape s{input.sizes()[0], input.sizes()[1], input.sizes()[2], input.sizes()[3], weight.sizes()[0],
+              weight.sizes()[2], weight.sizes()[3], out.sizes()[2], out.sizes()[3], {pair(0, 0), pair(0, 1)},
+              {pair(1, 0), pair(1, 1)}, {pair(2, 0), pair(2, 1)}, call.int_attr(3), bias.defined()};
   if (s.c == 0) {
     fill_with_bias(out, bias);
     if (relu) out.relu_();
     return;
   }
-  Tensor y = out.is_contiguous() ? out : detail::make_empty(out.sizes().vec(), out.dtype(), out.device());
-  const DType t = x.dtype();
-  bool done = false;
+  const DType t = input.dtype();
+  // oneDNN in the layout the inputs suggest; NCHW where it has no fast kernel for NHWC.
+  Layout layout;
+  std::shared_ptr<const ConvPlan> plan;
   if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled()) {
-    if (auto plan = find_plan(s, t)) {
-      Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
-      run_plan(*plan, x.impl().data(), w.impl().data(), b.defined() ? b.impl().data() : nullptr, y.impl().data());
-      done = true;
-    }
+    const Layout preferred = preferred_layout(input, weight);
+    if ((plan = find_plan(s, t, preferred))) layout = preferred;
+    else if (preferred.channels_last) plan = find_plan(s, t, Layout{});
   }
-  if (!done) {
-    if (t == DType::float64) {
-      Tensor b = bias.defined() ? bias.contiguous() : Tensor();
-      conv_im2col<double>(s, x.data_ptr<double>(), w.data_ptr<double>(), b.defined() ? b.data_ptr<double>() : nullptr,
-                          y.data_ptr<double>());
-    } else if (t == DType::float32) {
-      Tensor b = bias.defined() ? bias.contiguous() : Tensor();
-      conv_im2col<float>(s, x.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                         y.data_ptr<float>());
-    } else {  // float16, or bfloat16 without oneDNN support: compute in float32
-      Tensor y32 = conv2d(x.to(kFloat32), w.to(kFloat32), bias.defined() ? bias.to(kFloat32) : Tensor(),
-                          IntArrayRef(s.stride, 2), IntArrayRef(s.pad, 2), IntArrayRef(s.dilation, 2), s.groups);
-      y.copy_(y32);
-    }
+  // Copies only for inputs not dense in the plan's layout (the fallbacks below run NCHW).
+  const Tensor x = input.contiguous(layout.activations());
+  const Tensor w = weight.contiguous(layout.weights());
+  Tensor y = dense_buffer(out, layout.activations());
+  if (plan) {
+    Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
+    run_plan(*plan, x.impl().data(), w.impl().data(), b.defined() ? b.impl().data() : nullptr, y.impl().data());
+  } else if (t == DType::float64) {
+    Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+    conv_im2col<double>(s, x.data_ptr<double>(), w.data_ptr<double>(), b.defined() ? b.data_ptr<double>() : nullptr,
+                        y.data_ptr<double>());
+  } else if (t == DType::float32) {
+    Tensor b = bias.defined() ? bias.contiguous() : Tensor();
+    conv_im2col<float>(s, x.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                       y.data_ptr<float>());
+  } else {  // float16, or bfloat16 without oneDNN support: compute in float32
+    Tensor y32 = conv2d(x.to(kFloat32), w.to(kFloat32), bias.defined() ? bias.to(kFloat32) : Tensor(),
+                        IntArrayRef(s.stride, 2), IntArrayRef(s.pad, 2), IntArrayRef(s.dilation, 2), s.groups);
+    y.copy_(y32);
   }
   // The relu runs in place on the result while it is hot in cache. (oneDNN 2.7's relu post-op
   // picked a 3x slower implementation for 1x1 NCHW convolutions here: measured 1125 vs 348 us.)
@@ -423,7 +484,9 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   }
   Tensor scale = rsqrt(var.to(w.dtype()) + eps);
   if (bn_weight.defined()) scale = scale * bn_weight.to(w.dtype());
-  Tensor folded_w = (w * scale.view({w.sizes()[0], 1, 1, 1})).contiguous();
+  // The folded weight keeps the weight's layout: it decides the convolution's layout, as the
+  // weight does in the meta.
+  Tensor folded_w = (w * scale.view({w.sizes()[0], 1, 1, 1})).contiguous(w.suggest_memory_format());
   Tensor folded_b = (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
   if (bn_bias.defined()) folded_b = folded_b + bn_bias.to(w.dtype());
   Folded entry;
@@ -477,21 +540,21 @@ dnnl::reorder make_reorder(const memory::desc& from, const memory::desc& to) {
 
 // Builds a backward plan (s.bias: the bias gradient is wanted); nullptr when oneDNN has no fast
 // implementation for a requested part.
-std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DType dtype, bool need_data,
-                                                        bool need_weights) {
+std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DType dtype, Layout layout,
+                                                        bool need_data, bool need_weights) {
   const auto dt = onednn_type(dtype);
   const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
   const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
                                                  : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
-  const Tag act = plain_layout(s) ? Tag::nchw : Tag::any;
+  const Tag act = primitive_activation_tag(s, layout);
   const memory::dims strides{s.stride[0], s.stride[1]}, padding{s.pad[0], s.pad[1]},
       dilation{s.dilation[0] - 1, s.dilation[1] - 1};
   auto is_ref = [](const char* impl) { return std::string_view(impl).starts_with("ref"); };
   try {
     auto plan = std::make_shared<BackwardPlan>();
-    plan->src_user = memory::desc(src_dims, dt, Tag::nchw);
-    plan->dst_user = memory::desc(dst_dims, dt, Tag::nchw);
-    plan->weights_user = memory::desc(weight_dims, dt, s.groups == 1 ? Tag::oihw : Tag::goihw);
+    plan->src_user = activation_desc(src_dims, dt, layout);
+    plan->dst_user = activation_desc(dst_dims, dt, layout);
+    plan->weights_user = user_weights_desc(weight_dims, dt, layout);
     const memory::desc src_any(src_dims, dt, act), dst_any(dst_dims, dt, act), weights_any(weight_dims, dt, Tag::any);
     const bool with_bias = s.bias && need_weights;
     if (with_bias) plan->bias_desc = memory::desc({s.o}, memory::data_type::f32, Tag::x);
@@ -555,22 +618,22 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
   }
 }
 
-std::shared_ptr<const BackwardPlan> find_backward_plan(const ConvShape& s, DType dtype, bool need_data,
-                                                       bool need_weights) {
+std::shared_ptr<const BackwardPlan> find_backward_plan(const ConvShape& s, DType dtype, Layout layout,
+                                                       bool need_data, bool need_weights) {
   static std::mutex mutex;
   static std::unordered_map<BackwardKey, std::shared_ptr<const BackwardPlan>, BackwardKeyHash> cache;
-  const BackwardKey key{make_key(s, dtype), (need_data ? 1 : 0) | (need_weights ? 2 : 0)};
+  const BackwardKey key{make_key(s, dtype, layout), (need_data ? 1 : 0) | (need_weights ? 2 : 0)};
   {
     std::lock_guard lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  auto plan = build_backward_plan(s, dtype, need_data, need_weights);
+  auto plan = build_backward_plan(s, dtype, layout, need_data, need_weights);
   std::lock_guard lock(mutex);
   return cache.emplace(key, std::move(plan)).first->second;
 }
 
-// Runs a backward plan on plain NCHW/OIHW buffers. dx/dw/db are written where the plan computes
+// Runs a backward plan on the user buffers of its layout. dx/dw/db are written where the plan computes
 // them (db as float32).
 void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, const void* dy, void* dx, void* dw,
                        float* db) {
@@ -728,6 +791,27 @@ void pointwise_weight_grad(const ConvShape& s, const float* x, const float* dy, 
   });
 }
 
+// The NHWC form: with x (R x C) and dy (R x O) row-major over the R = N * H * W pixels, dW
+// (O x C) = dy^T x is one GEMM; each thread takes a block of dW's rows or columns as above.
+void pointwise_weight_grad_channels_last(const ConvShape& s, const float* x, const float* dy, float* dw) {
+  const int64_t rows = s.n * s.h * s.w;
+  const bool split_columns = s.c >= s.o;
+  const int64_t extent = split_columns ? s.c : s.o;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, extent / 16));
+  parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part) {
+      const int64_t lo = extent * part / parts / 16 * 16;
+      const int64_t hi = part + 1 == parts ? extent : extent * (part + 1) / parts / 16 * 16;
+      if (hi <= lo) continue;
+      if (split_columns)
+        gemm<float>(true, false, s.o, hi - lo, rows, dy, s.o, x + lo, s.c, 0.0f, dw + lo, s.c);
+      else
+        gemm<float>(true, false, hi - lo, s.c, rows, dy + lo, s.o, x, s.c, 0.0f, dw + lo * s.c, s.c);
+    }
+  });
+}
+
 // Per-channel sum of dy (N x O x P) over N and P.
 template <class T>
 void bias_grad(const ConvShape& s, const T* dy, T* db) {
@@ -748,14 +832,39 @@ void bias_grad(const ConvShape& s, const T* dy, T* db) {
   });
 }
 
+// Per-channel sum of a channels-last dy (N * P rows of O channels). Each thread sums a block of
+// channels over all rows, in chunks of rows added into double (as bias_grad does per image).
+template <class T>
+void bias_grad_channels_last(const ConvShape& s, const T* dy, T* db) {
+  using Acc = opmath_t<T>;
+  const int64_t rows = s.n * s.oh * s.ow;
+  constexpr int64_t kRowChunk = 1024;
+  parallel_for(s.o, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, rows)), [&](int64_t begin, int64_t end) {
+    const int64_t width = end - begin;
+    std::vector<double> total(static_cast<size_t>(width), 0.0);
+    std::vector<Acc> chunk(static_cast<size_t>(width));
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowChunk) {
+      std::fill(chunk.begin(), chunk.end(), Acc(0));
+      Acc* sum = chunk.data();
+      for (int64_t r = r0; r < std::min(rows, r0 + kRowChunk); ++r) {
+        const T* row = dy + r * s.o + begin;
+#pragma omp simd
+        for (int64_t o = 0; o < width; ++o) sum[o] += static_cast<Acc>(row[o]);
+      }
+      for (int64_t o = 0; o < width; ++o) total[o] += static_cast<double>(sum[o]);
+    }
+    for (int64_t o = 0; o < width; ++o) db[begin + o] = static_cast<T>(total[o]);
+  });
+}
+
 // ---------------- backward kernel ----------------
 
-// A contiguous output to write into (out itself, or a temporary copied back by finish()).
+// An output to write into, dense in the plan's layout: out itself, or a temporary copied back by
+// finish().
 struct OutputBuffer {
   Tensor& out;
   Tensor buf;
-  explicit OutputBuffer(Tensor& o)
-      : out(o), buf(o.is_contiguous() ? o : detail::make_empty(o.sizes().vec(), o.dtype(), o.device())) {}
+  OutputBuffer(Tensor& o, MemoryFormat format) : out(o), buf(dense_buffer(o, format)) {}
   void* data() const { return buf.impl().data(); }
   void finish() {
     if (!buf.same(out)) out.copy_(buf);
@@ -786,54 +895,72 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
       if (mask[i]) outs[i].copy_(r[i]);
     return;
   }
-  const Tensor dy = grad.contiguous();
-  const Tensor x = need_dw ? input.contiguous() : Tensor();
-  const Tensor w = need_dx ? weight.contiguous() : Tensor();
-  OutputBuffer dx(outs[0]), dw(outs[1]), db(outs[2]);
-  bool done = false;
+  // oneDNN in the layout the forward ran in (NCHW where it has no fast NHWC kernel). 1x1/stride-1
+  // float32 weight gradients: threaded GEMMs here, in either layout (oneDNN's backward-weights is
+  // slower there: NCHW GEMM convolution parallelizes poorly, NHWC jit_1x1 measured 2x slower on
+  // DenseNet-121's shapes); the rest through a oneDNN plan.
+  Layout layout;
+  std::shared_ptr<const BackwardPlan> plan;
+  bool use_onednn = false, own_dw = false, plan_dw = false;
   if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled() && (need_dx || need_dw)) {
-    // 1x1 float32 weight gradients: threaded GEMMs here (oneDNN's GEMM convolution parallelizes
-    // its backward-weights poorly); the rest through a oneDNN plan.
-    const bool own_dw = t == DType::float32 && need_dw && plain_layout(s);
-    const bool plan_dw = need_dw && !own_dw;
-    std::shared_ptr<const BackwardPlan> plan;
-    if (need_dx || plan_dw) plan = find_backward_plan(s, t, need_dx, plan_dw);
-    if (plan || !(need_dx || plan_dw)) {
-      if (own_dw) pointwise_weight_grad(s, x.data_ptr<float>(), dy.data_ptr<float>(), static_cast<float*>(dw.data()));
-      const bool onednn_bias = need_db && plan && plan->bias;
-      Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
-                                : Tensor();
-      if (plan)
-        run_backward_plan(*plan, plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
-                          dy.impl().data(), need_dx ? dx.data() : nullptr, plan_dw ? dw.data() : nullptr,
-                          db32.defined() ? db32.data_ptr<float>() : nullptr);
-      if (db32.defined() && !db32.same(db.buf)) db.buf.copy_(db32);
-      if (need_db && !onednn_bias) {
-        if (t == DType::float32) bias_grad<float>(s, dy.data_ptr<float>(), db.buf.data_ptr<float>());
-        else db.buf.copy_(dy.sum({0, 2, 3}, false, kFloat32));
-      }
-      done = true;
+    auto try_layout = [&](Layout l) {
+      own_dw = t == DType::float32 && need_dw && plain_layout(s);
+      plan_dw = need_dw && !own_dw;
+      plan = need_dx || plan_dw ? find_backward_plan(s, t, l, need_dx, plan_dw) : nullptr;
+      return plan != nullptr || !(need_dx || plan_dw);
+    };
+    const Layout preferred = preferred_layout(input, weight);
+    if (try_layout(preferred)) {
+      layout = preferred;
+      use_onednn = true;
+    } else if (preferred.channels_last) {
+      use_onednn = try_layout(Layout{});
     }
   }
-  if (!done) {
-    if (t == DType::float64 || t == DType::float32) {
-      KILN_DISPATCH_FLOATING(t, "convolution_backward", [&] {
-        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
-          if (need_dx || need_dw)
-            conv_backward_im2col<scalar_t>(s, need_dw ? x.data_ptr<scalar_t>() : nullptr,
-                                           need_dx ? w.data_ptr<scalar_t>() : nullptr, dy.data_ptr<scalar_t>(),
-                                           need_dx ? static_cast<scalar_t*>(dx.data()) : nullptr,
-                                           need_dw ? static_cast<scalar_t*>(dw.data()) : nullptr);
-          if (need_db) bias_grad<scalar_t>(s, dy.data_ptr<scalar_t>(), static_cast<scalar_t*>(db.data()));
-        }
-      });
-    } else {  // bfloat16 without oneDNN support: compute in float32
-      auto r = call_op(*call.op, {grad.to(kFloat32), input.to(kFloat32), weight.to(kFloat32)},
-                       std::vector<Attr>(call.attrs.begin(), call.attrs.end()));
-      for (int i = 0; i < 3; ++i)
-        if (mask[i]) outs[i].copy_(r[i]);
-      return;
+  // Copies only for operands not dense in the plan's layout (the fallbacks run NCHW).
+  const MemoryFormat activations = layout.activations();
+  const Tensor dy = grad.contiguous(activations);
+  const Tensor x = need_dw ? input.contiguous(activations) : Tensor();
+  const Tensor w = need_dx ? weight.contiguous(layout.weights()) : Tensor();
+  OutputBuffer dx(outs[0], activations), dw(outs[1], layout.weights()), db(outs[2], contiguous_format);
+  if (use_onednn) {
+    if (own_dw) {
+      auto* dw_data = static_cast<float*>(dw.data());
+      if (layout.channels_last)
+        pointwise_weight_grad_channels_last(s, x.data_ptr<float>(), dy.data_ptr<float>(), dw_data);
+      else
+        pointwise_weight_grad(s, x.data_ptr<float>(), dy.data_ptr<float>(), dw_data);
     }
+    const bool onednn_bias = need_db && plan && plan->bias;
+    Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
+                              : Tensor();
+    if (plan)
+      run_backward_plan(*plan, plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
+                        dy.impl().data(), need_dx ? dx.data() : nullptr, plan_dw ? dw.data() : nullptr,
+                        db32.defined() ? db32.data_ptr<float>() : nullptr);
+    if (db32.defined() && !db32.same(db.buf)) db.buf.copy_(db32);
+    if (need_db && !onednn_bias) {
+      if (t != DType::float32) db.buf.copy_(dy.sum({0, 2, 3}, false, kFloat32));
+      else if (layout.channels_last) bias_grad_channels_last<float>(s, dy.data_ptr<float>(), db.buf.data_ptr<float>());
+      else bias_grad<float>(s, dy.data_ptr<float>(), db.buf.data_ptr<float>());
+    }
+  } else if (t == DType::float64 || t == DType::float32) {
+    KILN_DISPATCH_FLOATING(t, "convolution_backward", [&] {
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+        if (need_dx || need_dw)
+          conv_backward_im2col<scalar_t>(s, need_dw ? x.data_ptr<scalar_t>() : nullptr,
+                                         need_dx ? w.data_ptr<scalar_t>() : nullptr, dy.data_ptr<scalar_t>(),
+                                         need_dx ? static_cast<scalar_t*>(dx.data()) : nullptr,
+                                         need_dw ? static_cast<scalar_t*>(dw.data()) : nullptr);
+        if (need_db) bias_grad<scalar_t>(s, dy.data_ptr<scalar_t>(), static_cast<scalar_t*>(db.data()));
+      }
+    });
+  } else {  // bfloat16 without oneDNN support: compute in float32
+    auto r = call_op(*call.op, {grad.to(kFloat32), input.to(kFloat32), weight.to(kFloat32)},
+                     std::vector<Attr>(call.attrs.begin(), call.attrs.end()));
+    for (int i = 0; i < 3; ++i)
+      if (mask[i]) outs[i].copy_(r[i]);
+    return;
   }
   if (need_dx) dx.finish();
   if (need_dw) dw.finish();

@@ -1,13 +1,16 @@
 // Strided iteration for CPU kernels.
 //
 // pointwise<T, OutT>(out, f, inputs...) computes out = f(inputs...) elementwise over the
-// broadcast shape, in opmath precision (float for float16/bfloat16). Contiguous operands take
-// a flat loop the compiler vectorizes; 0-dim/broadcast scalars are hoisted out of it; anything
-// else walks coalesced strided dims. Work is split across OpenMP threads above a grain size.
+// broadcast shape, in opmath precision (float for float16/bfloat16). Dims are walked in the
+// output's memory order, so a dense output of any layout (row-major or channels-last) is written
+// front to back; operands dense in that order take a flat loop the compiler vectorizes;
+// 0-dim/broadcast scalars are hoisted out of it; anything else walks coalesced strided dims.
+// Work is split across OpenMP threads above a grain size.
 #pragma once
 
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <type_traits>
@@ -58,8 +61,11 @@ inline DimSplit split_around(const Tensor& x, int64_t dim) {
   return a;
 }
 
-// N operands (output first) walked over one shape with per-operand element strides, after
-// dropping size-1 dims and merging dims that are contiguous for every operand.
+// N operands (output first) walked over one shape with per-operand element strides. Size-1
+// dims are dropped, the rest ordered outermost first by the output's strides (PyTorch's
+// TensorIterator::reorder_dimensions: operand 0 decides, a later operand where it is broadcast),
+// then dims contiguous for every operand are merged. A row-major or channels-last dense op thus
+// becomes one flat run. The linear index of run() counts in this order, not row-major.
 template <size_t N>
 struct StridedLoop {
   std::vector<int64_t> sizes;                   // innermost last
@@ -76,9 +82,34 @@ struct StridedLoop {
     std::array<std::vector<int64_t>, N> bs;
     for (size_t k = 0; k < N; ++k)
       bs[k] = detail::broadcast_strides(ops[k]->sizes(), ops[k]->strides(), shape);
+    std::vector<size_t> order;  // dims of size > 1, outermost first
     for (size_t d = 0; d < shape.size(); ++d) {
       numel *= shape[d];
-      if (shape[d] == 1) continue;
+      if (shape[d] != 1) order.push_back(d);
+    }
+    // +1: dim a (now outside b) belongs inside it; -1: it belongs outside; 0: no operand knows.
+    auto compare = [&](size_t a, size_t b) {
+      for (size_t k = 0; k < N; ++k) {
+        int64_t sa = bs[k][a], sb = bs[k][b];
+        if (sa == 0 || sb == 0 || sa == sb) continue;
+        return sa < sb ? 1 : -1;
+      }
+      return 0;
+    };
+    // Insertion sort that steps over undecided pairs (as PyTorch's): row-major stays as is.
+    for (size_t i = 1; i < order.size(); ++i) {
+      size_t moving = i;
+      for (size_t j = i; j-- > 0;) {
+        int c = compare(order[j], order[moving]);
+        if (c > 0) {
+          std::swap(order[j], order[moving]);
+          moving = j;
+        } else if (c < 0) {
+          break;
+        }
+      }
+    }
+    for (size_t d : order) {
       std::array<int64_t, N> st;
       for (size_t k = 0; k < N; ++k) st[k] = bs[k][d];
       if (!sizes.empty()) {

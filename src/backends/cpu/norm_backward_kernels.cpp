@@ -5,7 +5,8 @@
 // the block's reductions (sum(dy * w), sum(dy * w * x)), the next writes dx while the block is
 // still in cache. batch_norm's channel is N strided runs, so it streams through memory order
 // twice instead (faster than gathering a channel): pass 1 accumulates per-channel sum(dy) and
-// sum(dy * (x - mean)) into one partial row per thread, pass 2 writes dx. Inner loops are
+// sum(dy * (x - mean)) into one partial row per thread, pass 2 writes dx (channels-last data
+// goes the same way, row by row of C channels: norm_loops.h). Inner loops are
 // contiguous and vectorized (`omp simd`) in opmath precision (float for float16/bfloat16/float32,
 // double for float64); run sums are combined in double. layer_norm's weight and bias gradients
 // (column sums over rows) use one accumulator row per thread.
@@ -79,12 +80,96 @@ inline void centered_sums(const T* __restrict x, const T* __restrict dy, int64_t
   dot = d;
 }
 
+// Pass 1 on channel rows, for channels [c0, c0 + kWidth) of rows [r0, r1): adds sum(dy) and
+// sum(dy * (x - mean)) into s and d. The tile's sums and means stay in registers while the rows
+// stream by (a row-at-a-time loop over all channels would load and store its sums for every
+// row, and that traffic, not memory, would bound it).
+template <int64_t kWidth, class T, class Acc = opmath_t<T>>
+inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, int64_t r0, int64_t r1,
+                              const Acc* mean, Acc* s_out, Acc* d_out) {
+  Acc s[kWidth] = {}, d[kWidth] = {}, m[kWidth];
+  std::copy_n(mean, kWidth, m);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* __restrict x = xp + r * x_stride;
+    const T* __restrict g = gp + r * g_stride;
+#pragma omp simd
+    for (int64_t c = 0; c < kWidth; ++c) {
+      const Acc gv = static_cast<Acc>(g[c]);
+      s[c] += gv;
+      d[c] += gv * (static_cast<Acc>(x[c]) - m[c]);
+    }
+  }
+  for (int64_t c = 0; c < kWidth; ++c) {
+    s_out[c] += s[c];
+    d_out[c] += d[c];
+  }
+}
+
+// Pass 1 on channel rows: per-channel sum(dy) and sum(dy * (x - mean)) over `rows` rows. Blocks of
+// rows are split across threads; a block is walked one tile of channels at a time (registers
+// hold a tile's sums: channel_tile_sums), summed in opmath precision and added into the thread's
+// partial sums in double.
+template <class T, class Acc = opmath_t<T>>
+void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, int64_t rows, int64_t channels,
+                       const std::vector<Acc>& mean, std::vector<double>& sum_dy, std::vector<double>& dot) {
+  constexpr int64_t kTile = 512 / sizeof(Acc);  // 8 vector registers of sums, 8 of differences, 8 of means
+  constexpr int64_t kBlock = 256;                // rows summed in opmath precision before double
+  std::vector<double> sums = sum_rows(
+      (rows + kBlock - 1) / kBlock, kBlock * channels, 2 * channels, [&](double* __restrict out, int64_t b) {
+        thread_local std::vector<Acc> scratch;
+        scratch.assign(static_cast<size_t>(2 * channels), Acc(0));
+        Acc* s = scratch.data();
+        Acc* d = s + channels;
+        const int64_t r0 = b * kBlock, r1 = std::min(rows, r0 + kBlock);
+        int64_t c0 = 0;
+        for (; c0 + kTile <= channels; c0 += kTile)
+          channel_tile_sums<kTile>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+        for (; c0 + 16 <= channels; c0 += 16)
+          channel_tile_sums<16>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+        for (; c0 < channels; ++c0)
+          channel_tile_sums<1>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+#pragma omp simd
+        for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
+      });
+  std::copy(sums.begin(), sums.begin() + channels, sum_dy.begin());
+  std::copy(sums.begin() + channels, sums.end(), dot.begin());
+}
+
+// Pass 2 on channel rows: dx = dy * a + (x * b + c), per channel. Three per-channel operands
+// instead of four keep the loop at streaming speed (their loads compete with the data's); the
+// rounding of x * b next to c is the forward's (x * scale + shift).
+template <class T, class Acc = opmath_t<T>>
+void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, T* dx, int64_t dx_stride,
+                             int64_t rows, int64_t channels, const std::vector<Acc>& a, const std::vector<Acc>& b,
+                             const std::vector<Acc>& c) {
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels));
+  parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+    const Acc* __restrict pa = a.data();
+    const Acc* __restrict pb = b.data();
+    const Acc* __restrict pc = c.data();
+    for (int64_t r = begin; r < end; ++r) {
+      const T* __restrict xr = xp + r * x_stride;
+      const T* __restrict gr = gp + r * g_stride;
+      T* __restrict o = dx + r * dx_stride;
+#pragma omp simd
+      for (int64_t k = 0; k < channels; ++k)
+        o[k] = static_cast<T>(static_cast<Acc>(gr[k]) * pa[k] + (static_cast<Acc>(xr[k]) * pb[k] + pc[k]));
+    }
+  });
+}
+
+// x and grad_output are read in x's layout (planar or channel rows, see norm_loops.h; a
+// grad_output in the other layout is copied), and grad_input is written in it.
 template <class T>
 void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
   const DType dt = dtype_of_v<T>;
-  const Tensor x = call.input(1).contiguous();
-  const Tensor dy = contiguous_as(call.input(0), dt);
+  Tensor& dx_out = outs[0];
+  const auto dx_row_stride = channel_row_stride(dx_out);
+  const ChannelView xv = channel_view(call.input(1), dx_row_stride && !dx_out.is_contiguous());
+  const ChannelView gv = channel_view_as(as_dtype(call.input(0), dt), xv.rows);
+  const Tensor& x = xv.t;
+  const Tensor& dy = gv.t;
   const bool train = call.bool_attr(0);
   const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
   const int64_t n = x.sizes()[0], channels = x.sizes()[1];
@@ -102,7 +187,9 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   const bool small = plane < kSmallPlane;
   const int64_t columns = channels * plane;
   if ((train || need_weight || need_bias) && rows > 0 && plane > 0) {
-    if (small) {
+    if (xv.rows) {
+      channel_rows_sums(xp, xv.row_stride, gp, gv.row_stride, count, channels, mean, sum_dy, dot);
+    } else if (small) {
       const std::vector<Acc> column_mean = expand_to_columns(mean, plane);
       std::vector<double> sums = sum_rows(n, columns, 2 * columns, [&](double* __restrict s, int64_t i) {
         const T* __restrict xr = xp + i * columns;
@@ -138,16 +225,34 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
 
   // Pass 2 (memory order): dx = (dy - mean(dy) - (x - mean) * k) * invstd * w in training, where
   // k = invstd^2 * mean(dy * (x - mean)); dy * invstd * w in evaluation.
-  if (need_input) {
-    std::vector<Acc> scale(static_cast<size_t>(channels)), shift(static_cast<size_t>(channels)),
-        k(static_cast<size_t>(channels));
-    for (int64_t c = 0; c < channels; ++c) {
-      scale[c] = invstd[c] * weight[c];
-      k[c] = train && count > 0 ? static_cast<Acc>(dot[c] / static_cast<double>(count)) * invstd[c] * invstd[c]
-                                : Acc(0);
-      shift[c] = train && count > 0 ? static_cast<Acc>(sum_dy[c] / static_cast<double>(count)) : Acc(0);
+  std::vector<Acc> scale(static_cast<size_t>(channels)), shift(static_cast<size_t>(channels)),
+      k(static_cast<size_t>(channels));
+  for (int64_t c = 0; need_input && c < channels; ++c) {
+    scale[c] = invstd[c] * weight[c];
+    k[c] = train && count > 0 ? static_cast<Acc>(dot[c] / static_cast<double>(count)) * invstd[c] * invstd[c]
+                              : Acc(0);
+    shift[c] = train && count > 0 ? static_cast<Acc>(sum_dy[c] / static_cast<double>(count)) : Acc(0);
+  }
+  if (need_input && xv.rows) {
+    const bool direct = dx_row_stride && (*dx_row_stride >= channels || count <= 1);
+    Tensor y = direct ? dx_out
+                      : detail::make_empty_strided(dx_out.sizes().vec(), channel_rows_strides(dx_out.sizes()),
+                                                   dx_out.dtype(), dx_out.device());
+    // (dy - shift - (x - mean) * k) * scale, regrouped (in double) as dy * a + (x * b + c).
+    std::vector<Acc> a(static_cast<size_t>(channels)), b(static_cast<size_t>(channels)),
+        c(static_cast<size_t>(channels));
+    for (int64_t ch = 0; ch < channels; ++ch) {
+      const double sc = scale[ch], kc = k[ch];
+      a[ch] = scale[ch];
+      b[ch] = static_cast<Acc>(-kc * sc);
+      c[ch] = static_cast<Acc>((static_cast<double>(mean[ch]) * kc - static_cast<double>(shift[ch])) * sc);
     }
-    with_contiguous_output(outs[0], [&](Tensor& dx_t) {
+    if (count > 0)
+      channel_rows_grad_input(xp, xv.row_stride, gp, gv.row_stride, y.data_ptr<T>(),
+                              direct ? *dx_row_stride : channels, count, channels, a, b, c);
+    if (!direct) dx_out.copy_(y);
+  } else if (need_input) {
+    with_contiguous_output(dx_out, [&](Tensor& dx_t) {
       T* dx = dx_t.data_ptr<T>();
       if (small) {  // per-column parameters, vectorized across a sample's columns
         const std::vector<Acc> cm = expand_to_columns(mean, plane), ck = expand_to_columns(k, plane),

@@ -1,6 +1,7 @@
 // CPU kernels for native_batch_norm, native_layer_norm and native_group_norm.
 //
-// All three normalize contiguous runs: batch_norm a channel's N runs of H*W elements,
+// All three normalize contiguous runs: batch_norm a channel's N runs of H*W elements (or, for
+// channels-last input, N*H*W rows of C channels: see norm_loops.h),
 // layer_norm one row of the trailing dims, group_norm one (n, group) block. Statistics use two
 // passes (mean, then the sum of squared deviations) over data that stays in cache, in opmath
 // precision (float for float16/bfloat16/float32 rows, double for float64); the output pass is a
@@ -154,23 +155,74 @@ void channel_stats(const T* in, int64_t n, int64_t channels, int64_t plane, std:
   }
 }
 
+// y = x * scale[c] + shift[c] over `rows` rows of `channels` values (channel rows).
+template <class T, class Acc = opmath_t<T>>
+void affine_channel_rows(const T* in, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t channels,
+                         const std::vector<Acc>& scale, const std::vector<Acc>& shift) {
+  parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels)), [&](int64_t b, int64_t e) {
+    const Acc* __restrict sc = scale.data();
+    const Acc* __restrict sh = shift.data();
+    for (int64_t r = b; r < e; ++r) {
+      const T* __restrict x = in + r * in_stride;
+      T* __restrict y = out + r * out_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) y[c] = static_cast<T>(static_cast<Acc>(x[c]) * sc[c] + sh[c]);
+    }
+  });
+}
+
+// The planar (NCHW) output pass: one affine map per column of a sample for small planes, per
+// (n, c) run otherwise.
+template <class T, class Acc = opmath_t<T>>
+void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane, const std::vector<Acc>& scale,
+                   const std::vector<Acc>& shift) {
+  if (plane < kSmallPlane) {
+    const int64_t columns = channels * plane;
+    const std::vector<Acc> column_scale = expand_to_columns(scale, plane);
+    const std::vector<Acc> column_shift = expand_to_columns(shift, plane);
+    parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const T* __restrict x = in + i * columns;
+        T* __restrict out = o + i * columns;
+        const Acc* __restrict sc = column_scale.data();
+        const Acc* __restrict sh = column_shift.data();
+#pragma omp simd
+        for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<T>(static_cast<Acc>(x[k]) * sc[k] + sh[k]);
+      }
+    });
+    return;
+  }
+  parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t c = r % channels;
+      affine_row(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
+    }
+  });
+}
+
+// Reads the input in its own layout (planar or channel rows, see norm_loops.h) and writes the
+// output in the same one: directly when the output has it, else through a temporary.
 template <class T>
 void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
-  const Tensor x = call.input(0).contiguous();
+  Tensor& out = outs[0];
+  const auto out_row_stride = channel_row_stride(out);
+  const ChannelView xv = channel_view(call.input(0), out_row_stride && !out.is_contiguous());
+  const Tensor& x = xv.t;
   Tensor running_mean = call.input(3), running_var = call.input(4);
   const bool training = call.bool_attr(0);
   const double momentum = call.double_attr(1), eps = call.double_attr(2);
   const int64_t n = x.sizes()[0], channels = x.sizes()[1];
   const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
-  const int64_t count = n * plane;  // values per channel
+  const int64_t count = n * plane;  // values per channel, and channel rows
   const T* in = x.data_ptr<T>();
 
   std::vector<Acc> mean(static_cast<size_t>(channels)), invstd(static_cast<size_t>(channels));
   std::vector<double> var(static_cast<size_t>(channels));
   if (training) {
     std::vector<double> m(static_cast<size_t>(channels));
-    channel_stats(in, n, channels, plane, m, var);
+    if (xv.rows) channel_rows_stats(in, count, channels, xv.row_stride, m, var);
+    else channel_stats(in, n, channels, plane, m, var);
     for (int64_t c = 0; c < channels; ++c) {
       mean[c] = static_cast<Acc>(m[c]);
       invstd[c] = static_cast<Acc>(1.0 / std::sqrt(var[c] + eps));
@@ -202,31 +254,19 @@ void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
     scale[c] = invstd[c] * weight[c];
     shift[c] = bias[c] - mean[c] * scale[c];
   }
-  with_contiguous_output(outs[0], [&](Tensor& y) {
-    T* o = y.data_ptr<T>();
-    if (plane < kSmallPlane) {  // one affine map per column of a sample
-      const int64_t columns = channels * plane;
-      const std::vector<Acc> column_scale = expand_to_columns(scale, plane);
-      const std::vector<Acc> column_shift = expand_to_columns(shift, plane);
-      parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          const T* __restrict x = in + i * columns;
-          T* __restrict out = o + i * columns;
-          const Acc* __restrict sc = column_scale.data();
-          const Acc* __restrict sh = column_shift.data();
-#pragma omp simd
-          for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<T>(static_cast<Acc>(x[k]) * sc[k] + sh[k]);
-        }
-      });
-      return;
-    }
-    parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const int64_t c = r % channels;
-        affine_row(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
-      }
-    });
-  });
+  if (xv.rows) {
+    const bool direct = out_row_stride && (*out_row_stride >= channels || count <= 1);
+    Tensor y = direct ? out
+                      : detail::make_empty_strided(out.sizes().vec(), channel_rows_strides(out.sizes()), out.dtype(),
+                                                   out.device());
+    if (count > 0)
+      affine_channel_rows(in, xv.row_stride, y.data_ptr<T>(), direct ? *out_row_stride : channels, count, channels,
+                          scale, shift);
+    if (!direct) out.copy_(y);
+  } else {
+    with_contiguous_output(out,
+                           [&](Tensor& y) { affine_planar(in, y.data_ptr<T>(), n, channels, plane, scale, shift); });
+  }
   store_values(outs[1], mean);
   store_values(outs[2], invstd);
 }

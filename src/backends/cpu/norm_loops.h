@@ -1,14 +1,21 @@
 // Loop helpers shared by the batch-norm forward (norm_kernels.cpp) and backward
 // (norm_backward_kernels.cpp) kernels.
+//
+// Batch norm walks its (N, C, spatial...) data in one of two layouts: planar (NCHW, contiguous:
+// N * C runs of one channel's plane) or channel rows (channels-last, NHWC: N * plane rows of C
+// contiguous channels, a fixed stride apart). Each kernel reads the layout its input already has,
+// so a channels-last network never reorders.
 #pragma once
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "backends/cpu/loops.h"
+#include "core/tensor_factory.h"
 
 namespace kiln::cpu {
 
@@ -42,6 +49,148 @@ std::vector<double> sum_rows(int64_t n, int64_t columns, int64_t width, Accumula
     for (int64_t k = 0; k < width; ++k) partial[k] += partial[chunk * width + k];
   partial.resize(static_cast<size_t>(width));
   return partial;
+}
+
+// The stride between rows when t (N, C, spatial...) is channel rows: channels adjacent and all
+// (n, spatial) positions one uniform stride apart (channels-last, dense or a channel slice of a
+// wider channels-last tensor). nullopt otherwise.
+inline std::optional<int64_t> channel_row_stride(const Tensor& t) {
+  if (t.dim() < 2 || (t.sizes()[1] > 1 && t.strides()[1] != 1)) return std::nullopt;
+  std::optional<int64_t> row_stride;
+  int64_t expected = 0;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {  // the last dim varies fastest, dim 0 slowest
+    if (d == 1 || t.sizes()[d] == 1) continue;
+    if (!row_stride) {
+      row_stride = t.strides()[d];
+      expected = *row_stride;
+    }
+    if (t.strides()[d] != expected) return std::nullopt;
+    expected *= t.sizes()[d];
+  }
+  return row_stride.value_or(t.sizes()[1]);
+}
+
+// Dense channel-rows strides for `sizes`: channels fastest, then the last dim, ..., dim 2, dim 0
+// (channels-last for a 4-D shape).
+inline std::vector<int64_t> channel_rows_strides(IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t step = 1;
+  auto place = [&](size_t d) {
+    strides[d] = step;
+    step *= std::max<int64_t>(sizes[d], 1);
+  };
+  place(1);
+  for (size_t d = sizes.size(); d-- > 2;) place(d);
+  place(0);
+  return strides;
+}
+
+// An (N, C, spatial...) tensor as a batch-norm kernel reads it.
+struct ChannelView {
+  Tensor t;                // the tensor itself, or a copy in the layout asked for
+  bool rows = false;       // channel rows (else planar: contiguous)
+  int64_t row_stride = 0;  // rows only
+};
+
+// t in the given layout: itself when it has it, else a copy.
+inline ChannelView channel_view_as(const Tensor& t, bool rows) {
+  if (!rows) return {t.contiguous(), false, 0};
+  if (auto stride = channel_row_stride(t)) return {t, true, *stride};
+  Tensor copy = detail::make_empty_strided(t.sizes().vec(), channel_rows_strides(t.sizes()), t.dtype(), t.device());
+  copy.copy_(t);
+  return {copy, true, t.sizes()[1]};
+}
+
+// t in its own layout when it has one of the two (`prefer_rows` breaks the tie of a tensor that
+// is both), else copied into channel rows when `prefer_rows`, planar otherwise.
+inline ChannelView channel_view(const Tensor& t, bool prefer_rows) {
+  const bool has_rows = channel_row_stride(t).has_value();
+  return channel_view_as(t, prefer_rows ? has_rows || !t.is_contiguous() : has_rows && !t.is_contiguous());
+}
+
+// Per-channel mean and biased variance of `rows` rows of `channels` values, `row_stride` apart,
+// in one pass over memory. Each thread takes a range of rows in blocks; within a block it sums
+// x - k and (x - k)^2 per channel in opmath precision (vectorized across channels, four rows per
+// step to save accumulator traffic), where the shift k is the thread's running mean (the block's
+// first row at first), so the sums stay small and the block's squared deviations come out
+// without cancellation. Blocks merge into the thread's statistics with Chan's formula in double.
+template <class T>
+void channel_rows_stats(const T* in, int64_t rows, int64_t channels, int64_t row_stride, std::vector<double>& mean,
+                        std::vector<double>& var) {
+  using Acc = opmath_t<T>;
+  if (rows == 0 || channels == 0) return;
+  const int64_t block = std::clamp<int64_t>(32768 / channels, 4, 1024);
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), rows, rows * channels / kGrainSize}));
+  const size_t width = static_cast<size_t>(channels);
+  std::vector<double> counts(static_cast<size_t>(chunks), 0.0), mu(chunks * width, 0.0), m2(chunks * width, 0.0);
+  parallel_for(chunks, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<Acc> shift_v(width), sum_v(width), square_v(width);
+    for (int64_t chunk = cb; chunk < ce; ++chunk) {
+      double* __restrict cmu = mu.data() + chunk * channels;
+      double* __restrict cm2 = m2.data() + chunk * channels;
+      double& count = counts[chunk];
+      const int64_t end = rows * (chunk + 1) / chunks;
+      for (int64_t r0 = rows * chunk / chunks; r0 < end; r0 += block) {
+        const int64_t n = std::min(block, end - r0);
+        Acc* __restrict k = shift_v.data();
+        Acc* __restrict s = sum_v.data();
+        Acc* __restrict q = square_v.data();
+        for (int64_t c = 0; c < channels; ++c) {
+          k[c] = count > 0 ? static_cast<Acc>(cmu[c]) : static_cast<Acc>(in[r0 * row_stride + c]);
+          s[c] = q[c] = Acc(0);
+        }
+        int64_t r = r0;
+        for (; r + 4 <= r0 + n; r += 4) {
+          const T* __restrict x = in + r * row_stride;
+          const int64_t rs = row_stride;
+#pragma omp simd
+          for (int64_t c = 0; c < channels; ++c) {
+            const Acc d0 = static_cast<Acc>(x[c]) - k[c], d1 = static_cast<Acc>(x[c + rs]) - k[c];
+            const Acc d2 = static_cast<Acc>(x[c + 2 * rs]) - k[c], d3 = static_cast<Acc>(x[c + 3 * rs]) - k[c];
+            s[c] += (d0 + d1) + (d2 + d3);
+            q[c] += (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3);
+          }
+        }
+        for (; r < r0 + n; ++r) {
+          const T* __restrict x = in + r * row_stride;
+#pragma omp simd
+          for (int64_t c = 0; c < channels; ++c) {
+            const Acc d = static_cast<Acc>(x[c]) - k[c];
+            s[c] += d;
+            q[c] += d * d;
+          }
+        }
+        const double total = count + static_cast<double>(n);
+        const double inv_n = 1.0 / static_cast<double>(n), weight = static_cast<double>(n) / total,
+                     cross = count * static_cast<double>(n) / total;
+#pragma omp simd
+        for (int64_t c = 0; c < channels; ++c) {
+          const double block_sum = static_cast<double>(s[c]);
+          const double block_m2 = std::max(0.0, static_cast<double>(q[c]) - block_sum * block_sum * inv_n);
+          const double delta = static_cast<double>(k[c]) + block_sum * inv_n - cmu[c];
+          cmu[c] += delta * weight;
+          cm2[c] += block_m2 + delta * delta * cross;
+        }
+        count = total;
+      }
+    }
+  });
+  for (int64_t chunk = 1; chunk < chunks; ++chunk) {
+    const double total = counts[0] + counts[chunk];
+    if (counts[chunk] == 0) continue;
+    const double weight = counts[chunk] / total, cross = counts[0] * counts[chunk] / total;
+    for (int64_t c = 0; c < channels; ++c) {
+      const double delta = mu[chunk * channels + c] - mu[c];
+      mu[c] += delta * weight;
+      m2[c] += m2[chunk * channels + c] + delta * delta * cross;
+    }
+    counts[0] = total;
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    mean[c] = mu[c];
+    var[c] = m2[c] / counts[0];
+  }
 }
 
 }  // namespace kiln::cpu

@@ -87,8 +87,10 @@ template <bool kReciprocal>
 void sqrt_kernel(const OpCall& c, std::span<Tensor> outs) {
   Tensor& out = outs[0];
   const Tensor& x = c.input(0);
-  bool flat = out.is_contiguous() && x.is_contiguous() && x.dtype() == out.dtype() &&
-              (out.dtype() == kFloat32 || out.dtype() == kFloat64);
+  // One dense block each, element i of one at element i of the other: row-major or channels-last.
+  bool same_dense = (out.is_contiguous() && x.is_contiguous()) ||
+                    (out.is_contiguous(channels_last) && x.is_contiguous(channels_last));
+  bool flat = same_dense && x.dtype() == out.dtype() && (out.dtype() == kFloat32 || out.dtype() == kFloat64);
   if (!flat) {
     return unary_kernel<std::conditional_t<kReciprocal, m::Rsqrt, m::Sqrt>, Types::floating>(c, outs);
   }

@@ -2,7 +2,9 @@
 // adaptive_avg_pool2d_backward.
 //
 // All three write the input gradient plane by plane (one (n, c) plane per task, split across
-// OpenMP threads), so overlapping windows accumulate without races. float16/bfloat16 compute
+// OpenMP threads), so overlapping windows accumulate without races. A channels-last input
+// gradient is written in place by loops over channels (one (n, channel block) per task; see
+// "channels-last" below). float16/bfloat16 compute
 // in float32 and convert once at the end, so overlapping contributions are not rounded one by one.
 #include <limits>
 
@@ -29,23 +31,118 @@ PlaneGeometry plane_geometry(const Tensor& grad, const Tensor& out) {
   return {h * w == 0 ? 0 : out.numel() / (h * w), h, w, grad.sizes()[d - 2], grad.sizes()[d - 1]};
 }
 
-// Runs body(grad, dx) on a contiguous grad_output and a contiguous output of a dtype the loops
-// handle (float32 for float16/bfloat16), zeroed unless the body writes every element, then
-// writes the result into `out`.
+// Runs body(grad, dx) on grad_output and an output of a dtype the loops handle (float32 for
+// float16/bfloat16), zeroed unless the body writes every element, then writes the result into
+// `out`. Planar: both contiguous. Channels-last: grad_output with adjacent channels (any other
+// strides) and a dense channels-last dx.
 template <class Body>
-void run_backward(const Tensor& grad_output, Tensor& out, Body&& body, bool zero = true) {
+void run_backward(const Tensor& grad_output, Tensor& out, Body&& body, bool zero = true, bool channels_last = false) {
   const DType compute = grad_output.dtype() == DType::float16 || grad_output.dtype() == DType::bfloat16
                             ? DType::float32
                             : grad_output.dtype();
-  const Tensor grad = as_dtype(grad_output, compute).contiguous();
-  const bool direct = out.is_contiguous() && out.dtype() == compute;
-  Tensor dx = direct ? out : detail::make_empty(out.sizes().vec(), compute, out.device());
+  Tensor grad = as_dtype(grad_output, compute);
+  if (!channels_last) grad = grad.contiguous();
+  else if (!channels_adjacent(grad)) grad = grad.contiguous(kiln::channels_last);
+  const bool direct =
+      (channels_last ? out.is_contiguous(kiln::channels_last) : out.is_contiguous()) && out.dtype() == compute;
+  Tensor dx = out;
+  if (!direct && channels_last)
+    dx = detail::make_empty_strided(out.sizes().vec(), detail::channels_last_strides(out.sizes()), compute,
+                                    out.device());
+  else if (!direct)
+    dx = detail::make_empty(out.sizes().vec(), compute, out.device());
   if ((zero || grad.numel() == 0) && dx.numel() > 0) {
     char* p = static_cast<char*>(dx.impl().data());
     parallel_for(dx.nbytes(), kGrainSize * 8, [&](int64_t b, int64_t e) { std::fill(p + b, p + e, char(0)); });
   }
   if (grad.numel() > 0) body(grad, dx);
   if (!direct) out.copy_(dx);
+}
+
+// ---------------- channels-last ----------------
+//
+// grad_output (any strides with adjacent channels) scattered into a (zeroed) dense channels-last
+// dx. Each task takes an image (and, when there are fewer images than threads, a block of its
+// channels), so overlapping windows never race; it walks the image's output pixels with an inner
+// loop over contiguous channels.
+
+// dx's sizes and grad_output's spatial size and strides.
+struct NhwcGrad {
+  int64_t n, c, h, w, oh, ow;
+  PixelStrides grad;
+};
+
+NhwcGrad nhwc_grad(const Tensor& grad, const Tensor& dx) {
+  return {dx.sizes()[0], dx.sizes()[1], dx.sizes()[2], dx.sizes()[3], grad.sizes()[2], grad.sizes()[3],
+          pixel_strides(grad)};
+}
+
+// Runs f(n, c0, nc) for every (image, channel block), in parallel. Channels are split only as far
+// as the threads need (blocks of at least a cache line): whole rows of channels stream best.
+template <class T, class F>
+void for_each_image_channel_block(const NhwcGrad& g, int64_t work_per_channel, F&& f) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  const int64_t splits = std::max<int64_t>(1, (omp_get_max_threads() + g.n - 1) / std::max<int64_t>(1, g.n));
+  const int64_t block = std::min(g.c, std::max(kLine, (g.c + splits - 1) / splits));
+  const int64_t blocks = (g.c + block - 1) / block;
+  parallel_for(g.n * blocks, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, work_per_channel * block)),
+               [&](int64_t b, int64_t e) {
+                 for (int64_t t = b; t < e; ++t) {
+                   const int64_t c0 = (t % blocks) * block;
+                   f(t / blocks, c0, std::min(block, g.c - c0));
+                 }
+               });
+}
+
+// Adds v[c] / divisor, per channel, to every pixel of the window [h0, h1) x [w0, w1); `share`
+// holds nc values of scratch.
+template <class T>
+inline void spread_nhwc(T* image, const NhwcGrad& g, int64_t c0, int64_t nc, const T* v, T divisor, int64_t h0,
+                        int64_t h1, int64_t w0, int64_t w1, T* __restrict share) {
+  for (int64_t c = 0; c < nc; ++c) share[c] = v[c] / divisor;
+  for (int64_t ih = h0; ih < h1; ++ih) {
+    for (int64_t iw = w0; iw < w1; ++iw) {
+      T* __restrict dst = image + (ih * g.w + iw) * g.c + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < nc; ++c) dst[c] += share[c];
+    }
+  }
+}
+
+template <class T>
+void max_pool_backward_nhwc(const Tensor& grad, const Tensor& indices, Tensor& dx) {
+  const NhwcGrad g = nhwc_grad(grad, dx);
+  const PixelStrides is = pixel_strides(indices);
+  const T* gp = grad.data_ptr<T>();
+  const int64_t* ip = indices.data_ptr<int64_t>();
+  T* o = dx.data_ptr<T>();
+  const int64_t in_plane = g.h * g.w;
+  int bad = 0;
+  for_each_image_channel_block<T>(g, g.oh * g.ow, [&](int64_t n, int64_t c0, int64_t nc) {
+    T* __restrict image = o + n * in_plane * g.c + c0;
+    bool out_of_range = false;
+    for (int64_t oh = 0; oh < g.oh; ++oh) {
+      for (int64_t ow = 0; ow < g.ow; ++ow) {
+        const T* __restrict gr = gp + n * g.grad.n + oh * g.grad.h + ow * g.grad.w + c0;
+        const int64_t* __restrict ir = ip + n * is.n + oh * is.h + ow * is.w + c0;
+        for (int64_t c = 0; c < nc; ++c) {
+          const int64_t at = ir[c];
+          if (at < 0 || at >= in_plane) {
+            out_of_range = true;
+            continue;
+          }
+          image[at * g.c + c] += gr[c];
+        }
+      }
+    }
+    if (out_of_range) {
+#pragma omp atomic write
+      bad = 1;
+    }
+  });
+  KILN_CHECK(bad == 0, IndexError,
+             "[kiln::max_pool2d_with_indices_backward] an index is out of range for an input plane of " +
+                 std::to_string(in_plane) + " elements. Pass the indices max_pool2d_with_indices returned.");
 }
 
 // ---------------- max_pool2d ----------------
@@ -85,13 +182,22 @@ void max_pool_backward_loop(const Tensor& grad, const Tensor& indices, Tensor& d
 }
 
 void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
-  const Tensor indices = call.input(1).contiguous();
-  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
-    KILN_DISPATCH_FLOATING(grad.dtype(), "max_pool2d_with_indices_backward", [&] {
-      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
-        max_pool_backward_loop<scalar_t>(grad, indices, dx);
-    });
-  });
+  const bool channels_last = wants_channels_last(outs[0]);
+  const Tensor& index_input = call.input(1);
+  const Tensor indices = !channels_last                 ? index_input.contiguous()
+                         : channels_adjacent(index_input) ? index_input
+                                                          : index_input.contiguous(kiln::channels_last);
+  run_backward(
+      call.input(0), outs[0],
+      [&](const Tensor& grad, Tensor& dx) {
+        KILN_DISPATCH_FLOATING(grad.dtype(), "max_pool2d_with_indices_backward", [&] {
+          if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+            if (channels_last) max_pool_backward_nhwc<scalar_t>(grad, indices, dx);
+            else max_pool_backward_loop<scalar_t>(grad, indices, dx);
+          }
+        });
+      },
+      /*zero=*/true, channels_last);
 }
 
 // ---------------- avg_pool2d ----------------
@@ -180,6 +286,60 @@ void avg_pool_backward_tiled(const Tensor& grad, Tensor& dx, const AvgWindow& wi
   });
 }
 
+template <class T>
+void avg_pool_backward_nhwc(const Tensor& grad, Tensor& dx, const AvgWindow& win) {
+  const NhwcGrad g = nhwc_grad(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  const int64_t window = win.kernel[0] * win.kernel[1];
+  for_each_image_channel_block<T>(g, g.oh * g.ow * window, [&](int64_t n, int64_t c0, int64_t nc) {
+    T* image = o + n * g.h * g.w * g.c;
+    std::vector<T> share(static_cast<size_t>(nc));
+    for (int64_t oh = 0; oh < g.oh; ++oh) {
+      const AvgSpan hs = avg_span(oh, win.kernel[0], win.stride[0], win.pad[0], g.h);
+      for (int64_t ow = 0; ow < g.ow; ++ow) {
+        const AvgSpan ws = avg_span(ow, win.kernel[1], win.stride[1], win.pad[1], g.w);
+        if (hs.start >= hs.end || ws.start >= ws.end) continue;
+        const int64_t divisor = avg_divisor(hs, ws, win.count_include_pad, win.divisor_override);
+        spread_nhwc(image, g, c0, nc, gp + n * g.grad.n + oh * g.grad.h + ow * g.grad.w + c0, static_cast<T>(divisor),
+                    hs.start, hs.end, ws.start, ws.end, share.data());
+      }
+    }
+  });
+}
+
+// avg_pool_backward_tiled for channels-last: each input pixel's C gradients written once.
+template <class T>
+void avg_pool_backward_tiled_nhwc(const Tensor& grad, Tensor& dx, const AvgWindow& win) {
+  const NhwcGrad g = nhwc_grad(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  const int64_t kh = win.kernel[0], kw = win.kernel[1];
+  const T inv = T(1) / static_cast<T>(win.divisor_override ? *win.divisor_override : kh * kw);
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.w * g.c));
+  parallel_for(g.n * g.h, grain, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t n = r / g.h, oh = r % g.h / kh;
+      T* row = o + r * g.w * g.c;
+      if (oh >= g.oh) {
+        std::fill_n(row, g.w * g.c, T(0));
+        continue;
+      }
+      for (int64_t iw = 0; iw < g.w; ++iw) {
+        T* __restrict dst = row + iw * g.c;
+        const int64_t ow = iw / kw;
+        if (ow >= g.ow) {
+          std::fill_n(dst, g.c, T(0));
+          continue;
+        }
+        const T* __restrict src = gp + n * g.grad.n + oh * g.grad.h + ow * g.grad.w;
+#pragma omp simd
+        for (int64_t c = 0; c < g.c; ++c) dst[c] = src[c] * inv;
+      }
+    }
+  });
+}
+
 void avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const AvgWindow win = avg_window(call);
   const Tensor& grad_output = call.input(0);
@@ -188,17 +348,20 @@ void avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const bool tiled = win.kernel[0] == win.stride[0] && win.kernel[1] == win.stride[1] && win.pad[0] == 0 &&
                      win.pad[1] == 0 && grad_output.sizes()[d - 2] * win.kernel[0] <= in[d - 2] &&
                      grad_output.sizes()[d - 1] * win.kernel[1] <= in[d - 1];
+  const bool channels_last = wants_channels_last(outs[0]);
   run_backward(
       grad_output, outs[0],
       [&](const Tensor& grad, Tensor& dx) {
         KILN_DISPATCH_FLOATING(grad.dtype(), "avg_pool2d_backward", [&] {
           if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
-            if (tiled) avg_pool_backward_tiled<scalar_t>(grad, dx, win);
+            if (channels_last && tiled) avg_pool_backward_tiled_nhwc<scalar_t>(grad, dx, win);
+            else if (channels_last) avg_pool_backward_nhwc<scalar_t>(grad, dx, win);
+            else if (tiled) avg_pool_backward_tiled<scalar_t>(grad, dx, win);
             else avg_pool_backward_loop<scalar_t>(grad, dx, win);
           }
         });
       },
-      /*zero=*/!tiled);
+      /*zero=*/!tiled, channels_last);
 }
 
 // ---------------- adaptive_avg_pool2d ----------------
@@ -235,13 +398,55 @@ void adaptive_avg_pool_backward_loop(const Tensor& grad, Tensor& dx) {
   });
 }
 
-void adaptive_avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
-  run_backward(call.input(0), outs[0], [&](const Tensor& grad, Tensor& dx) {
-    KILN_DISPATCH_FLOATING(grad.dtype(), "adaptive_avg_pool2d_backward", [&] {
-      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>)
-        adaptive_avg_pool_backward_loop<scalar_t>(grad, dx);
+template <class T>
+void adaptive_avg_pool_backward_nhwc(const Tensor& grad, Tensor& dx) {
+  const NhwcGrad g = nhwc_grad(grad, dx);
+  const T* gp = grad.data_ptr<T>();
+  T* o = dx.data_ptr<T>();
+  if (g.oh == 1 && g.ow == 1) {  // global average pooling: a broadcast, each pixel written once
+    const int64_t hw = g.h * g.w;
+    const T divisor = static_cast<T>(hw);
+    parallel_for(g.n * hw, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.c)), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* __restrict src = gp + (r / hw) * g.grad.n;
+        T* __restrict dst = o + r * g.c;
+#pragma omp simd
+        for (int64_t c = 0; c < g.c; ++c) dst[c] = src[c] / divisor;
+      }
     });
+    return;
+  }
+  const int64_t window = (g.h / g.oh + 1) * (g.w / g.ow + 1);
+  for_each_image_channel_block<T>(g, g.oh * g.ow * window, [&](int64_t n, int64_t c0, int64_t nc) {
+    T* image = o + n * g.h * g.w * g.c;
+    std::vector<T> share(static_cast<size_t>(nc));
+    for (int64_t oh = 0; oh < g.oh; ++oh) {
+      const int64_t hstart = adaptive_start(oh, g.h, g.oh), hend = adaptive_end(oh, g.h, g.oh);
+      for (int64_t ow = 0; ow < g.ow; ++ow) {
+        const int64_t wstart = adaptive_start(ow, g.w, g.ow), wend = adaptive_end(ow, g.w, g.ow);
+        spread_nhwc(image, g, c0, nc, gp + n * g.grad.n + oh * g.grad.h + ow * g.grad.w + c0,
+                    static_cast<T>((hend - hstart) * (wend - wstart)), hstart, hend, wstart, wend, share.data());
+      }
+    }
   });
+}
+
+void adaptive_avg_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const bool channels_last = wants_channels_last(outs[0]);
+  const Tensor& grad_output = call.input(0);
+  const int64_t d = grad_output.dim();
+  const bool global = grad_output.sizes()[d - 2] == 1 && grad_output.sizes()[d - 1] == 1;  // written once
+  run_backward(
+      grad_output, outs[0],
+      [&](const Tensor& grad, Tensor& dx) {
+        KILN_DISPATCH_FLOATING(grad.dtype(), "adaptive_avg_pool2d_backward", [&] {
+          if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, double>) {
+            if (channels_last) adaptive_avg_pool_backward_nhwc<scalar_t>(grad, dx);
+            else adaptive_avg_pool_backward_loop<scalar_t>(grad, dx);
+          }
+        });
+      },
+      /*zero=*/!(channels_last && global), channels_last);
 }
 
 [[maybe_unused]] const bool registered = [] {

@@ -8,7 +8,8 @@
 // The rest use direct loops, parallel over (plane, output row): other dtypes, avg_pool2d cases
 // whose divisor oneDNN computes differently (divisor_override, or ceil_mode windows past the
 // padding with count_include_pad), and adaptive_avg_pool2d. KILN_ONEDNN=0 sends everything to
-// the loops.
+// the loops. Channels-last input (or a channels-last output with input of another layout) takes
+// the channels-last loops instead, which pool all channels of a pixel at once (pool_window.h).
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <array>
@@ -199,6 +200,155 @@ void adaptive_avg_pool_loop(const Tensor& x, Tensor& out) {
                               static_cast<T>(sum / static_cast<Acc>((hend - hstart) * (wend - wstart)));
                         }
                       });
+}
+
+// ---------------- channels-last loops ----------------
+
+// An NHWC pooling's sizes and element strides (channels at stride 1 in every operand).
+struct NhwcPool {
+  int64_t n, c, h, w, oh, ow;
+  PixelStrides in, out, indices;
+};
+
+// Channels are pooled in blocks of this many, so a block's running maxima or sums stay in
+// registers while the window is walked.
+constexpr int64_t kChannelBlock = 64;
+
+// Runs f(n, oh) over all output rows in parallel.
+template <class F>
+void for_each_nhwc_row(const NhwcPool& g, int64_t work_per_row, F&& f) {
+  parallel_for(g.n * g.oh, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, work_per_row)),
+               [&](int64_t begin, int64_t end) {
+                 for (int64_t r = begin; r < end; ++r) f(r / g.oh, r % g.oh);
+               });
+}
+
+// Max pooling of each output pixel's C channels at once; windows are walked in PyTorch's order
+// with its tie and NaN rules, as in max_pool_loop.
+template <class T, bool kIndices>
+void max_pool_nhwc(const T* in, T* out, int64_t* indices, const NhwcPool& g, const Window& win) {
+  using Acc = opmath_t<T>;
+  const Acc lowest = std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
+                                                            : std::numeric_limits<Acc>::lowest();
+  const int64_t dh = win.dilation[0], dw = win.dilation[1];
+  for_each_nhwc_row(g, g.ow * g.c * win.kernel[0] * win.kernel[1], [&](int64_t n, int64_t oh) {
+    int64_t hstart = oh * win.stride[0] - win.pad[0];
+    const int64_t hend = std::min(hstart + (win.kernel[0] - 1) * dh + 1, g.h);
+    while (hstart < 0) hstart += dh;
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      int64_t wstart = ow * win.stride[1] - win.pad[1];
+      const int64_t wend = std::min(wstart + (win.kernel[1] - 1) * dw + 1, g.w);
+      while (wstart < 0) wstart += dw;
+      T* o = out + n * g.out.n + oh * g.out.h + ow * g.out.w;
+      int64_t* io = kIndices ? indices + n * g.indices.n + oh * g.indices.h + ow * g.indices.w : nullptr;
+      for (int64_t c0 = 0; c0 < g.c; c0 += kChannelBlock) {
+        const int64_t nc = std::min(kChannelBlock, g.c - c0);
+        Acc best[kChannelBlock];
+        int64_t arg[kChannelBlock];
+        std::fill_n(best, nc, lowest);
+        if constexpr (kIndices) std::fill_n(arg, nc, hstart * g.w + wstart);
+        for (int64_t ih = hstart; ih < hend; ih += dh) {
+          for (int64_t iw = wstart; iw < wend; iw += dw) {
+            const T* __restrict px = in + n * g.in.n + ih * g.in.h + iw * g.in.w + c0;
+            const int64_t pos = ih * g.w + iw;
+#pragma omp simd
+            for (int64_t c = 0; c < nc; ++c) {
+              const Acc v = static_cast<Acc>(px[c]);
+              const bool take = v > best[c] || v != v;  // v != v: NaN propagates
+              best[c] = take ? v : best[c];
+              if constexpr (kIndices) arg[c] = take ? pos : arg[c];
+            }
+          }
+        }
+        for (int64_t c = 0; c < nc; ++c) o[c0 + c] = static_cast<T>(best[c]);
+        if constexpr (kIndices) std::copy_n(arg, nc, io + c0);
+      }
+    }
+  });
+}
+
+template <class T>
+void avg_pool_nhwc(const T* in, T* out, const NhwcPool& g, const Window& win, bool count_include_pad,
+                   std::optional<int64_t> divisor_override) {
+  using Acc = opmath_t<T>;
+  for_each_nhwc_row(g, g.ow * g.c * win.kernel[0] * win.kernel[1], [&](int64_t n, int64_t oh) {
+    const AvgSpan hs = avg_span(oh, win.kernel[0], win.stride[0], win.pad[0], g.h);
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      const AvgSpan ws = avg_span(ow, win.kernel[1], win.stride[1], win.pad[1], g.w);
+      T* o = out + n * g.out.n + oh * g.out.h + ow * g.out.w;
+      if (hs.start >= hs.end || ws.start >= ws.end) {
+        std::fill_n(o, g.c, T(0));
+        continue;
+      }
+      const Acc divisor = static_cast<Acc>(avg_divisor(hs, ws, count_include_pad, divisor_override));
+      for (int64_t c0 = 0; c0 < g.c; c0 += kChannelBlock) {
+        const int64_t nc = std::min(kChannelBlock, g.c - c0);
+        Acc sum[kChannelBlock] = {};
+        for (int64_t ih = hs.start; ih < hs.end; ++ih) {
+          for (int64_t iw = ws.start; iw < ws.end; ++iw) {
+            const T* __restrict px = in + n * g.in.n + ih * g.in.h + iw * g.in.w + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < nc; ++c) sum[c] += static_cast<Acc>(px[c]);
+          }
+        }
+        for (int64_t c = 0; c < nc; ++c) o[c0 + c] = static_cast<T>(sum[c] / divisor);
+      }
+    }
+  });
+}
+
+template <class T>
+void adaptive_avg_pool_nhwc(const T* in, T* out, const NhwcPool& g) {
+  using Acc = opmath_t<T>;
+  const int64_t window = (g.h / g.oh + 1) * (g.w / g.ow + 1);
+  for_each_nhwc_row(g, g.ow * g.c * window, [&](int64_t n, int64_t oh) {
+    const int64_t hstart = adaptive_start(oh, g.h, g.oh), hend = adaptive_end(oh, g.h, g.oh);
+    for (int64_t ow = 0; ow < g.ow; ++ow) {
+      const int64_t wstart = adaptive_start(ow, g.w, g.ow), wend = adaptive_end(ow, g.w, g.ow);
+      const Acc count = static_cast<Acc>((hend - hstart) * (wend - wstart));
+      T* o = out + n * g.out.n + oh * g.out.h + ow * g.out.w;
+      for (int64_t c0 = 0; c0 < g.c; c0 += kChannelBlock) {
+        const int64_t nc = std::min(kChannelBlock, g.c - c0);
+        Acc sum[kChannelBlock] = {};
+        for (int64_t ih = hstart; ih < hend; ++ih) {
+          for (int64_t iw = wstart; iw < wend; ++iw) {
+            const T* __restrict px = in + n * g.in.n + ih * g.in.h + iw * g.in.w + c0;
+#pragma omp simd
+            for (int64_t c = 0; c < nc; ++c) sum[c] += static_cast<Acc>(px[c]);
+          }
+        }
+        for (int64_t c = 0; c < nc; ++c) o[c0 + c] = static_cast<T>(sum[c] / count);
+      }
+    }
+  });
+}
+
+// Whether a pooling of `input` into `out` runs the channels-last loops: when the input's
+// channels are adjacent (read in place), or the output is channels-last (input copied to it).
+// Plainly contiguous input keeps the planar (NCHW) path.
+bool pool_channels_last(const Tensor& input, const Tensor& out) {
+  if (input.dim() != 4 || input.is_contiguous()) return false;
+  return (input.sizes()[1] > 1 && input.strides()[1] == 1) || wants_channels_last(out);
+}
+
+// Runs body(x, outputs, geometry) for the channels-last loops: the input with adjacent channels
+// (copied to channels-last if not), outputs written in place when their channels are adjacent,
+// else through channels-last temporaries copied back.
+template <class Body>
+void with_channels_last(const Tensor& input, std::span<Tensor> outs, Body&& body) {
+  const Tensor x = channels_adjacent(input) ? input : input.contiguous(kiln::channels_last);
+  std::vector<Tensor> ys;
+  for (Tensor& out : outs)
+    ys.push_back(channels_adjacent(out) ? out
+                                        : detail::make_empty_strided(out.sizes().vec(),
+                                                                     detail::channels_last_strides(out.sizes()),
+                                                                     out.dtype(), out.device()));
+  const Tensor& y = ys[0];
+  NhwcPool g{x.sizes()[0], x.sizes()[1], x.sizes()[2], x.sizes()[3], y.sizes()[2], y.sizes()[3],
+             pixel_strides(x), pixel_strides(y), ys.size() > 1 ? pixel_strides(ys[1]) : PixelStrides{}};
+  body(x, ys, g);
+  for (size_t i = 0; i < outs.size(); ++i)
+    if (!ys[i].same(outs[i])) outs[i].copy_(ys[i]);
 }
 
 // ---------------- oneDNN ----------------
@@ -394,6 +544,14 @@ void with_contiguous(const Tensor& input, Tensor& out, Body&& body) {
 void max_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (outs[0].numel() == 0) return;
   const Window win = window_from(call, true);
+  if (pool_channels_last(call.input(0), outs[0])) {
+    with_channels_last(call.input(0), outs, [&](const Tensor& x, std::vector<Tensor>& ys, const NhwcPool& g) {
+      KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d", [&] {
+        max_pool_nhwc<scalar_t, false>(x.data_ptr<scalar_t>(), ys[0].data_ptr<scalar_t>(), nullptr, g, win);
+      });
+    });
+    return;
+  }
   with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
     if (onednn_dtype(x.dtype()) && !contains_nan(x) && onednn_pool(x, y, win, dnnl::algorithm::pooling_max)) return;
     KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d", [&] { max_pool_loop<scalar_t>(x, y, nullptr, win); });
@@ -403,6 +561,15 @@ void max_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
 void max_pool2d_with_indices_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (outs[0].numel() == 0) return;
   const Window win = window_from(call, true);
+  if (pool_channels_last(call.input(0), outs[0])) {
+    with_channels_last(call.input(0), outs, [&](const Tensor& x, std::vector<Tensor>& ys, const NhwcPool& g) {
+      KILN_DISPATCH_NUMERIC(x.dtype(), "max_pool2d_with_indices", [&] {
+        max_pool_nhwc<scalar_t, true>(x.data_ptr<scalar_t>(), ys[0].data_ptr<scalar_t>(), ys[1].data_ptr<int64_t>(),
+                                      g, win);
+      });
+    });
+    return;
+  }
   Tensor& indices_out = outs[1];
   Tensor indices = indices_out.is_contiguous() ? indices_out
                                                : detail::make_empty(indices_out.sizes().vec(), kInt64, indices_out.device());
@@ -421,6 +588,14 @@ void avg_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Window win = window_from(call, false);
   const bool count_include_pad = call.bool_attr(4);
   const std::optional<int64_t> divisor = call.has_attr(5) ? std::optional<int64_t>(call.int_attr(5)) : std::nullopt;
+  if (pool_channels_last(call.input(0), outs[0])) {
+    with_channels_last(call.input(0), outs, [&](const Tensor& x, std::vector<Tensor>& ys, const NhwcPool& g) {
+      KILN_DISPATCH_FLOATING(x.dtype(), "avg_pool2d", [&] {
+        avg_pool_nhwc<scalar_t>(x.data_ptr<scalar_t>(), ys[0].data_ptr<scalar_t>(), g, win, count_include_pad, divisor);
+      });
+    });
+    return;
+  }
   with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
     const PoolGeometry g = geometry(x, y);
     // oneDNN's include-padding divisor is always kH * kW; PyTorch's stops at the padding.
@@ -439,6 +614,14 @@ void avg_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 void adaptive_avg_pool2d_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (outs[0].numel() == 0) return;
+  if (pool_channels_last(call.input(0), outs[0])) {
+    with_channels_last(call.input(0), outs, [&](const Tensor& x, std::vector<Tensor>& ys, const NhwcPool& g) {
+      KILN_DISPATCH_FLOATING(x.dtype(), "adaptive_avg_pool2d", [&] {
+        adaptive_avg_pool_nhwc<scalar_t>(x.data_ptr<scalar_t>(), ys[0].data_ptr<scalar_t>(), g);
+      });
+    });
+    return;
+  }
   with_contiguous(call.input(0), outs[0], [&](const Tensor& x, Tensor& y) {
     KILN_DISPATCH_FLOATING(x.dtype(), "adaptive_avg_pool2d", [&] { adaptive_avg_pool_loop<scalar_t>(x, y); });
   });

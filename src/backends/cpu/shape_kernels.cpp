@@ -1,9 +1,11 @@
 // CPU kernels for cat, the padding ops and the mode pads' backward ops.
 //
-// cat writes each input into its slice of the output. When the output and an input are
-// contiguous and share a dtype, the slice is one block of bytes per outer row: those blocks are
-// memcpy'd in parallel (split into pieces when there are few large ones, walked row by row when
-// there are many small ones). Other inputs go through the strided, converting copy.
+// cat writes each input into its slice of the output. When the output and an input are dense in
+// the same dim order (both row-major, both channels-last, ...) and share a dtype, the slice is
+// one block of bytes per outer row, the rows being the dims outside `dim` in memory order (for
+// channels-last and dim 1: one C-slice per pixel). Those blocks are memcpy'd in parallel (split
+// into pieces when there are few large ones, walked row by row when there are many small ones).
+// Other inputs go through the strided, converting copy.
 #include <algorithm>
 #include <cstring>
 
@@ -48,6 +50,27 @@ void copy_blocks(const std::vector<CopyBlock>& blocks, int64_t total_bytes) {
   });
 }
 
+// t's dims from the largest stride to the smallest (ties keep dim order): its memory order.
+std::vector<int64_t> memory_order(const Tensor& t) {
+  std::vector<int64_t> order(static_cast<size_t>(t.dim()));
+  for (int64_t d = 0; d < t.dim(); ++d) order[d] = d;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return t.strides()[a] > t.strides()[b]; });
+  return order;
+}
+
+// Whether t's elements fill one block laid out in `order` (outermost first); size-1 dims may
+// have any stride.
+bool dense_in(const Tensor& t, const std::vector<int64_t>& order) {
+  int64_t expected = 1;
+  for (auto d = order.rbegin(); d != order.rend(); ++d) {
+    if (t.sizes()[*d] == 1) continue;
+    if (t.strides()[*d] != expected) return false;
+    expected *= t.sizes()[*d];
+  }
+  return true;
+}
+
 void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor& out = outs[0];
   if (out.numel() == 0) return;
@@ -60,9 +83,16 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (!ref) return;
   const int64_t dim = detail::wrap_dim(call.int_attr(0), ref->dim(), "cat");
   const int64_t isz = out.element_size();
+  // Rows: the dims outside `dim` in out's memory order; each row holds every input's slice.
+  const std::vector<int64_t> order = memory_order(out);
+  const bool out_dense = dense_in(out, order);
   int64_t outer = 1, inner = 1;
-  for (int64_t d = 0; d < dim; ++d) outer *= out.sizes()[d];
-  for (int64_t d = dim + 1; d < out.dim(); ++d) inner *= out.sizes()[d];
+  bool outside = true;
+  for (int64_t d : order) {
+    if (d == dim) outside = false;
+    else if (outside) outer *= out.sizes()[d];
+    else inner *= out.sizes()[d];
+  }
   const int64_t out_row_bytes = out.sizes()[dim] * inner * isz;
   char* out_base = static_cast<char*>(out.impl().data());
 
@@ -72,7 +102,7 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   for (const Tensor& t : call.inputs) {
     if (t.numel() == 0) continue;  // contributes no elements (legacy empty or size 0 along dim)
     int64_t len = t.sizes()[dim];
-    if (out.is_contiguous() && t.is_contiguous() && t.dtype() == out.dtype()) {
+    if (out_dense && dense_in(t, order) && t.dtype() == out.dtype()) {
       fast.push_back({static_cast<const char*>(t.impl().data()), offset * inner * isz, len * inner * isz});
     } else {
       slow.emplace_back(out.narrow(dim, offset, len), t);

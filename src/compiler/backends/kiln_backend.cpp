@@ -228,6 +228,12 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
   passes::functionalize(graph);
   passes::fuse_conv_bn(graph);
+  // Convolutions on channels-last activations (oneDNN runs NHWC without reorders); on unless
+  // options{{"layout_optimization", false}}.
+  bool layout_optimization = true;
+  if (const CompileOptions* o = compiling_options())
+    if (auto it = o->options.find("layout_optimization"); it != o->options.end()) layout_optimization = std::get<bool>(it->second);
+  if (layout_optimization) passes::channels_last_convolutions(graph);
   // Batch norm in training keeps eager's fused kernel (one Welford pass for the statistics, one
   // to normalize); its decomposition reads the input three times (measured slower on DenseNet).
   passes::decompose(graph, {"native_batch_norm", "native_layer_norm", "softmax", "log_softmax"}, [](const Node& n) {

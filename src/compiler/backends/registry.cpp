@@ -25,7 +25,7 @@ struct Registered {
 struct Registry {
   std::mutex mutex;
   std::map<std::string, Registered> backends;
-  std::string default_backend = "eager";
+  std::string default_backend = "kiln";
 };
 
 Registry& registry() {

@@ -295,9 +295,9 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
                      std::to_string(*options.recompile_limit) + ".");
   }
   for (const auto& [key, value] : options.options) {
-    if (key != "fallback_to_eager") {
+    if (key != "fallback_to_eager" && key != "layout_optimization") {
       throw CompileError("[kiln::compile] Unexpected optimization option " + key +
-                         ", known options are [fallback_to_eager].");
+                         ", known options are [fallback_to_eager, layout_optimization].");
     }
     if (!std::holds_alternative<bool>(value)) {
       throw CompileError("[kiln::compile] Unexpected type of attr " + key + ", should be bool.");

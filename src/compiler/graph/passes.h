@@ -78,6 +78,14 @@ void fold_constants(Graph& graph, int64_t max_numel = 1 << 16);
 // intermediate values are read by nothing else. Run after functionalize() (in-place relu_).
 void fuse_conv_bn(Graph& graph);
 
+// Layout optimization for convolution networks: the first convolution reading a row-major 4-D
+// float32/bfloat16 CPU activation reads a channels-last copy of it instead (a `copy` node), and
+// refresh_layouts() carries channels-last through every op whose meta keeps it; repeated until
+// every convolution reads channels-last. Graph outputs that were row-major and became
+// channels-last are copied back, so callers see eager's layouts. Returns whether it changed the
+// graph. Run after fuse_conv_bn().
+bool channels_last_convolutions(Graph& graph);
+
 // Re-derives, in node order, every node output's strides, storage offset and alias group from
 // its op's meta on the current inputs (as capture records them). Run it after rewrites that give
 // a value another producer: a view of a new value has the new value's layout. Node outputs whose

@@ -4,6 +4,7 @@
 // nest over its (coalesced) iteration space with every size and stride a literal, OpenMP across
 // the outer loops of large kernels, `omp simd` on the innermost loop, and the scalar math of
 // kiln/math/functors.h — the functors the eager kernels use.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -35,19 +36,41 @@ std::string literal(double v, DType t) {
   return std::string("static_cast<") + ctype(t) + ">(" + buf + ")";
 }
 
-// The iteration space after dropping size-1 dims and merging dims that every access walks
-// contiguously (and, for reductions, that are both reduced or both kept).
+// The iteration space after dropping size-1 dims, ordering the dims as the leading access lies in
+// memory, and merging dims that every access walks contiguously (and, for reductions, that are
+// both reduced or both kept).
 struct Space {
   std::vector<int64_t> sizes;
   std::vector<bool> reduced;
   std::vector<std::vector<int64_t>> strides;  // per access
 };
 
-Space coalesce(const Kernel& k, const std::vector<const std::vector<int64_t>*>& accesses) {
-  Space s;
+// Loop order: the dims sorted by the leading access's strides, largest outermost, so that a
+// channels-last (NHWC) buffer of sizes (N, C, H, W) is walked N, H, W, C — one contiguous run —
+// instead of with a stride-C inner loop. The leading access is a pointwise kernel's first store, a
+// reduction's first access (its input); dims it broadcasts keep their place. The sort is stable,
+// so row-major kernels keep their order.
+std::vector<size_t> memory_order(const Kernel& k, const std::vector<const std::vector<int64_t>*>& accesses,
+                                 size_t first_store) {
   std::vector<size_t> dims;
   for (size_t d = 0; d < k.sizes.size(); ++d)
     if (k.sizes[d] != 1) dims.push_back(d);
+  const size_t lead_access = k.kind == Kernel::reduction ? 0 : first_store;
+  if (lead_access >= accesses.size()) return dims;
+  const std::vector<int64_t>& lead = *accesses[lead_access];
+  std::vector<size_t> placed;  // dims with a stride in the leading access, to be sorted
+  for (size_t d : dims)
+    if (lead[d] != 0) placed.push_back(d);
+  std::vector<size_t> sorted = placed;
+  std::stable_sort(sorted.begin(), sorted.end(), [&](size_t a, size_t b) { return lead[a] > lead[b]; });
+  for (size_t i = 0, j = 0; i < dims.size(); ++i)
+    if (lead[dims[i]] != 0) dims[i] = sorted[j++];
+  return dims;
+}
+
+Space coalesce(const Kernel& k, const std::vector<const std::vector<int64_t>*>& accesses, size_t first_store) {
+  Space s;
+  const std::vector<size_t> dims = memory_order(k, accesses, first_store);
   for (size_t d : dims) {
     s.sizes.push_back(k.sizes[d]);
     s.reduced.push_back(k.kind == Kernel::reduction && k.reduced[d]);
@@ -112,7 +135,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   for (const Store& s : k.stores) accesses.push_back(&s.strides);
   const size_t result_access = accesses.size();
   if (k.kind == Kernel::reduction) accesses.push_back(&k.result.strides);
-  Space sp = coalesce(k, accesses);
+  Space sp = coalesce(k, accesses, first_store);
   const size_t rank = sp.sizes.size();
   int64_t total = 1;
   for (int64_t s : sp.sizes) total *= s;
