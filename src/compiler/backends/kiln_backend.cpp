@@ -163,6 +163,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
         const ValueInfo& vi = g.values[v];
         env[v] = kiln::detail::make_empty_strided(vi.sizes, vi.strides, vi.dtype, vi.device);
       }
+      for (auto [v, input] : step.write_into) env[v] = env[input];
       pointers.clear();
       for (int v : step.bindings) pointers.push_back(env[v].impl().data());
       kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
@@ -246,6 +247,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   passes::eliminate_common_subexpressions(graph);
   auto ex = std::make_shared<Executable>();
   ex->program = lower::schedule(std::move(graph));
+  lower::elide_copy_backs(ex->program);
   const Graph& g = ex->program.graph;
   ex->slots.resize(g.nodes.size());
   for (size_t k = 0; k < g.scalars.size(); ++k)

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kiln/compiler/graph.h"
@@ -77,6 +78,8 @@ struct Step {
   int kernel = -1;               // kernel: index into Program::kernels
   std::vector<int> bindings;     // kernel: the value bound to each buffer
   std::vector<int> allocate;     // kernel: values this step creates (stores into fresh memory)
+  std::vector<std::pair<int, int>> write_into;  // kernel: (value, graph input) stored straight
+                                                // into the input's memory (elide_copy_backs)
   int node = -1;                 // node: graph node run through the dispatcher
   std::vector<int> release;      // values whose last use is this step
 };
@@ -92,6 +95,11 @@ struct Program {
 // Lowers a graph into a program: fuses pointwise chains and reduction prologues, leaves the rest
 // to the dispatcher.
 Program schedule(Graph graph);
+
+// Lets kernels store a graph input's new value into the input itself where functionalize() left
+// a copy back into it (an optimizer's parameter and state updates), and drops those copies.
+// Returns how many it dropped. See copy_back.cpp for when it is safe.
+int elide_copy_backs(Program& p);
 
 // The C++ source of every kernel of `p` (one translation unit per chunk of kernels, so that the
 // system compiler can build them in parallel). Kernels with identical bodies are emitted once:

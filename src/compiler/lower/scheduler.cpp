@@ -359,6 +359,15 @@ Program schedule(Graph graph) {
   return p;
 }
 
+namespace {
+std::string value_name(const Graph& g, int v) {
+  if (!g.values[v].name.empty()) return g.values[v].name;
+  std::string s = "v";
+  s += std::to_string(v);
+  return s;
+}
+}  // namespace
+
 std::string describe(const Program& p) {
   std::string out;
   for (size_t s = 0; s < p.steps.size(); ++s) {
@@ -385,6 +394,8 @@ std::string describe(const Program& p) {
         out += p.graph.values[v].name;
       }
     }
+    for (auto [v, input] : st.write_into)
+      out += "; stores %" + value_name(p.graph, v) + " into input %" + value_name(p.graph, input);
     out += "\n";
   }
   return out;
