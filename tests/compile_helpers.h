@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "kiln/compiler.h"
+#include "kiln/compiler/graph.h"
 #include "kiln/kiln.h"
 #include "reference.h"
 
@@ -115,6 +118,27 @@ auto training_step(std::shared_ptr<nn::Sequential> model, std::shared_ptr<Opt> o
     opt->step();
     return loss;
   };
+}
+
+// The graph compile() captures for fn(args...) before any pass, and the arguments it was called
+// with (tensors cloned), for tests of passes: run a pass on a copy and compare interpreters.
+struct CapturedGraph {
+  compiler::Graph graph;
+  std::vector<Tensor> tensors;
+  std::vector<Attr> scalars;
+};
+
+template <class F, class... Args>
+CapturedGraph capture_graph(F fn, const Args&... args) {
+  auto captured = std::make_shared<CapturedGraph>();
+  auto f = kiln::compile(fn, {.backend = [captured](compiler::Graph& g, const compiler::Arguments& a) {
+                                captured->graph = g;
+                                for (const Tensor& t : a.tensors) captured->tensors.push_back(t.detach().clone());
+                                captured->scalars.assign(a.scalars.begin(), a.scalars.end());
+                                return compiler::interpreter(g);
+                              }});
+  f(args...);
+  return *captured;
 }
 
 }  // namespace kiln::testing

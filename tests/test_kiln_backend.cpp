@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "compile_helpers.h"
+#include "kernel_cache_dir.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
 #include "kiln/models.h"
@@ -41,40 +42,7 @@ namespace fs = std::filesystem;
 
 // ================================ environment ================================
 
-// The kernel cache of this binary lives in a temp dir of its own (never $HOME), removed at exit.
-// A death-test child re-runs this binary: it inherits the parent's dir through
-// kOwnerVariable and leaves its removal to the parent.
-constexpr const char* kOwnerVariable = "KILN_TEST_KILN_BACKEND_CACHE";
-
-class KernelCacheDir : public ::testing::Environment {
- public:
-  void SetUp() override {
-    if (const char* inherited = std::getenv(kOwnerVariable)) {
-      dir_ = inherited;
-      owner_ = false;
-    } else {
-      std::string pattern = (fs::temp_directory_path() / "kiln_test_kiln_backend_XXXXXX").string();
-      ASSERT_NE(::mkdtemp(pattern.data()), nullptr) << "mkdtemp failed";
-      dir_ = pattern;
-      owner_ = true;
-      ::setenv(kOwnerVariable, dir_.c_str(), 1);
-    }
-    ::setenv("KILN_CACHE_DIR", dir_.c_str(), 1);
-  }
-  void TearDown() override {
-    if (!owner_) return;
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-    ::unsetenv(kOwnerVariable);
-  }
-
- private:
-  std::string dir_;
-  bool owner_ = false;
-};
-
-[[maybe_unused]] ::testing::Environment* const kCacheEnvironment =
-    ::testing::AddGlobalTestEnvironment(new KernelCacheDir);
+KILN_TEST_KERNEL_CACHE_DIR("kiln_test_kiln_backend");
 
 // ================================ helpers ================================
 

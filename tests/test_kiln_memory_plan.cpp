@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "compile_helpers.h"
+#include "kernel_cache_dir.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/memory_plan.h"
 #include "kiln/compiler.h"
@@ -29,26 +30,7 @@ using namespace kiln::testing;  // compile_helpers.h
 namespace fs = std::filesystem;
 namespace lower = kiln::compiler::lower;
 
-// The kernel cache of this binary lives in a temp dir of its own (never $HOME), removed at exit.
-class KernelCacheDir : public ::testing::Environment {
- public:
-  void SetUp() override {
-    std::string pattern = (fs::temp_directory_path() / "kiln_test_kiln_memory_plan_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(pattern.data()), nullptr) << "mkdtemp failed";
-    dir_ = pattern;
-    ::setenv("KILN_CACHE_DIR", dir_.c_str(), 1);
-  }
-  void TearDown() override {
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-
- private:
-  std::string dir_;
-};
-
-[[maybe_unused]] ::testing::Environment* const kCacheEnvironment =
-    ::testing::AddGlobalTestEnvironment(new KernelCacheDir);
+KILN_TEST_KERNEL_CACHE_DIR("kiln_test_kiln_memory_plan");
 
 CompileOptions kiln_options(Mode mode) {
   CompileOptions options;

@@ -884,26 +884,8 @@ TEST_F(PassPipeline, DenseNetInferenceMatchesEager) {
 
 namespace channels_last_tests {
 
-// The graph compile() captures for fn(args...), without running any pass, and the arguments it
-// was called with.
-struct Captured {
-  Graph graph;
-  std::vector<Tensor> tensors;
-  std::vector<Attr> scalars;
-};
-
-template <class F, class... Args>
-Captured capture(F fn, const Args&... args) {
-  auto captured = std::make_shared<Captured>();
-  auto f = kiln::compile(fn, {.backend = [captured](Graph& g, const Arguments& a) {
-                                captured->graph = g;
-                                for (const Tensor& t : a.tensors) captured->tensors.push_back(t.detach().clone());
-                                captured->scalars.assign(a.scalars.begin(), a.scalars.end());
-                                return kiln::compiler::interpreter(g);
-                              }});
-  f(args...);
-  return *captured;
-}
+using Captured = kiln::testing::CapturedGraph;
+using kiln::testing::capture_graph;
 
 // check_pass on a captured graph with its own arguments.
 Graph check_captured(const Captured& c, std::optional<Tol> tol = std::nullopt) {
@@ -936,7 +918,7 @@ TEST(ChannelsLastConvolutions, OneConversionCoversAConvReluPoolConvChain) {
     return kiln::conv2d(y * 2 + 1, w2, b2);
   };
   Tensor x = kiln::randn({2, 3, 8, 8});
-  Graph h = check_captured(capture(fn, x));
+  Graph h = check_captured(capture_graph(fn, x));
   EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
   EXPECT_EQ(count_layout_copies(h, true), 1) << h;
   EXPECT_EQ(count_layout_copies(h, false), 1) << "the 4-D output goes back to row-major\n" << h;
@@ -951,7 +933,7 @@ TEST(ChannelsLastConvolutions, AReshapeBetweenConvolutionsNeedsASecondConversion
     return kiln::conv2d(y, w2).sum();
   };
   Tensor x = kiln::randn({2, 2, 6, 6});
-  Graph h = check_captured(capture(fn, x));
+  Graph h = check_captured(capture_graph(fn, x));
   EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
   EXPECT_EQ(count_layout_copies(h, true), 2) << h;
   EXPECT_EQ(count_layout_copies(h, false), 1) << "the reshape, captured as a view, reads a row-major copy\n" << h;
@@ -961,7 +943,7 @@ TEST(ChannelsLastConvolutions, AFlattenOfAChannelsLastActivationReadsARowMajorCo
   Tensor w = kiln::randn({4, 3, 3, 3}), fc = kiln::randn({4 * 4 * 4, 5});
   auto fn = [&](const Tensor& x) { return kiln::matmul(kiln::relu(kiln::conv2d(x, w)).flatten(1), fc); };
   Tensor x = kiln::randn({2, 3, 6, 6});
-  Captured c = capture(fn, x);
+  Captured c = capture_graph(fn, x);
   ASSERT_GT(count_op(c.graph, "view"), 0) << "capture records the flatten as a view\n" << c.graph;
   Graph h = check_captured(c);
   EXPECT_TRUE(convolutions_read_channels_last(h)) << h;
@@ -977,15 +959,15 @@ TEST(ChannelsLastConvolutions, LeavesGraphsWithoutAnythingToConvert) {
     Graph graph;
   };
   std::vector<Case> cases;
-  cases.push_back({"no convolution", capture([](const Tensor& t) { return kiln::relu(t) * 3; }, x).graph});
+  cases.push_back({"no convolution", capture_graph([](const Tensor& t) { return kiln::relu(t) * 3; }, x).graph});
   cases.push_back({"float64 (no oneDNN path)",
-                   capture([&](const Tensor& t) { return kiln::conv2d(t, w64); }, x.to(kiln::kFloat64)).graph});
+                   capture_graph([&](const Tensor& t) { return kiln::conv2d(t, w64); }, x.to(kiln::kFloat64)).graph});
   cases.push_back({"a 1x1 image lies alike in both layouts",
-                   capture([&](const Tensor& t) { return kiln::conv2d(t, w, {}, {1, 1}, {1, 1}); },
+                   capture_graph([&](const Tensor& t) { return kiln::conv2d(t, w, {}, {1, 1}, {1, 1}); },
                            kiln::randn({2, 3, 1, 1}))
                        .graph});
   cases.push_back({"already channels-last",
-                   capture([&](const Tensor& t) { return kiln::conv2d(t, w); }, x.contiguous(kiln::channels_last))
+                   capture_graph([&](const Tensor& t) { return kiln::conv2d(t, w); }, x.contiguous(kiln::channels_last))
                        .graph});
   for (Case& c : cases) {
     Graph before = c.graph;
@@ -1001,7 +983,7 @@ TEST(ChannelsLastConvolutions, DenseNetTrainingStepKeepsChannelsLastThroughTheBa
   auto net = std::make_shared<kiln::models::DenseNet>(config);
   Tensor x = kiln::randn({2, 3, 32, 32});
   Tensor target = kiln::randint(0, 5, {2});
-  Captured c = capture(
+  Captured c = capture_graph(
       [&](const Tensor& in) {
         Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
         loss.backward();

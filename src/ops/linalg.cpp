@@ -1,4 +1,5 @@
-// Linear algebra. Table ops with kernels: mm, bmm, addmm, dot (GEMM through BLAS/oneDNN).
+// Linear algebra. Table ops with kernels: mm, bmm, addmm, dot (GEMM through BLAS/oneDNN), and
+// addmm_relu, the kiln backend's GEMM with a fused relu epilogue.
 // matmul, linear and outer are composite front-ends over them and view ops, as in aten, so the
 // compiler sees only the four GEMM-shaped primitives.
 //
@@ -115,40 +116,62 @@ const OpDef& kBmm = register_op({
 });
 
 // addmm(self, mat1, mat2, beta, alpha) = beta * self + alpha * (mat1 @ mat2); self broadcasts
-// to the product's shape and is ignored (NaN included) when beta is 0.
+// to the product's shape and is ignored (NaN included) when beta is 0. `op` names the caller in
+// messages (addmm_relu shares the checks).
+std::vector<TensorMeta> addmm_meta(const OpCall& c, const std::string& op) {
+  const Tensor& self = c.input(0);
+  const Tensor& a = c.input(1);
+  const Tensor& b = c.input(2);
+  check_matrix(op, a, "mat1");
+  check_matrix(op, b, "mat2");
+  check_same_device(op, {&self, &a, &b});
+  check_gemm_dtypes(op, a, b);
+  KILN_CHECK(self.dtype() == a.dtype(), DTypeError,
+             "[kiln::" + op + "] self and mat1 must have the same dtype, but got " + dtype_str(self.dtype()) +
+                 " and " + dtype_str(a.dtype()) + ". Convert one with .to(...).");
+  if (a.sizes()[1] != b.sizes()[0]) throw_inner_mismatch(op, a.sizes(), b.sizes());
+  std::vector<int64_t> sizes{a.sizes()[0], b.sizes()[1]};
+  KILN_CHECK(self.dim() <= 2 && detail::broadcast_sizes(self.sizes(), sizes, op) == sizes, ShapeError,
+             "[kiln::" + op + "] self of shape " + shape_str(self.sizes()) +
+                 " cannot be broadcast to the product's shape " + shape_str(sizes) + ".");
+  return {TensorMeta{std::move(sizes), {}, a.dtype(), a.device()}};
+}
+
+// addmm's gradients for the gradient `grad` of its result (attrs 0, 1: beta, alpha).
+TensorList addmm_backward(const BackwardContext& c, const Tensor& grad) {
+  const Scalar& beta = c.scalar_attr(0);
+  const Scalar& alpha = c.scalar_attr(1);
+  TensorList g(3);
+  if (c.needs_grad(0)) g[0] = maybe_multiply(grad, beta);  // summed to self's shape
+  if (c.needs_grad(1)) g[1] = mm_mat1_backward(grad, c.input(2), c.input(1), alpha);
+  if (c.needs_grad(2)) g[2] = mm_mat2_backward(grad, c.input(1), c.input(2), alpha);
+  return g;
+}
+
 const OpDef& kAddmm = register_op({
     .name = "addmm",
     .schema = "addmm(Tensor self, Tensor mat1, Tensor mat2, *, Scalar beta=1, Scalar alpha=1) -> Tensor",
-    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
-      const Tensor& self = c.input(0);
-      const Tensor& a = c.input(1);
-      const Tensor& b = c.input(2);
-      check_matrix("addmm", a, "mat1");
-      check_matrix("addmm", b, "mat2");
-      check_same_device("addmm", {&self, &a, &b});
-      check_gemm_dtypes("addmm", a, b);
-      KILN_CHECK(self.dtype() == a.dtype(), DTypeError,
-                 "[kiln::addmm] self and mat1 must have the same dtype, but got " +
-                     dtype_str(self.dtype()) + " and " + dtype_str(a.dtype()) + ". Convert one with .to(...).");
-      if (a.sizes()[1] != b.sizes()[0]) throw_inner_mismatch("addmm", a.sizes(), b.sizes());
-      std::vector<int64_t> sizes{a.sizes()[0], b.sizes()[1]};
-      KILN_CHECK(self.dim() <= 2 && detail::broadcast_sizes(self.sizes(), sizes, "addmm") == sizes,
-                 ShapeError,
-                 "[kiln::addmm] self of shape " + shape_str(self.sizes()) +
-                     " cannot be broadcast to the product's shape " + shape_str(sizes) + ".");
-      return {TensorMeta{std::move(sizes), {}, a.dtype(), a.device()}};
-    },
+    .meta = [](const OpCall& c) { return addmm_meta(c, "addmm"); },
     .derivative = {.formula = "self: maybe_multiply(grad, beta); mat1: mm_mat1_backward(grad, mat2, alpha); "
                               "mat2: mm_mat2_backward(grad, mat1, alpha)",
                    .save_inputs = {1, 2},
-                   .fn = [](const BackwardContext& c) -> TensorList {
-                     const Scalar& beta = c.scalar_attr(0);
-                     const Scalar& alpha = c.scalar_attr(1);
-                     TensorList g(3);
-                     if (c.needs_grad(0)) g[0] = maybe_multiply(c.grad(), beta);  // summed to self's shape
-                     if (c.needs_grad(1)) g[1] = mm_mat1_backward(c.grad(), c.input(2), c.input(1), alpha);
-                     if (c.needs_grad(2)) g[2] = mm_mat2_backward(c.grad(), c.input(1), c.input(2), alpha);
-                     return g;
+                   .fn = [](const BackwardContext& c) { return addmm_backward(c, c.grad()); }},
+    .lowering = "extern",
+});
+
+// addmm_relu: relu(addmm(...)) in one call, the relu applied in place to the fresh result while
+// it is hot in cache. Made by the kiln backend's epilogue fusion (passes/fuse_gemm_epilogue.cpp);
+// the derivative lets eager autograd run it too.
+const OpDef& kAddmmRelu = register_op({
+    .name = "addmm_relu",
+    .schema = "addmm_relu(Tensor self, Tensor mat1, Tensor mat2, *, Scalar beta=1, Scalar alpha=1) -> Tensor",
+    .meta = [](const OpCall& c) { return addmm_meta(c, "addmm_relu"); },
+    .derivative = {.formula = "self: maybe_multiply(g, beta); mat1: mm_mat1_backward(g, mat2, alpha); "
+                              "mat2: mm_mat2_backward(g, mat1, alpha), g = threshold_backward(grad, result, 0)",
+                   .save_inputs = {1, 2},
+                   .save_outputs = {0},
+                   .fn = [](const BackwardContext& c) {
+                     return addmm_backward(c, where(le(c.output(0), 0), 0, c.grad()));
                    }},
     .lowering = "extern",
 });

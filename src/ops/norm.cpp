@@ -11,6 +11,12 @@
 // suggest_memory_format() (channels-last stays channels-last); statistics and parameter
 // gradients are 1-D.
 //
+// batch_norm_relu and batch_norm_relu_backward are the kiln backend's fusions of a batch norm with
+// the relu after it (passes/fuse_batch_norm_relu.cpp): native_batch_norm with relu applied to
+// output 0, and native_batch_norm_backward whose incoming gradient is first masked by the relu's
+// result (where(result <= threshold, fill, grad), the relu derivative; threshold and fill are
+// 0-dim tensors, None for 0). One pass over the activations each instead of two.
+//
 // Derivatives go through fused backward table ops with their own kernels (aten's names):
 // native_batch_norm_backward, native_layer_norm_backward and native_group_norm_backward, each
 // returning (grad_input, grad_weight, grad_bias) for the outputs output_mask asks for; an output
@@ -42,6 +48,7 @@ void check_floating(const std::string& op, const Tensor& t, const char* what) {
 
 // A per-channel parameter: undefined, or a 1-D tensor of `channels` elements.
 const OpDef& batch_norm_backward_op();
+const OpDef& batch_norm_relu_backward_op();
 const OpDef& layer_norm_backward_op();
 const OpDef& group_norm_backward_op();
 
@@ -98,44 +105,66 @@ void check_channel_vector(const std::string& op, const Tensor& t, const char* wh
                  " elements (one per channel), but got shape " + shape_str(t.sizes()) + ".");
 }
 
+// Validates a batch-norm backward's operands (grad_out at input 0; input, weight?, save_mean and
+// save_invstd from input `x_at` on; attrs: train, output_mask) and returns its output metas.
+std::vector<TensorMeta> batch_norm_backward_metas(const OpCall& c, size_t x_at, const std::string& op) {
+  const Tensor& x = c.input(x_at);
+  const Tensor& weight = c.input(x_at + 1);
+  KILN_CHECK(x.dim() >= 2, ShapeError,
+             "[kiln::" + op + "] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                 shape_str(x.sizes()) + ".");
+  const int64_t channels = x.sizes()[1];
+  check_backward_operands(op, c.input(0), x, {&c.input(x_at + 2), &c.input(x_at + 3)}, channels);
+  check_floating(op, weight, "weight");
+  check_channel_vector(op, weight, "weight", channels);
+  std::vector<TensorMeta> metas = backward_metas(c, x, weight, {channels}, 1, op);
+  // grad_input takes the input's layout (channels-last stays channels-last, as in PyTorch).
+  if (c.ints_attr(1)[0]) metas[0].strides = detail::strides_following(x.sizes(), x.strides(), x.sizes());
+  return metas;
+}
+
+// Validates a batch norm's operands (inputs: input, weight?, bias?, running_mean?, running_var?;
+// attrs: training, momentum, eps) and returns its output metas. `op` names the caller in messages.
+std::vector<TensorMeta> batch_norm_metas(const OpCall& c, const std::string& op) {
+  const Tensor& x = c.input(0);
+  const Tensor& weight = c.input(1);
+  const Tensor& bias = c.input(2);
+  const Tensor& running_mean = c.input(3);
+  const Tensor& running_var = c.input(4);
+  const bool training = c.bool_attr(0);
+  KILN_CHECK(x.dim() >= 2, ShapeError,
+             "[kiln::" + op + "] expected an input of 2 or more dims (N, C, ...), but got shape " +
+                 shape_str(x.sizes()) + ".");
+  check_same_device(op, {&x, &weight, &bias, &running_mean, &running_var});
+  check_floating(op, x, "input");
+  check_floating(op, weight, "weight");
+  check_floating(op, bias, "bias");
+  check_floating(op, running_mean, "running_mean");
+  check_floating(op, running_var, "running_var");
+  const int64_t channels = x.sizes()[1];
+  check_channel_vector(op, weight, "weight", channels);
+  check_channel_vector(op, bias, "bias", channels);
+  check_channel_vector(op, running_mean, "running_mean", channels);
+  check_channel_vector(op, running_var, "running_var", channels);
+  KILN_CHECK(training || (running_mean.defined() && running_var.defined()), ValueError,
+             "[kiln::" + op + "] running_mean and running_var must be defined in evaluation mode. Pass "
+             "them, or use training=true.");
+  KILN_CHECK(!training || x.numel() / std::max<int64_t>(channels, 1) != 1 || channels == 0, ValueError,
+             "[kiln::" + op + "] expected more than 1 value per channel when training, got input size " +
+                 shape_str(x.sizes()) + ".");
+  const DType st = stat_dtype(x.dtype());
+  // The output keeps a channels-last input's layout (as PyTorch's); statistics are 1-D.
+  return {TensorMeta{x.sizes().vec(), detail::strides_following(x.sizes(), x.strides(), x.sizes()), x.dtype(),
+                     x.device()},
+          TensorMeta{{channels}, {}, st, x.device()}, TensorMeta{{channels}, {}, st, x.device()}};
+}
+
 // Inputs: input, weight?, bias?, running_mean?, running_var?. Attrs: training, momentum, eps.
 const OpDef& kNativeBatchNorm = register_op({
     .name = "native_batch_norm",
     .schema = "native_batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
               "Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)",
-    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
-      const Tensor& x = c.input(0);
-      const Tensor& weight = c.input(1);
-      const Tensor& bias = c.input(2);
-      const Tensor& running_mean = c.input(3);
-      const Tensor& running_var = c.input(4);
-      const bool training = c.bool_attr(0);
-      KILN_CHECK(x.dim() >= 2, ShapeError,
-                 "[kiln::batch_norm] expected an input of 2 or more dims (N, C, ...), but got shape " +
-                     shape_str(x.sizes()) + ".");
-      check_same_device("batch_norm", {&x, &weight, &bias, &running_mean, &running_var});
-      check_floating("batch_norm", x, "input");
-      check_floating("batch_norm", weight, "weight");
-      check_floating("batch_norm", bias, "bias");
-      check_floating("batch_norm", running_mean, "running_mean");
-      check_floating("batch_norm", running_var, "running_var");
-      const int64_t channels = x.sizes()[1];
-      check_channel_vector("batch_norm", weight, "weight", channels);
-      check_channel_vector("batch_norm", bias, "bias", channels);
-      check_channel_vector("batch_norm", running_mean, "running_mean", channels);
-      check_channel_vector("batch_norm", running_var, "running_var", channels);
-      KILN_CHECK(training || (running_mean.defined() && running_var.defined()), ValueError,
-                 "[kiln::batch_norm] running_mean and running_var must be defined in evaluation mode. Pass "
-                 "them, or use training=true.");
-      KILN_CHECK(!training || x.numel() / std::max<int64_t>(channels, 1) != 1 || channels == 0, ValueError,
-                 "[kiln::batch_norm] expected more than 1 value per channel when training, got input size " +
-                     shape_str(x.sizes()) + ".");
-      const DType st = stat_dtype(x.dtype());
-      // The output keeps a channels-last input's layout (as PyTorch's); statistics are 1-D.
-      return {TensorMeta{x.sizes().vec(), detail::strides_following(x.sizes(), x.strides(), x.sizes()), x.dtype(),
-                         x.device()},
-              TensorMeta{{channels}, {}, st, x.device()}, TensorMeta{{channels}, {}, st, x.device()}};
-    },
+    .meta = [](const OpCall& c) { return batch_norm_metas(c, "batch_norm"); },
     .mutated_inputs = {3, 4},
     .derivative = {.formula = "input, weight, bias: native_batch_norm_backward(grad, input, weight, save_mean, "
                               "save_invstd, training, output_mask)",
@@ -159,20 +188,65 @@ const OpDef& kNativeBatchNormBackward = register_op({
     .name = "native_batch_norm_backward",
     .schema = "native_batch_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor save_mean, "
               "Tensor save_invstd, bool train, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) { return batch_norm_backward_metas(c, 1, "native_batch_norm_backward"); },
+    .lowering = "extern",
+});
+
+// batch_norm_relu: native_batch_norm with relu applied to output 0 in the same pass (NaN stays
+// NaN, as relu's). Same inputs, attrs, layouts and running-statistics update.
+const OpDef& kBatchNormRelu = register_op({
+    .name = "batch_norm_relu",
+    .schema = "batch_norm_relu(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+              "Tensor(b!)? running_var, bool training, float momentum, float eps) -> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) { return batch_norm_metas(c, "batch_norm_relu"); },
+    .mutated_inputs = {3, 4},
+    .derivative = {.formula = "input, weight, bias: batch_norm_relu_backward(grad, result, input, weight, save_mean, "
+                              "save_invstd, None, None, training, output_mask)",
+                   .save_inputs = {0, 1},
+                   .save_outputs = {0, 1, 2},
+                   .fn = [](const BackwardContext& c) -> TensorList {
+                     auto mask = output_mask(c);
+                     if (!mask[0] && !mask[1] && !mask[2]) return {};
+                     return masked_grads(call_op(batch_norm_relu_backward_op(),
+                                                 {c.grad(0), c.output(0), c.input(0), c.input(1), c.output(1),
+                                                  c.output(2), Tensor(), Tensor()},
+                                                 {c.attrs[0], mask}),
+                                         mask);
+                   }},
+    .lowering = "extern",
+});
+
+// batch_norm_relu_backward(grad_out, result, input, weight?, save_mean, save_invstd, threshold?,
+// fill?, train, output_mask): native_batch_norm_backward(where(result <= threshold, fill,
+// grad_out), input, weight, save_mean, save_invstd, train, output_mask), the mask applied as the
+// gradient is read. threshold and fill are 0-dim (None: 0); the comparison runs in result's dtype
+// and fill takes grad_out's, as le and where would. result is the relu's output (any layout).
+const OpDef& kBatchNormReluBackward = register_op({
+    .name = "batch_norm_relu_backward",
+    .schema = "batch_norm_relu_backward(Tensor grad_out, Tensor result, Tensor input, Tensor? weight, "
+              "Tensor save_mean, Tensor save_invstd, Tensor? threshold, Tensor? fill, bool train, "
+              "bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
-      const std::string op = "native_batch_norm_backward";
-      const Tensor& x = c.input(1);
-      const Tensor& weight = c.input(2);
-      KILN_CHECK(x.dim() >= 2, ShapeError,
-                 "[kiln::" + op + "] expected an input of 2 or more dims (N, C, ...), but got shape " +
-                     shape_str(x.sizes()) + ".");
-      const int64_t channels = x.sizes()[1];
-      check_backward_operands(op, c.input(0), x, {&c.input(3), &c.input(4)}, channels);
-      check_floating(op, weight, "weight");
-      check_channel_vector(op, weight, "weight", channels);
-      std::vector<TensorMeta> metas = backward_metas(c, x, weight, {channels}, 1, op);
-      // grad_input takes the input's layout (channels-last stays channels-last, as in PyTorch).
-      if (c.ints_attr(1)[0]) metas[0].strides = detail::strides_following(x.sizes(), x.strides(), x.sizes());
+      const std::string op = "batch_norm_relu_backward";
+      std::vector<TensorMeta> metas = batch_norm_backward_metas(c, 2, op);
+      const Tensor& grad = c.input(0);
+      const Tensor& result = c.input(1);
+      const Tensor& x = c.input(2);
+      check_same_device(op, {&x, &result, &c.input(6), &c.input(7)});
+      check_floating(op, result, "result");
+      KILN_CHECK(result.sizes() == x.sizes(), ShapeError,
+                 "[kiln::" + op + "] result has shape " + shape_str(result.sizes()) + " but the input has shape " +
+                     shape_str(x.sizes()) + ". Pass the forward's output 0.");
+      KILN_CHECK(result.dtype() == x.dtype() && grad.dtype() == x.dtype(), DTypeError,
+                 "[kiln::" + op + "] result (" + dtype_str(result.dtype()) + ") and grad_out (" +
+                     dtype_str(grad.dtype()) + ") must have the input's dtype (" + dtype_str(x.dtype()) +
+                     "). Convert them with .to(...).");
+      for (size_t i : {size_t{6}, size_t{7}}) {
+        const Tensor& t = c.input(i);
+        KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,
+                   "[kiln::" + op + "] " + (i == 6 ? "threshold" : "fill") + " must be a 0-dim tensor, but got shape " +
+                       shape_str(t.sizes()) + ".");
+      }
       return metas;
     },
     .lowering = "extern",
@@ -328,6 +402,7 @@ const OpDef& kNativeGroupNormBackward = register_op({
 });
 
 const OpDef& batch_norm_backward_op() { return kNativeBatchNormBackward; }
+const OpDef& batch_norm_relu_backward_op() { return kBatchNormReluBackward; }
 const OpDef& layer_norm_backward_op() { return kNativeLayerNormBackward; }
 const OpDef& group_norm_backward_op() { return kNativeGroupNormBackward; }
 

@@ -1,5 +1,5 @@
-// CPU kernels for native_batch_norm_backward, native_layer_norm_backward and
-// native_group_norm_backward.
+// CPU kernels for native_batch_norm_backward (and batch_norm_relu_backward: the same loops reading
+// the gradient through the relu's mask), native_layer_norm_backward and native_group_norm_backward.
 //
 // layer_norm and group_norm work block by block (a row, an (n, group) block): one pass computes
 // the block's reductions (sum(dy * w), sum(dy * w * x)), the next writes dx while the block is
@@ -65,14 +65,45 @@ bool mask_at(const OpCall& c, size_t attr, int i) { return c.ints_attr(attr)[i] 
 
 // ---------------- batch_norm ----------------
 
+// batch_norm_relu_backward reads its gradient through the relu's mask: where(r <= threshold,
+// fill, dy), with r laid out like x (channel rows: `r_stride` apart). Every loop below takes it
+// as a template flag (Masked) and a ReluMask operand, so the plain backward pays nothing for it.
+template <class T>
+struct ReluMask {
+  using Acc = opmath_t<T>;
+  const T* r = nullptr;
+  int64_t r_stride = 0;
+  Acc threshold = Acc(0), fill = Acc(0);
+  // r + offset (elements), or nullptr when not Masked (the loops then never read it).
+  template <bool Masked>
+  const T* at(int64_t offset) const {
+    if constexpr (Masked) return r + offset;
+    return nullptr;
+  }
+};
+
+// dy[i] in opmath precision, masked by the relu's result when Masked (NaN in r compares false,
+// so the gradient passes, as where(le(r, 0), 0, dy) does). Both values are loaded first: a load
+// under the condition would keep the loops from vectorizing.
+template <bool Masked, class T, class Acc>
+inline __attribute__((always_inline)) Acc grad_at(const T* __restrict dy, const T* __restrict r, int64_t i,
+                                                  Acc threshold, Acc fill) {
+  const Acc g = static_cast<Acc>(dy[i]);
+  if constexpr (Masked) {
+    const Acc result = static_cast<Acc>(r[i]);
+    return result <= threshold ? fill : g;
+  }
+  return g;
+}
+
 // sum(dy) and sum(dy * (x - mean)) over n contiguous values.
-template <class T, class Acc = opmath_t<T>>
-inline void centered_sums(const T* __restrict x, const T* __restrict dy, int64_t n, Acc mean, Acc& sum_dy,
-                          Acc& dot) {
+template <bool Masked, class T, class Acc = opmath_t<T>>
+inline void centered_sums(const T* __restrict x, const T* __restrict dy, const T* __restrict r, int64_t n, Acc mean,
+                          Acc threshold, Acc fill, Acc& sum_dy, Acc& dot) {
   Acc s = 0, d = 0;
 #pragma omp simd reduction(+ : s, d)
   for (int64_t i = 0; i < n; ++i) {
-    const Acc g = static_cast<Acc>(dy[i]);
+    const Acc g = grad_at<Masked>(dy, r, i, threshold, fill);
     s += g;
     d += g * (static_cast<Acc>(x[i]) - mean);
   }
@@ -84,17 +115,19 @@ inline void centered_sums(const T* __restrict x, const T* __restrict dy, int64_t
 // sum(dy * (x - mean)) into s and d. The tile's sums and means stay in registers while the rows
 // stream by (a row-at-a-time loop over all channels would load and store its sums for every
 // row, and that traffic, not memory, would bound it).
-template <int64_t kWidth, class T, class Acc = opmath_t<T>>
-inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, int64_t r0, int64_t r1,
-                              const Acc* mean, Acc* s_out, Acc* d_out) {
+template <int64_t kWidth, bool Masked, class T, class Acc = opmath_t<T>>
+inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
+                              int64_t c0, int64_t r0, int64_t r1, const Acc* mean, Acc* s_out, Acc* d_out) {
   Acc s[kWidth] = {}, d[kWidth] = {}, m[kWidth];
   std::copy_n(mean, kWidth, m);
+  const Acc th = relu.threshold, fill = relu.fill;
   for (int64_t r = r0; r < r1; ++r) {
     const T* __restrict x = xp + r * x_stride;
     const T* __restrict g = gp + r * g_stride;
+    const T* __restrict rr = relu.template at<Masked>(r * relu.r_stride + c0);
 #pragma omp simd
     for (int64_t c = 0; c < kWidth; ++c) {
-      const Acc gv = static_cast<Acc>(g[c]);
+      const Acc gv = grad_at<Masked>(g, rr, c, th, fill);
       s[c] += gv;
       d[c] += gv * (static_cast<Acc>(x[c]) - m[c]);
     }
@@ -109,9 +142,10 @@ inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_
 // rows are split across threads; a block is walked one tile of channels at a time (registers
 // hold a tile's sums: channel_tile_sums), summed in opmath precision and added into the thread's
 // partial sums in double.
-template <class T, class Acc = opmath_t<T>>
-void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, int64_t rows, int64_t channels,
-                       const std::vector<Acc>& mean, std::vector<double>& sum_dy, std::vector<double>& dot) {
+template <bool Masked, class T, class Acc = opmath_t<T>>
+void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
+                       int64_t rows, int64_t channels, const std::vector<Acc>& mean, std::vector<double>& sum_dy,
+                       std::vector<double>& dot) {
   constexpr int64_t kTile = 512 / sizeof(Acc);  // 8 vector registers of sums, 8 of differences, 8 of means
   constexpr int64_t kBlock = 256;                // rows summed in opmath precision before double
   std::vector<double> sums = sum_rows(
@@ -123,11 +157,14 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
         const int64_t r0 = b * kBlock, r1 = std::min(rows, r0 + kBlock);
         int64_t c0 = 0;
         for (; c0 + kTile <= channels; c0 += kTile)
-          channel_tile_sums<kTile>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+          channel_tile_sums<kTile, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+                                           s + c0, d + c0);
         for (; c0 + 16 <= channels; c0 += 16)
-          channel_tile_sums<16>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+          channel_tile_sums<16, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+                                        s + c0, d + c0);
         for (; c0 < channels; ++c0)
-          channel_tile_sums<1>(xp + c0, x_stride, gp + c0, g_stride, r0, r1, mean.data() + c0, s + c0, d + c0);
+          channel_tile_sums<1, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+                                       s + c0, d + c0);
 #pragma omp simd
         for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
       });
@@ -138,36 +175,67 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
 // Pass 2 on channel rows: dx = dy * a + (x * b + c), per channel. Three per-channel operands
 // instead of four keep the loop at streaming speed (their loads compete with the data's); the
 // rounding of x * b next to c is the forward's (x * scale + shift).
-template <class T, class Acc = opmath_t<T>>
-void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, T* dx, int64_t dx_stride,
-                             int64_t rows, int64_t channels, const std::vector<Acc>& a, const std::vector<Acc>& b,
-                             const std::vector<Acc>& c) {
+template <bool Masked, class T, class Acc = opmath_t<T>>
+void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
+                             T* dx, int64_t dx_stride, int64_t rows, int64_t channels, const std::vector<Acc>& a,
+                             const std::vector<Acc>& b, const std::vector<Acc>& c) {
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels));
   parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     const Acc* __restrict pa = a.data();
     const Acc* __restrict pb = b.data();
     const Acc* __restrict pc = c.data();
+    const Acc th = relu.threshold, fill = relu.fill;
     for (int64_t r = begin; r < end; ++r) {
       const T* __restrict xr = xp + r * x_stride;
       const T* __restrict gr = gp + r * g_stride;
+      const T* __restrict rr = relu.template at<Masked>(r * relu.r_stride);
       T* __restrict o = dx + r * dx_stride;
 #pragma omp simd
-      for (int64_t k = 0; k < channels; ++k)
-        o[k] = static_cast<T>(static_cast<Acc>(gr[k]) * pa[k] + (static_cast<Acc>(xr[k]) * pb[k] + pc[k]));
+      for (int64_t k = 0; k < channels; ++k) {
+        const Acc g = grad_at<Masked>(gr, rr, k, th, fill);
+        o[k] = static_cast<T>(g * pa[k] + (static_cast<Acc>(xr[k]) * pb[k] + pc[k]));
+      }
     }
   });
 }
 
-// x and grad_output are read in x's layout (planar or channel rows, see norm_loops.h; a
-// grad_output in the other layout is copied), and grad_input is written in it.
+// The operands of a batch-norm backward (native_batch_norm_backward, batch_norm_relu_backward).
+struct BatchNormBackwardCall {
+  const OpCall& call;
+  const Tensor& grad;
+  const Tensor& x;
+  const Tensor& weight;
+  const Tensor& mean;
+  const Tensor& invstd;
+  const Tensor* relu_result = nullptr;  // batch_norm_relu_backward: the relu's output, threshold, fill
+  const Tensor* threshold = nullptr;
+  const Tensor* fill = nullptr;
+};
+
+// The value of an optional 0-dim operand converted to T (0 when undefined), in opmath precision.
 template <class T>
-void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
+opmath_t<T> scalar_operand(const Tensor* t) {
+  if (!t || !t->defined()) return opmath_t<T>(0);
+  return static_cast<opmath_t<T>>(as_dtype(*t, dtype_of_v<T>).template item<T>());
+}
+
+// x and grad_output (and a relu's result) are read in x's layout (planar or channel rows, see
+// norm_loops.h; an operand in the other layout is copied), and grad_input is written in it.
+template <class T, bool Masked>
+void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
   const DType dt = dtype_of_v<T>;
+  const OpCall& call = op.call;
   Tensor& dx_out = outs[0];
   const auto dx_row_stride = channel_row_stride(dx_out);
-  const ChannelView xv = channel_view(call.input(1), dx_row_stride && !dx_out.is_contiguous());
-  const ChannelView gv = channel_view_as(as_dtype(call.input(0), dt), xv.rows);
+  const ChannelView xv = channel_view(op.x, dx_row_stride && !dx_out.is_contiguous());
+  const ChannelView gv = channel_view_as(as_dtype(op.grad, dt), xv.rows);
+  ChannelView rv;
+  ReluMask<T> relu;
+  if constexpr (Masked) {
+    rv = channel_view_as(as_dtype(*op.relu_result, dt), xv.rows);
+    relu = ReluMask<T>{rv.t.data_ptr<T>(), rv.row_stride, scalar_operand<T>(op.threshold), scalar_operand<T>(op.fill)};
+  }
   const Tensor& x = xv.t;
   const Tensor& dy = gv.t;
   const bool train = call.bool_attr(0);
@@ -175,11 +243,12 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   const int64_t n = x.sizes()[0], channels = x.sizes()[1];
   const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
   const int64_t rows = n * channels, count = n * plane;
-  const std::vector<Acc> weight = param_values<Acc>(call.input(2), channels, Acc(1));
-  const std::vector<Acc> mean = param_values<Acc>(call.input(3), channels, Acc(0));
-  const std::vector<Acc> invstd = param_values<Acc>(call.input(4), channels, Acc(1));
+  const std::vector<Acc> weight = param_values<Acc>(op.weight, channels, Acc(1));
+  const std::vector<Acc> mean = param_values<Acc>(op.mean, channels, Acc(0));
+  const std::vector<Acc> invstd = param_values<Acc>(op.invstd, channels, Acc(1));
   const T* xp = x.data_ptr<T>();
   const T* gp = dy.data_ptr<T>();
+  const Acc th = relu.threshold, fill = relu.fill;
 
   // Pass 1 (memory order): per-channel sum(dy) and sum(dy * (x - mean)), one partial row of
   // channels (of columns, for small planes) per thread.
@@ -188,17 +257,18 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   const int64_t columns = channels * plane;
   if ((train || need_weight || need_bias) && rows > 0 && plane > 0) {
     if (xv.rows) {
-      channel_rows_sums(xp, xv.row_stride, gp, gv.row_stride, count, channels, mean, sum_dy, dot);
+      channel_rows_sums<Masked>(xp, xv.row_stride, gp, gv.row_stride, relu, count, channels, mean, sum_dy, dot);
     } else if (small) {
       const std::vector<Acc> column_mean = expand_to_columns(mean, plane);
       std::vector<double> sums = sum_rows(n, columns, 2 * columns, [&](double* __restrict s, int64_t i) {
         const T* __restrict xr = xp + i * columns;
         const T* __restrict gr = gp + i * columns;
+        const T* __restrict rr = relu.template at<Masked>(i * columns);
         const Acc* __restrict m = column_mean.data();
         double* __restrict d = s + columns;
 #pragma omp simd
         for (int64_t k = 0; k < columns; ++k) {
-          const Acc g = static_cast<Acc>(gr[k]);
+          const Acc g = grad_at<Masked>(gr, rr, k, th, fill);
           s[k] += static_cast<double>(g);
           d[k] += static_cast<double>(g * (static_cast<Acc>(xr[k]) - m[k]));
         }
@@ -212,7 +282,8 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
       std::vector<double> sums = sum_rows(rows, plane, 2 * channels, [&](double* __restrict s, int64_t r) {
         const int64_t c = r % channels;
         Acc sd, d;
-        centered_sums(xp + r * plane, gp + r * plane, plane, mean[c], sd, d);
+        centered_sums<Masked>(xp + r * plane, gp + r * plane, relu.template at<Masked>(r * plane), plane, mean[c], th,
+                              fill, sd, d);
         s[c] += sd;
         s[channels + c] += d;
       });
@@ -248,8 +319,8 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
       c[ch] = static_cast<Acc>((static_cast<double>(mean[ch]) * kc - static_cast<double>(shift[ch])) * sc);
     }
     if (count > 0)
-      channel_rows_grad_input(xp, xv.row_stride, gp, gv.row_stride, y.data_ptr<T>(),
-                              direct ? *dx_row_stride : channels, count, channels, a, b, c);
+      channel_rows_grad_input<Masked>(xp, xv.row_stride, gp, gv.row_stride, relu, y.data_ptr<T>(),
+                                      direct ? *dx_row_stride : channels, count, channels, a, b, c);
     if (!direct) dx_out.copy_(y);
   } else if (need_input) {
     with_contiguous_output(dx_out, [&](Tensor& dx_t) {
@@ -261,14 +332,17 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
           for (int64_t i = b; i < e; ++i) {
             const T* __restrict xr = xp + i * columns;
             const T* __restrict gr = gp + i * columns;
+            const T* __restrict rr = relu.template at<Masked>(i * columns);
             T* __restrict o = dx + i * columns;
             const Acc* __restrict m = cm.data();
             const Acc* __restrict kk = ck.data();
             const Acc* __restrict sh = csh.data();
             const Acc* __restrict sc = csc.data();
 #pragma omp simd
-            for (int64_t j = 0; j < columns; ++j)
-              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
+            for (int64_t j = 0; j < columns; ++j) {
+              const Acc g = grad_at<Masked>(gr, rr, j, th, fill);
+              o[j] = static_cast<T>((g - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
+            }
           }
         });
         return;
@@ -278,15 +352,18 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
           const int64_t c = r % channels;
           const T* __restrict xr = xp + r * plane;
           const T* __restrict gr = gp + r * plane;
+          const T* __restrict rr = relu.template at<Masked>(r * plane);
           T* __restrict o = dx + r * plane;
           const Acc m = mean[c], kc = k[c], sh = shift[c], sc = scale[c];
           if (train) {
 #pragma omp simd
-            for (int64_t j = 0; j < plane; ++j)
-              o[j] = static_cast<T>((static_cast<Acc>(gr[j]) - sh - (static_cast<Acc>(xr[j]) - m) * kc) * sc);
+            for (int64_t j = 0; j < plane; ++j) {
+              const Acc g = grad_at<Masked>(gr, rr, j, th, fill);
+              o[j] = static_cast<T>((g - sh - (static_cast<Acc>(xr[j]) - m) * kc) * sc);
+            }
           } else {
 #pragma omp simd
-            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(static_cast<Acc>(gr[j]) * sc);
+            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(grad_at<Masked>(gr, rr, j, th, fill) * sc);
           }
         }
       });
@@ -300,9 +377,20 @@ void batch_norm_backward_typed(const OpCall& call, std::span<Tensor> outs) {
   if (need_bias) store_values(outs[2], sum_dy);
 }
 
+// native_batch_norm_backward(grad_out, input, weight?, save_mean, save_invstd, train, output_mask).
 void batch_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const BatchNormBackwardCall op{call, call.input(0), call.input(1), call.input(2), call.input(3), call.input(4)};
   KILN_DISPATCH_FLOATING(call.input(1).dtype(), "native_batch_norm_backward",
-                         [&] { batch_norm_backward_typed<scalar_t>(call, outs); });
+                         [&] { batch_norm_backward_typed<scalar_t, false>(op, outs); });
+}
+
+// batch_norm_relu_backward(grad_out, result, input, weight?, save_mean, save_invstd, threshold?,
+// fill?, train, output_mask).
+void batch_norm_relu_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const BatchNormBackwardCall op{call,          call.input(0), call.input(2),  call.input(3),  call.input(4),
+                                 call.input(5), &call.input(1), &call.input(6), &call.input(7)};
+  KILN_DISPATCH_FLOATING(call.input(2).dtype(), "batch_norm_relu_backward",
+                         [&] { batch_norm_backward_typed<scalar_t, true>(op, outs); });
 }
 
 // ---------------- layer_norm ----------------
@@ -476,6 +564,7 @@ void group_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 [[maybe_unused]] const bool registered = [] {
   register_kernel("native_batch_norm_backward", DeviceType::cpu, batch_norm_backward_kernel);
+  register_kernel("batch_norm_relu_backward", DeviceType::cpu, batch_norm_relu_backward_kernel);
   register_kernel("native_layer_norm_backward", DeviceType::cpu, layer_norm_backward_kernel);
   register_kernel("native_group_norm_backward", DeviceType::cpu, group_norm_backward_kernel);
   return true;

@@ -1,4 +1,5 @@
-// CPU kernels for native_batch_norm, native_layer_norm and native_group_norm.
+// CPU kernels for native_batch_norm (and batch_norm_relu: the same loops with relu applied as
+// the output is written), native_layer_norm and native_group_norm.
 //
 // All three normalize contiguous runs: batch_norm a channel's N runs of H*W elements (or, for
 // channels-last input, N*H*W rows of C channels: see norm_loops.h),
@@ -60,11 +61,20 @@ inline Acc row_sq_dev(const T* x, int64_t n, Acc mean) {
   return s;
 }
 
-// y = x * scale + shift over n contiguous values.
-template <class T, class Acc = opmath_t<T>>
+// x * scale + shift rounded to T, then relu'd when Relu (after the rounding, as a separate relu
+// would; NaN stays NaN).
+template <bool Relu, class T, class Acc>
+inline T affine_value(T x, Acc scale, Acc shift) {
+  const T y = static_cast<T>(static_cast<Acc>(x) * scale + shift);
+  if constexpr (Relu) return static_cast<Acc>(y) < Acc(0) ? T(0) : y;
+  return y;
+}
+
+// y = x * scale + shift (relu'd when Relu) over n contiguous values.
+template <bool Relu = false, class T, class Acc = opmath_t<T>>
 inline void affine_row(const T* __restrict x, T* __restrict y, int64_t n, Acc scale, Acc shift) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(static_cast<Acc>(x[i]) * scale + shift);
+  for (int64_t i = 0; i < n; ++i) y[i] = affine_value<Relu>(x[i], scale, shift);
 }
 
 // Runs body(y) with a contiguous output, copying into `out` afterwards when it is not.
@@ -155,8 +165,8 @@ void channel_stats(const T* in, int64_t n, int64_t channels, int64_t plane, std:
   }
 }
 
-// y = x * scale[c] + shift[c] over `rows` rows of `channels` values (channel rows).
-template <class T, class Acc = opmath_t<T>>
+// y = x * scale[c] + shift[c] (relu'd when Relu) over `rows` rows of `channels` values (channel rows).
+template <bool Relu, class T, class Acc = opmath_t<T>>
 void affine_channel_rows(const T* in, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t channels,
                          const std::vector<Acc>& scale, const std::vector<Acc>& shift) {
   parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels)), [&](int64_t b, int64_t e) {
@@ -166,14 +176,14 @@ void affine_channel_rows(const T* in, int64_t in_stride, T* out, int64_t out_str
       const T* __restrict x = in + r * in_stride;
       T* __restrict y = out + r * out_stride;
 #pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) y[c] = static_cast<T>(static_cast<Acc>(x[c]) * sc[c] + sh[c]);
+      for (int64_t c = 0; c < channels; ++c) y[c] = affine_value<Relu>(x[c], sc[c], sh[c]);
     }
   });
 }
 
 // The planar (NCHW) output pass: one affine map per column of a sample for small planes, per
 // (n, c) run otherwise.
-template <class T, class Acc = opmath_t<T>>
+template <bool Relu, class T, class Acc = opmath_t<T>>
 void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane, const std::vector<Acc>& scale,
                    const std::vector<Acc>& shift) {
   if (plane < kSmallPlane) {
@@ -187,7 +197,7 @@ void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane
         const Acc* __restrict sc = column_scale.data();
         const Acc* __restrict sh = column_shift.data();
 #pragma omp simd
-        for (int64_t k = 0; k < columns; ++k) out[k] = static_cast<T>(static_cast<Acc>(x[k]) * sc[k] + sh[k]);
+        for (int64_t k = 0; k < columns; ++k) out[k] = affine_value<Relu>(x[k], sc[k], sh[k]);
       }
     });
     return;
@@ -195,14 +205,15 @@ void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane
   parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const int64_t c = r % channels;
-      affine_row(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
+      affine_row<Relu>(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
     }
   });
 }
 
 // Reads the input in its own layout (planar or channel rows, see norm_loops.h) and writes the
-// output in the same one: directly when the output has it, else through a temporary.
-template <class T>
+// output in the same one: directly when the output has it, else through a temporary. Relu:
+// batch_norm_relu.
+template <class T, bool Relu>
 void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
   Tensor& out = outs[0];
@@ -260,19 +271,25 @@ void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
                       : detail::make_empty_strided(out.sizes().vec(), channel_rows_strides(out.sizes()), out.dtype(),
                                                    out.device());
     if (count > 0)
-      affine_channel_rows(in, xv.row_stride, y.data_ptr<T>(), direct ? *out_row_stride : channels, count, channels,
-                          scale, shift);
+      affine_channel_rows<Relu>(in, xv.row_stride, y.data_ptr<T>(), direct ? *out_row_stride : channels, count,
+                                channels, scale, shift);
     if (!direct) out.copy_(y);
   } else {
-    with_contiguous_output(out,
-                           [&](Tensor& y) { affine_planar(in, y.data_ptr<T>(), n, channels, plane, scale, shift); });
+    with_contiguous_output(out, [&](Tensor& y) {
+      affine_planar<Relu>(in, y.data_ptr<T>(), n, channels, plane, scale, shift);
+    });
   }
   store_values(outs[1], mean);
   store_values(outs[2], invstd);
 }
 
 void batch_norm_kernel(const OpCall& call, std::span<Tensor> outs) {
-  KILN_DISPATCH_FLOATING(call.input(0).dtype(), "batch_norm", [&] { batch_norm_typed<scalar_t>(call, outs); });
+  KILN_DISPATCH_FLOATING(call.input(0).dtype(), "batch_norm", [&] { batch_norm_typed<scalar_t, false>(call, outs); });
+}
+
+void batch_norm_relu_kernel(const OpCall& call, std::span<Tensor> outs) {
+  KILN_DISPATCH_FLOATING(call.input(0).dtype(), "batch_norm_relu",
+                         [&] { batch_norm_typed<scalar_t, true>(call, outs); });
 }
 
 // ---------------- layer_norm and group_norm ----------------
@@ -363,6 +380,7 @@ void group_norm_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 [[maybe_unused]] const bool registered = [] {
   register_kernel("native_batch_norm", DeviceType::cpu, batch_norm_kernel);
+  register_kernel("batch_norm_relu", DeviceType::cpu, batch_norm_relu_kernel);
   register_kernel("native_layer_norm", DeviceType::cpu, layer_norm_kernel);
   register_kernel("native_group_norm", DeviceType::cpu, group_norm_kernel);
   return true;

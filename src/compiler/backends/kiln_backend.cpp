@@ -229,6 +229,8 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
   passes::functionalize(graph);
   passes::fuse_conv_bn(graph);
+  passes::fuse_batch_norm_relu(graph);
+  passes::fuse_gemm_epilogue(graph);
   // Convolutions on channels-last activations (oneDNN runs NHWC without reorders); on unless
   // options{{"layout_optimization", false}}.
   bool layout_optimization = true;

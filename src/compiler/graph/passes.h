@@ -78,6 +78,20 @@ void fold_constants(Graph& graph, int64_t max_numel = 1 << 16);
 // intermediate values are read by nothing else. Run after functionalize() (in-place relu_).
 void fuse_conv_bn(Graph& graph);
 
+// Epilogue fusion into GEMMs: addmm → relu becomes one addmm_relu node (the relu applied in place
+// to the GEMM's result) producing the relu's value, where the addmm's result is read by the relu
+// alone (not a graph output, no view, no in-place write). The fused node takes the addmm's place
+// and attrs, so its beta/alpha slots stay valid. Run after functionalize() (in-place relu_).
+void fuse_gemm_epilogue(Graph& graph);
+
+// Batch norm + relu fusion: native_batch_norm in training mode whose output 0 only one relu reads
+// becomes batch_norm_relu producing the relu's value (inference batch norms are left to
+// decompose(), whose pointwise ops fuse with their neighbours); where(le(r, t), v, grad) read
+// only as the grad of a native_batch_norm_backward, r a relu's output and t, v 0-dim, becomes
+// batch_norm_relu_backward(grad, r, ..., t, v) (the mask applied as the kernel reads grad).
+// Nothing involved may be written in place. Run after functionalize() and fuse_conv_bn().
+void fuse_batch_norm_relu(Graph& graph);
+
 // Layout optimization for convolution networks: the first convolution reading a row-major 4-D
 // float32/bfloat16 CPU activation reads a channels-last copy of it instead (a `copy` node), and
 // refresh_layouts() carries channels-last through every op whose meta keeps it; repeated until
@@ -121,6 +135,9 @@ class NodeNamer {
   std::vector<std::string> taken_;
   std::unordered_map<std::string, int64_t> largest_;  // base name -> largest suffix (-1: base)
 };
+
+// The op table's entry for `name`; throws CompileError when no op has that name.
+const OpDef& registered_op(std::string_view name);
 
 // A tensor with `info`'s metadata and no data, for meta functions. It lives in `storage` (grown to
 // cover it), so that tensors of one alias group can share one, or else in a storage of its own.

@@ -41,12 +41,6 @@ bool row_major(const ValueInfo& v) {
   return true;
 }
 
-const OpDef& copy_op() {
-  const OpDef* d = OpTable::instance().find("copy");
-  KILN_CHECK(d != nullptr, CompileError, "[kiln::compile] op 'copy' is not registered.");
-  return *d;
-}
-
 // Inserts `node` before position `at`, keeping the scalar slots on their nodes.
 void insert_node(Graph& g, size_t at, Node node) {
   g.nodes.insert(g.nodes.begin() + static_cast<std::ptrdiff_t>(at), std::move(node));
@@ -65,7 +59,7 @@ Node layout_copy(Graph& g, int x, bool channels_last, std::string name) {
   info.device = xi.device;
   info.name = name;
   Node n;
-  n.op = &copy_op();
+  n.op = &internal::registered_op("copy");
   n.inputs = {x};
   n.attrs = {xi.dtype, xi.device, channels_last};
   n.name = std::move(name);

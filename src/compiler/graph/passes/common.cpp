@@ -65,4 +65,10 @@ std::vector<char> written_memory(const Graph& g) {
   return out;
 }
 
+const OpDef& registered_op(std::string_view name) {
+  const OpDef* d = OpTable::instance().find(name);
+  KILN_CHECK(d != nullptr, CompileError, "[kiln::compile] op '" + std::string(name) + "' is not registered.");
+  return *d;
+}
+
 }  // namespace kiln::compiler::passes::internal

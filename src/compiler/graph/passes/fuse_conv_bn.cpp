@@ -8,18 +8,8 @@
 
 namespace kiln::compiler::passes {
 
-namespace {
-
-const OpDef& op(const char* name) {
-  const OpDef* d = OpTable::instance().find(name);
-  KILN_CHECK(d != nullptr, CompileError, std::string("[kiln::compile] op '") + name + "' is not registered.");
-  return *d;
-}
-
-}  // namespace
-
 void fuse_conv_bn(Graph& g) {
-  const OpDef& conv2d_bn = op("conv2d_bn");
+  const OpDef& conv2d_bn = internal::registered_op("conv2d_bn");
   std::vector<int> uses = g.use_counts();
   std::map<int, int> producer;  // value -> node
   for (size_t i = 0; i < g.nodes.size(); ++i)

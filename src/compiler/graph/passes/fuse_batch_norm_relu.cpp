@@ -1,0 +1,107 @@
+// Batch norm + relu fusion (DESIGN §2.5): a training batch norm whose output only a relu reads
+// becomes one batch_norm_relu node, and the relu's backward (where(le(r, t), v, grad), a mask
+// pass) folds into the native_batch_norm_backward reading it (batch_norm_relu_backward). Each
+// removes one full pass over the activations. The relu backward's threshold and fill are 0-dim
+// graph values (host scalars the body wrapped, passed at run time, so their values are not known
+// here): the fused node reads them as inputs instead of assuming 0.
+#include <vector>
+
+#include "compiler/graph/passes.h"
+
+namespace kiln::compiler::passes {
+
+namespace {
+
+bool is(const Node& n, const char* name, size_t inputs, size_t outputs) {
+  return !n.inplace && n.op->name == name && n.inputs.size() == inputs &&
+         n.outputs.size() == outputs;
+}
+
+}  // namespace
+
+void fuse_batch_norm_relu(Graph& g) {
+  const OpDef& batch_norm_relu = internal::registered_op("batch_norm_relu");
+  const OpDef& batch_norm_relu_backward = internal::registered_op("batch_norm_relu_backward");
+  const std::vector<int> uses = g.use_counts();
+  const std::vector<char> written = internal::written_memory(g);
+  std::vector<int> producer(g.values.size(), -1);  // value -> the node creating it
+  std::vector<int> consumer(g.values.size(),
+                            -1);  // value -> the node reading it, when it has one use
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    if (!n.inplace)
+      for (int v : n.outputs) producer[v] = static_cast<int>(i);
+    for (int v : n.inputs)
+      if (v >= 0 && uses[v] == 1) consumer[v] = static_cast<int>(i);
+  }
+  internal::NodeNamer namer(g);
+  std::vector<bool> erase(g.nodes.size(), false);
+  auto same_tensor_type = [&](int a, int b) {
+    return g.values[a].sizes == g.values[b].sizes && g.values[a].dtype == g.values[b].dtype;
+  };
+
+  // batch norm -> relu: the fused node takes the batch norm's place (inputs and attrs, so its
+  // scalar slots stay valid) and produces the relu's value. Training only: an inference batch
+  // norm decomposes into pointwise ops that the code generator fuses with the relu and with what
+  // comes before (DenseNet's cat), which beats an extern call (measured).
+  for (size_t b = 0; b < g.nodes.size(); ++b) {
+    Node& bn = g.nodes[b];
+    if (!is(bn, "native_batch_norm", 5, 3) || bn.attrs.size() != 3) continue;
+    if (!std::holds_alternative<bool>(bn.attrs[0]) || !std::get<bool>(bn.attrs[0])) continue;
+    const int y = bn.outputs[0];
+    const int c = consumer[y];
+    if (c < 0 || written[y] || !is(g.nodes[c], "relu", 1, 1)) continue;
+    if (!batch_norm_relu.has_kernel(g.values[y].device.type)) continue;
+    const int relu_out = g.nodes[c].outputs[0];
+    if (!same_tensor_type(y, relu_out)) continue;
+    bn.op = &batch_norm_relu;
+    bn.name = namer("batch_norm_relu");
+    bn.outputs[0] = relu_out;
+    producer[relu_out] = static_cast<int>(b);
+    erase[c] = true;
+  }
+
+  // where(le(r, threshold), fill, grad) -> native_batch_norm_backward, r a relu's output: the
+  // fused node takes the backward's place and reads grad, r, threshold and fill there (none of
+  // them is written in place, so reading them later reads the same values).
+  for (size_t k = 0; k < g.nodes.size(); ++k) {
+    Node& bwd = g.nodes[k];
+    if (!is(bwd, "native_batch_norm_backward", 5, 3) || bwd.attrs.size() != 2) continue;
+    const int masked = bwd.inputs[0];
+    if (masked < 0 || uses[masked] != 1 || written[masked] || producer[masked] < 0) continue;
+    const int w = producer[masked];
+    const Node& where = g.nodes[w];
+    if (erase[w] || !is(where, "where", 3, 1)) continue;
+    const int condition = where.inputs[0], fill = where.inputs[1], grad = where.inputs[2];
+    if (condition < 0 || fill < 0 || grad < 0 || uses[condition] != 1 || producer[condition] < 0)
+      continue;
+    const int l = producer[condition];
+    const Node& le = g.nodes[l];
+    if (erase[l] || !is(le, "le", 2, 1)) continue;
+    const int r = le.inputs[0], threshold = le.inputs[1];
+    if (r < 0 || threshold < 0 || producer[r] < 0) continue;
+    const Node& relu = g.nodes[producer[r]];
+    const bool from_relu =
+        (relu.op == &batch_norm_relu && relu.outputs[0] == r) || is(relu, "relu", 1, 1);
+    const int x = bwd.inputs[1];
+    // No broadcasting: grad, r and the masked gradient have the input's sizes and dtype, so the
+    // comparison runs in r's dtype and the fill takes grad's (0-dim operands do not promote).
+    if (!from_relu || !same_tensor_type(masked, x) || !same_tensor_type(grad, x) ||
+        !same_tensor_type(r, x))
+      continue;
+    if (!g.values[threshold].sizes.empty() || !g.values[fill].sizes.empty()) continue;
+    if (!batch_norm_relu_backward.has_kernel(g.values[x].device.type)) continue;
+    if (written[grad] || written[r] || written[threshold] || written[fill] || written[condition])
+      continue;
+    bwd.op = &batch_norm_relu_backward;
+    bwd.inputs = {grad, r, x, bwd.inputs[2], bwd.inputs[3], bwd.inputs[4], threshold, fill};
+    bwd.name = namer("batch_norm_relu_backward");
+    erase[w] = true;
+    erase[l] = true;
+  }
+
+  size_t index = 0;
+  g.erase_nodes_if([&](const Node&) { return erase[index++]; });
+}
+
+}  // namespace kiln::compiler::passes
