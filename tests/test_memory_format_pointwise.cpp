@@ -714,3 +714,52 @@ TEST_F(MemoryFormatCompile, PointwiseAndCatHaveTheEagerLayouts) {
     }
   }
 }
+
+// ---------------- clone(format), .grad() layout, Module::to(format) ----------------
+
+TEST(MemoryFormatApi, CloneInAFormatAlwaysCopies) {
+  Tensor x = randn({2, 3, 4, 5});
+  Tensor nhwc = cl(x);
+  Tensor a = nhwc.clone(kiln::channels_last);
+  EXPECT_TRUE(a.is_contiguous(kiln::channels_last));
+  EXPECT_FALSE(a.is_alias_of(nhwc)) << "a clone owns its memory even when the format already matches";
+  EXPECT_TRUE(same_values(a, x));
+  Tensor p = nhwc.clone(kiln::preserve_format);
+  EXPECT_TRUE(p.is_contiguous(kiln::channels_last)) << "preserve keeps channels-last";
+  EXPECT_TRUE(x.clone(kiln::preserve_format).is_contiguous()) << "preserve keeps row-major";
+  EXPECT_TRUE(nhwc.clone(kiln::contiguous_format).is_contiguous());
+  EXPECT_THROW(randn({2, 3}).clone(kiln::channels_last), kiln::ShapeError);
+}
+
+TEST(MemoryFormatApi, AccumulatedGradFollowsTheLeafsFormat) {
+  Tensor x = cl(randn({2, 3, 4, 5})).requires_grad_();
+  (x * 2).sum().backward();  // the incoming gradient is row-major
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(x.grad().is_contiguous(kiln::channels_last));
+  EXPECT_TRUE(same_values(x.grad(), full({2, 3, 4, 5}, 2.0)));
+  (x * 3).sum().backward();  // accumulates in place, keeping the layout
+  EXPECT_TRUE(x.grad().is_contiguous(kiln::channels_last));
+  EXPECT_TRUE(same_values(x.grad(), full({2, 3, 4, 5}, 5.0)));
+  Tensor y = randn({2, 3, 4, 5}).requires_grad_();
+  (cl(y) * 2).sum().backward();
+  EXPECT_TRUE(y.grad().is_contiguous()) << "a row-major leaf gets a row-major gradient";
+}
+
+TEST(MemoryFormatApi, ModuleToChannelsLastConvertsFourDimensionalParameters) {
+  manual_seed(1);
+  nn::Sequential net;
+  net.push_back(std::make_shared<nn::Conv2d>(3, 4, 3));
+  net.push_back(std::make_shared<nn::BatchNorm2d>(4));
+  net.push_back(std::make_shared<nn::Flatten>());
+  net.push_back(std::make_shared<nn::Linear>(4 * 4 * 4, 2));
+  Tensor x = randn({2, 3, 6, 6});
+  Tensor want = net.forward(x);
+  net.to(kiln::channels_last);
+  for (const auto& [name, p] : net.named_parameters()) {
+    if (p.dim() == 4) EXPECT_TRUE(p.is_contiguous(kiln::channels_last)) << name;
+    else EXPECT_TRUE(p.is_contiguous()) << name << " (not 4-D: unchanged)";
+  }
+  EXPECT_TRUE(same_values(net.forward(cl(x)), want, Tolerance{1e-4, 1e-5}));
+  net.to(kiln::contiguous_format);
+  for (const auto& [name, p] : net.named_parameters()) EXPECT_TRUE(p.is_contiguous()) << name;
+}

@@ -152,7 +152,9 @@ class Tensor {
   Tensor to(MemoryFormat format) const { return contiguous(format); }
   Tensor cpu() const { return to(kCPU); }
   Tensor cuda(int index = 0) const { return to(cuda_device(index)); }
-  Tensor clone() const;
+  Tensor clone() const;  // row-major
+  // A copy in `format`; preserve: channels-last if this tensor suggests it, else row-major.
+  Tensor clone(MemoryFormat format) const;
   Tensor& copy_(const Tensor& src);  // broadcasts src, converts dtype and device
   Tensor detach() const;             // shares storage, no autograd history
 

@@ -165,8 +165,12 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   std::lock_guard lock(m.mutex);
   if (!m.grad.defined()) {
     // Own the memory unless the graph is being kept (create_graph): a later in-place
-    // accumulation must not write into a tensor the graph still uses.
-    m.grad = is_grad_enabled() ? g : (g.is_contiguous() && g.impl().storage.use_count() == 1 ? g : g.clone());
+    // accumulation must not write into a tensor the graph still uses. The gradient takes the
+    // leaf's memory format (PyTorch's layout contract): a channels-last parameter gets a
+    // channels-last .grad().
+    const MemoryFormat format = leaf_t.suggest_memory_format();
+    m.grad = is_grad_enabled() ? g
+                               : (g.is_contiguous(format) && g.impl().storage.use_count() == 1 ? g : g.clone(format));
   } else if (is_grad_enabled()) {
     m.grad = m.grad + g;
   } else {

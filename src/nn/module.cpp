@@ -402,6 +402,27 @@ Module& Module::to(Device device, DType dtype) {
   return *this;
 }
 
+Module& Module::to(MemoryFormat format) {
+  if (format == MemoryFormat::preserve) return *this;
+  NoGradGuard no_grad;
+  for (const auto& [prefix, m] : named_modules()) {
+    bool changed = false;
+    auto convert_slot = [&](TensorSlot& slot) {
+      Tensor& t = slot.tensor;
+      if (!t.defined() || t.dim() != 4 || t.is_contiguous(format)) return;
+      Tensor grad = t.grad();
+      if (grad.defined()) t.set_grad(Tensor());
+      assign_tensor_data(t, t.contiguous(format));
+      if (grad.defined()) t.set_grad(grad.contiguous(format));
+      changed = true;
+    };
+    for (auto& p : m->parameters_) convert_slot(*p);
+    for (auto& b : m->buffers_) convert_slot(*b);
+    if (changed) m->mark_structure_changed();
+  }
+  return *this;
+}
+
 Module& Module::requires_grad_(bool requires_grad) {
   for (Tensor& p : parameters()) p.requires_grad_(requires_grad);
   mark_structure_changed();

@@ -473,6 +473,12 @@ Tensor Tensor::as_strided(IntArrayRef s, IntArrayRef st, std::optional<int64_t> 
   return kiln::as_strided(*this, s, st, off);
 }
 Tensor Tensor::contiguous() const { return kiln::contiguous(*this); }
+Tensor Tensor::clone(MemoryFormat format) const {
+  if (format == MemoryFormat::preserve) format = suggest_memory_format();
+  if (format == MemoryFormat::contiguous) return kiln::clone(*this);
+  return call_op1(kCopy, {*this}, {dtype(), device(), true});
+}
+
 Tensor Tensor::contiguous(MemoryFormat format) const {
   if (format == MemoryFormat::preserve || is_contiguous(format)) return *this;
   if (format == MemoryFormat::contiguous) return kiln::contiguous(*this);

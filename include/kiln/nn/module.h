@@ -118,6 +118,9 @@ class Module : public std::enable_shared_from_this<Module> {
   // keep their dtype). Throws DTypeError for a non-floating dtype.
   Module& to(DType dtype);
   Module& to(Device device, DType dtype);
+  // 4-D parameters and buffers (convolution weights) in `format`, e.g.
+  // model->to(kiln::channels_last) (torch's module.to(memory_format=...)); preserve: no change.
+  Module& to(MemoryFormat format);
   // Sets requires_grad on every parameter (torch's module.requires_grad_()).
   Module& requires_grad_(bool requires_grad = true);
   // Clears (set_to_none) or zeroes every parameter's gradient.
