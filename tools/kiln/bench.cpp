@@ -2,9 +2,12 @@
 //
 //   kiln bench densenet121 --device cpu --batch 16 --size 128 --modes eager --train --json
 //
-// Each timing is the median of --iters runs after --warmup runs. Inference runs in eval mode
-// under NoGradGuard; the training step is Adam + cross-entropy (zero_grad, forward, backward,
-// step) in train mode.
+// Compiled modes first measure compile times (cold: an empty kernel cache; warm: the disk cache).
+// Then every mode is timed in interleaved rounds (eager, kiln, ..., eager, kiln, ...) so that load
+// on a shared machine hits each alike: each timing is the median (and min) of --iters rounds after
+// --warmup rounds. Inference runs in eval mode under NoGradGuard; the training step is Adam +
+// cross-entropy (zero_grad, forward, backward, step) in train mode, one Adam per mode over the
+// same model.
 //
 //   kiln bench toy --json --iters 2000 --threads 1
 //
@@ -111,20 +114,6 @@ std::shared_ptr<nn::Module> make_model(const BenchArgs& a) {
   if (a.model == "resnet50") return models::resnet50({.num_classes = a.num_classes});
   throw ValueError("[kiln bench] unknown model '" + a.model +
                    "'. Available: densenet121, densenet169, resnet18, resnet50.");
-}
-
-// Median wall time of fn in milliseconds.
-double time_ms(int warmup, int iters, const std::function<void()>& fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    auto t0 = std::chrono::steady_clock::now();
-    fn();
-    auto t1 = std::chrono::steady_clock::now();
-    ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 // ---- `kiln bench toy`: per-call overhead of compile() ----
@@ -287,6 +276,17 @@ double since(std::chrono::steady_clock::time_point t0) {
 // The kiln mode: compile() with the kiln backend. Cold compile time is the first call with an
 // empty kernel cache (a fresh directory inside the cache, removed afterwards); warm compile time
 // is the first call of a new compile() after compiler::reset(), served by the disk cache.
+// The training step every mode times: Adam + cross-entropy (zero_grad, forward, backward, step).
+auto adam_step(const std::shared_ptr<nn::Module>& model, optim::Adam& opt, const Tensor& labels) {
+  return [model, &opt, labels](const Tensor& images) {
+    opt.zero_grad();
+    Tensor loss = cross_entropy(model->forward(images), labels);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+}
+
 nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, const Tensor& x,
                               const Tensor& y, Mode mode) {
   namespace fs = std::filesystem;
@@ -328,27 +328,47 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
   run_inference(compiled);
   m["inference_compile_warm_s"] = since(t0);
   const int64_t runs_before = compiler::counters().kernel_runs;
-  m["inference_ms"] = time_ms(a.warmup, a.iters, [&] { run_inference(compiled); });
+  run_inference(compiled);
   KILN_CHECK(compiler::counters().kernel_runs > runs_before, Error,
              "[kiln bench] the compiled model ran no generated kernel: its timing would mean nothing.");
   if (a.train) {
     model->train();
     optim::Adam opt(model->parameters(), {.lr = 1e-3});
-    auto step = [&](const Tensor& images, const Tensor& labels) {
-      opt.zero_grad();
-      Tensor loss = cross_entropy(model->forward(images), labels);
-      loss.backward();
-      opt.step();
-      return loss;
-    };
     compiler::reset();
-    auto compiled_step = compile(step, options);
+    auto compiled_step = compile(adam_step(model, opt, y), options);
     auto t1 = std::chrono::steady_clock::now();
-    compiled_step(x, y).item<float>();
+    compiled_step(x).item<float>();
     m["train_compile_cold_s"] = since(t1);
-    m["train_step_ms"] = time_ms(a.warmup, a.iters, [&] { compiled_step(x, y).item<float>(); });
   }
   return m;
+}
+
+// One mode's callables for the timing rounds: inference (eval, no grad) and a training step.
+struct TimedMode {
+  std::string name;
+  std::shared_ptr<optim::Adam> opt;  // this mode's own optimizer state
+  std::function<void()> infer, train;
+  std::vector<double> infer_ms, train_ms;
+};
+
+// Times every mode's inference, then every mode's training step, in interleaved rounds (mode A,
+// mode B, ..., then again), so that load on a shared machine hits every mode alike.
+void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
+  auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms) {
+    for (int i = 0; i < a.warmup + a.iters; ++i)
+      for (TimedMode& m : modes) {
+        auto t0 = std::chrono::steady_clock::now();
+        (m.*fn)();
+        if (i >= a.warmup)
+          (m.*ms).push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      }
+  };
+  model->eval();
+  rounds(&TimedMode::infer, &TimedMode::infer_ms);
+  if (a.train) {
+    model->train();
+    rounds(&TimedMode::train, &TimedMode::train_ms);
+  }
 }
 
 int run_bench(const std::vector<std::string>& args) {
@@ -364,37 +384,56 @@ int run_bench(const std::vector<std::string>& args) {
   nlohmann::json result = {{"model", a.model},   {"device", a.device.str()}, {"batch", a.batch},
                            {"size", a.size},     {"threads", get_num_threads()},
                            {"warmup", a.warmup}, {"iters", a.iters}};
+  // Compile times first (each compiled mode from an empty cache, then from the disk cache); then
+  // every mode's callables, timed in interleaved rounds.
   for (const auto& mode : a.modes) {
-    nlohmann::json m;
-    if (mode == "kiln" || mode == "kiln-ro") {
-      m = bench_compiled(a, model, x, y, mode == "kiln" ? Mode::default_ : Mode::reduce_overhead);
-    } else {
-      model->eval();
-      m["inference_ms"] = time_ms(a.warmup, a.iters, [&] {
+    KILN_CHECK(mode == "eager" || mode == "kiln" || mode == "kiln-ro", ValueError,
+               "[kiln bench] unknown mode '" + mode + "'. Modes: eager, kiln, kiln-ro.");
+    result["modes"][mode] =
+        mode == "eager" ? nlohmann::json::object()
+                        : bench_compiled(a, model, x, y, mode == "kiln" ? Mode::default_ : Mode::reduce_overhead);
+  }
+  compiler::reset();
+  std::vector<TimedMode> timed;
+  for (const auto& mode : a.modes) {
+    TimedMode t{.name = mode, .opt = std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3})};
+    auto step = adam_step(model, *t.opt, y);
+    auto forward = [model](const Tensor& images) { return model->forward(images); };
+    if (mode == "eager") {
+      t.infer = [forward, x] {
         NoGradGuard ng;
-        Tensor out = model->forward(x);
-        out.sum().item<float>();  // synchronize on the result
-      });
-      if (a.train) {
-        model->train();
-        optim::Adam opt(model->parameters(), {.lr = 1e-3});
-        m["train_step_ms"] = time_ms(a.warmup, a.iters, [&] {
-          opt.zero_grad();
-          Tensor loss = cross_entropy(model->forward(x), y);
-          loss.backward();
-          opt.step();
-          loss.item<float>();
-        });
-      }
+        forward(x).sum().item<float>();  // synchronize on the result
+      };
+      t.train = [step, x] { step(x).item<float>(); };
+    } else {
+      const CompileOptions options{.backend = std::string("kiln"),
+                                   .mode = mode == "kiln" ? Mode::default_ : Mode::reduce_overhead};
+      auto infer = compile(forward, options);
+      auto train = compile(step, options);
+      t.infer = [infer, x]() mutable {
+        NoGradGuard ng;
+        infer(x).sum().item<float>();
+      };
+      t.train = [train, x]() mutable { train(x).item<float>(); };
     }
-    result["modes"][mode] = m;
+    timed.push_back(std::move(t));
+  }
+  time_interleaved(a, model, timed);
+  for (TimedMode& t : timed) {
+    nlohmann::json& m = result["modes"][t.name];
+    m["inference_ms"] = median(t.infer_ms);
+    m["inference_min_ms"] = *std::min_element(t.infer_ms.begin(), t.infer_ms.end());
+    if (a.train) {
+      m["train_step_ms"] = median(t.train_ms);
+      m["train_step_min_ms"] = *std::min_element(t.train_ms.begin(), t.train_ms.end());
+    }
   }
 
   if (a.json) {
     std::cout << result.dump(2) << "\n";
     return 0;
   }
-  std::cout << fmt::format("{} on {}, batch {}, 3x{}x{}, {} threads (median of {} runs)\n", a.model,
+  std::cout << fmt::format("{} on {}, batch {}, 3x{}x{}, {} threads (median of {} interleaved rounds)\n", a.model,
                            a.device.str(), a.batch, a.size, a.size, get_num_threads(), a.iters);
   std::cout << fmt::format("{:<12} {:>16} {:>16} {:>18} {:>18}\n", "mode", "inference ms", "train step ms",
                            "compile cold s", "compile warm s");
