@@ -1058,6 +1058,24 @@ void expect_compiled_forward(const std::shared_ptr<M>& net, const Tensor& x, Tol
   EXPECT_TRUE(matches(got, want, tol));
 }
 
+// An eval-mode convolution + batch norm compiles to conv2d_bn, whose folded weights are cached by
+// the parameters' versions: calls leave the running statistics' versions alone, so later calls
+// reuse the folded weights.
+TEST_F(KilnBackend, EvalBatchNormLeavesRunningStatisticsVersionsAlone) {
+  manual_seed(4);
+  auto bn = std::make_shared<nn::BatchNorm2d>(8);
+  auto net = std::make_shared<nn::Sequential>(std::make_shared<nn::Conv2d>(3, 8, 3), bn, std::make_shared<nn::ReLU>());
+  net->eval();
+  Tensor x = randn({2, 3, 8, 8});
+  Tensor want = net->forward(x);
+  auto compiled = kiln::compile(net, kiln_backend());
+  NoGradGuard no_grad;
+  compiled(x);
+  const uint64_t version = bn->running_mean.version();
+  for (int call = 0; call < 3; ++call) EXPECT_TRUE(matches(compiled(x), want, kDeepModelTol));
+  EXPECT_EQ(bn->running_mean.version(), version);
+}
+
 TEST_F(KilnBackend, DenseNet121EvalForwardMatchesEager) {
   auto net = models::densenet121({.num_classes = 10});
   net->eval();

@@ -145,10 +145,17 @@ TEST(BatchNorm, EvalUsesRunningStatsAndLeavesThemAlone) {
       const size_t c = (i / 16) % 3;
       ref[i] = (xv[i] - mv[c]) / std::sqrt(vv[c] + 1e-5) * wv[c] + bv[c];
     }
+    const uint64_t rm_version = rm.version(), rv_version = rv.version();
     Tensor y = batch_norm(x, rm, rv, w, b, /*training=*/false);
     EXPECT_TRUE(matches(y, {2, 3, 4, 4}, ref));
     EXPECT_TRUE(matches(rm, {3}, mv));
     EXPECT_TRUE(matches(rv, {3}, vv));
+    // Nothing was written, so the version counters stay (caches keyed on them, such as the
+    // compiler's folded convolution weights, stay valid).
+    EXPECT_EQ(rm.version(), rm_version);
+    EXPECT_EQ(rv.version(), rv_version);
+    batch_norm(x, rm, rv, w, b, /*training=*/true);
+    EXPECT_GT(rm.version(), rm_version) << "training writes the running statistics";
   }
 }
 

@@ -133,8 +133,16 @@ struct OpDef {
   // to the graph as run-time scalars instead of specializing on them. Scalar and double attrs are
   // always run-time scalars.
   std::vector<int> runtime_attrs;
+  // When set, whether a call writes its mutated_inputs at all (batch norm writes its running
+  // statistics only in training); unset: every call writes them. Decides the version bump, which
+  // caches keyed on versions (folded conv + batch-norm weights) rely on.
+  std::function<bool(const OpCall&)> writes_mutated_inputs;
 
   bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
+  // Whether `call` writes mutated_inputs (see writes_mutated_inputs).
+  bool mutates(const OpCall& call) const {
+    return !mutated_inputs.empty() && (!writes_mutated_inputs || writes_mutated_inputs(call));
+  }
 };
 
 class OpTable {

@@ -163,8 +163,9 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
     const Kernel& kernel = kernel_for(op, device);
     for (const auto& m : metas) outputs.push_back(allocate(m));
     run_kernel(kernel, call, outputs);
-    for (int i : op.mutated_inputs)
-      if (inputs[i].defined()) bump_version(inputs[i]);
+    if (op.mutates(call))
+      for (int i : op.mutated_inputs)
+        if (inputs[i].defined()) bump_version(inputs[i]);
   }
   if (autograd::recording(inputs)) autograd::record(op, inputs, attrs, outputs);
   return outputs;
@@ -213,8 +214,9 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(temps[i]);
   }
   for (Tensor& out : outputs) bump_version(out);
-  for (int i : op.mutated_inputs)
-    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (op.mutates(call))
+    for (int i : op.mutated_inputs)
+      if (inputs[i].defined()) bump_version(inputs[i]);
   if (record) autograd::record(op, node_inputs, attrs, outputs);
 }
 

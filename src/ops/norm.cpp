@@ -179,6 +179,7 @@ const OpDef& kNativeBatchNorm = register_op({
                                          mask);
                    }},
     .lowering = "decomposition",
+    .writes_mutated_inputs = [](const OpCall& c) { return c.bool_attr(0); },  // training only
 });
 
 // native_batch_norm_backward(grad_out, input, weight?, save_mean, save_invstd, train, output_mask).
@@ -214,6 +215,7 @@ const OpDef& kBatchNormRelu = register_op({
                                          mask);
                    }},
     .lowering = "extern",
+    .writes_mutated_inputs = [](const OpCall& c) { return c.bool_attr(0); },  // training only
 });
 
 // batch_norm_relu_backward(grad_out, result, input, weight?, save_mean, save_invstd, threshold?,

@@ -311,8 +311,9 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
     outputs.push_back(std::move(out));
   }
   seg.graph.nodes[node].outputs = std::move(out_ids);
-  for (int i : op.mutated_inputs)
-    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (op.mutates(OpCall(&op, inputs, attrs)))
+    for (int i : op.mutated_inputs)
+      if (inputs[i].defined()) bump_version(inputs[i]);
   if (autograd::recording(inputs)) {
     cap.autograd = true;
     autograd::record(op, inputs, attrs, outputs);
@@ -348,8 +349,9 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   if (!op.runtime_attrs.empty()) cap.random = true;
 
   for (Tensor& out : outputs) bump_version(out);
-  for (int i : op.mutated_inputs)
-    if (inputs[i].defined()) bump_version(inputs[i]);
+  if (op.mutates(OpCall(&op, inputs, attrs)))
+    for (int i : op.mutated_inputs)
+      if (inputs[i].defined()) bump_version(inputs[i]);
   if (record) {
     cap.autograd = true;
     autograd::record(op, node_inputs, attrs, outputs);
