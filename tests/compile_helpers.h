@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -107,10 +109,32 @@ class CompilerTest : public ::testing::Test {
   }
 };
 
+// Sets an environment variable while alive (restores or unsets it afterwards).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const std::string& value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
+
 // One training step (zero_grad, forward, cross entropy, backward, optimizer step) as a callable to
 // compile, or to run eagerly for the reference.
-template <class Opt>
-auto training_step(std::shared_ptr<nn::Sequential> model, std::shared_ptr<Opt> opt) {
+template <class Model, class Opt>
+auto training_step(std::shared_ptr<Model> model, std::shared_ptr<Opt> opt) {
   return [model, opt](const Tensor& x, const Tensor& y) {
     opt->zero_grad();
     Tensor loss = nn::functional::cross_entropy(model->forward(x), y);

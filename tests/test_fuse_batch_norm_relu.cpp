@@ -743,17 +743,8 @@ void expect_compiled_training_matches_eager(const CompileOptions& options) {
   const optim::AdamOptions adam{.lr = 0.01, .eps = 1e-3};
   auto opt_c = std::make_shared<optim::Adam>(model_c->parameters(), adam);
   auto opt_e = std::make_shared<optim::Adam>(model_e->parameters(), adam);
-  auto step = [](std::shared_ptr<models::DenseNet> model, std::shared_ptr<optim::Adam> opt) {
-    return [model, opt](const Tensor& x, const Tensor& y) {
-      opt->zero_grad();
-      Tensor loss = nn::functional::cross_entropy(model->forward(x), y);
-      loss.backward();
-      opt->step();
-      return loss;
-    };
-  };
-  auto step_c = kiln::compile(step(model_c, opt_c), options);
-  auto step_e = step(model_e, opt_e);
+  auto step_c = kiln::compile(training_step(model_c, opt_c), options);
+  auto step_e = training_step(model_e, opt_e);
   Tensor x = randn({4, 3, 32, 32});
   Tensor y = tensor<int64_t>({0, 3, 1, 4});
   Delta d;

@@ -1135,27 +1135,6 @@ TEST_F(KilnBackend, MlpTrainingStepMatchesEager) {
 
 // ================================ KILN_COMPILE_DEBUG ================================
 
-// Sets an environment variable while alive.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 TEST_F(KilnBackend, CompileDebugWritesGraphLoopIrAndSources) {
   std::string pattern = (fs::temp_directory_path() / "kiln_compile_debug_XXXXXX").string();
