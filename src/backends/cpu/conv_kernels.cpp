@@ -763,52 +763,50 @@ void conv_backward_im2col(const ConvShape& s, const T* x, const T* w, const T* d
   }
 }
 
-// Weight gradient of a 1x1/stride-1 float32 convolution: dW (O x C) = sum_n dy[n] (O x P) x[n]^T
-// (P x C). dW is split into one block of rows or columns per thread, and each thread runs
-// single-threaded GEMMs over the images into its own block: no reduction across threads.
-void pointwise_weight_grad(const ConvShape& s, const float* x, const float* dy, float* dw) {
-  const int64_t p = s.h * s.w;
+// Splits the weight gradient dW (O x C) of a 1x1 convolution into one block of rows or columns
+// per thread (whichever dim is longer), with boundaries on multiples of 16 (one AVX-512 vector of
+// floats), and calls block(lo, hi, split_columns) for each: no reduction across threads.
+template <class Block>
+void for_each_weight_grad_block(const ConvShape& s, Block&& block) {
   const bool split_columns = s.c >= s.o;
   const int64_t extent = split_columns ? s.c : s.o;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, extent / 16));
   parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) {
-      // Block boundaries on multiples of 16 (one AVX-512 vector of floats).
       const int64_t lo = extent * part / parts / 16 * 16;
       const int64_t hi = part + 1 == parts ? extent : extent * (part + 1) / parts / 16 * 16;
-      if (hi <= lo) continue;
-      for (int64_t n = 0; n < s.n; ++n) {
-        const float* dyn = dy + n * s.o * p;
-        const float* xn = x + n * s.c * p;
-        const float beta = n == 0 ? 0.0f : 1.0f;
-        if (split_columns)
-          gemm<float>(false, true, s.o, hi - lo, p, dyn, p, xn + lo * p, p, beta, dw + lo, s.c);
-        else
-          gemm<float>(false, true, hi - lo, s.c, p, dyn + lo * p, p, xn, p, beta, dw + lo * s.c, s.c);
-      }
+      if (hi > lo) block(lo, hi, split_columns);
+    }
+  });
+}
+
+// Weight gradient of a 1x1/stride-1 float32 convolution: dW (O x C) = sum_n dy[n] (O x P) x[n]^T
+// (P x C); each thread runs single-threaded GEMMs over the images into its own block of dW.
+void pointwise_weight_grad(const ConvShape& s, const float* x, const float* dy, float* dw) {
+  const int64_t p = s.h * s.w;
+  for_each_weight_grad_block(s, [&](int64_t lo, int64_t hi, bool split_columns) {
+    for (int64_t n = 0; n < s.n; ++n) {
+      const float* dyn = dy + n * s.o * p;
+      const float* xn = x + n * s.c * p;
+      const float beta = n == 0 ? 0.0f : 1.0f;
+      if (split_columns)
+        gemm<float>(false, true, s.o, hi - lo, p, dyn, p, xn + lo * p, p, beta, dw + lo, s.c);
+      else
+        gemm<float>(false, true, hi - lo, s.c, p, dyn + lo * p, p, xn, p, beta, dw + lo * s.c, s.c);
     }
   });
 }
 
 // The NHWC form: with x (R x C) and dy (R x O) row-major over the R = N * H * W pixels, dW
-// (O x C) = dy^T x is one GEMM; each thread takes a block of dW's rows or columns as above.
+// (O x C) = dy^T x is one GEMM per thread block.
 void pointwise_weight_grad_channels_last(const ConvShape& s, const float* x, const float* dy, float* dw) {
   const int64_t rows = s.n * s.h * s.w;
-  const bool split_columns = s.c >= s.o;
-  const int64_t extent = split_columns ? s.c : s.o;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, extent / 16));
-  parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t part = begin; part < end; ++part) {
-      const int64_t lo = extent * part / parts / 16 * 16;
-      const int64_t hi = part + 1 == parts ? extent : extent * (part + 1) / parts / 16 * 16;
-      if (hi <= lo) continue;
-      if (split_columns)
-        gemm<float>(true, false, s.o, hi - lo, rows, dy, s.o, x + lo, s.c, 0.0f, dw + lo, s.c);
-      else
-        gemm<float>(true, false, hi - lo, s.c, rows, dy + lo, s.o, x, s.c, 0.0f, dw + lo * s.c, s.c);
-    }
+  for_each_weight_grad_block(s, [&](int64_t lo, int64_t hi, bool split_columns) {
+    if (split_columns)
+      gemm<float>(true, false, s.o, hi - lo, rows, dy, s.o, x + lo, s.c, 0.0f, dw + lo, s.c);
+    else
+      gemm<float>(true, false, hi - lo, s.c, rows, dy + lo, s.o, x, s.c, 0.0f, dw + lo * s.c, s.c);
   });
 }
 
