@@ -109,6 +109,13 @@ inline void spread_nhwc(T* image, const NhwcGrad& g, int64_t c0, int64_t nc, con
   }
 }
 
+// Both max-pool backward loops flag an index outside the input plane instead of writing there.
+void check_indices_in_range(int bad, int64_t in_plane) {
+  KILN_CHECK(bad == 0, IndexError,
+             "[kiln::max_pool2d_with_indices_backward] an index is out of range for an input plane of " +
+                 std::to_string(in_plane) + " elements. Pass the indices max_pool2d_with_indices returned.");
+}
+
 template <class T>
 void max_pool_backward_nhwc(const Tensor& grad, const Tensor& indices, Tensor& dx) {
   const NhwcGrad g = nhwc_grad(grad, dx);
@@ -140,9 +147,7 @@ void max_pool_backward_nhwc(const Tensor& grad, const Tensor& indices, Tensor& d
       bad = 1;
     }
   });
-  KILN_CHECK(bad == 0, IndexError,
-             "[kiln::max_pool2d_with_indices_backward] an index is out of range for an input plane of " +
-                 std::to_string(in_plane) + " elements. Pass the indices max_pool2d_with_indices returned.");
+  check_indices_in_range(bad, in_plane);
 }
 
 // ---------------- max_pool2d ----------------
@@ -176,9 +181,7 @@ void max_pool_backward_loop(const Tensor& grad, const Tensor& indices, Tensor& d
                    bad = 1;
                  }
                });
-  KILN_CHECK(bad == 0, IndexError,
-             "[kiln::max_pool2d_with_indices_backward] an index is out of range for an input plane of " +
-                 std::to_string(in_plane) + " elements. Pass the indices max_pool2d_with_indices returned.");
+  check_indices_in_range(bad, in_plane);
 }
 
 void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
