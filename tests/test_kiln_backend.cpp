@@ -33,6 +33,7 @@
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
 #include "kiln/models.h"
+#include "kiln/threading.h"
 
 namespace {
 
@@ -841,6 +842,40 @@ TEST_F(KilnBackend, DenseNetStyleGrowingCatMatchesEager) {
   EXPECT_GT(d.now().kernel_runs, 0);
   EXPECT_EQ(d.now().dispatched_nodes, 0);
   EXPECT_TRUE(matches(got, block(x, w), reduction_tol(kFloat32)));
+}
+
+// When convolutions read the concatenations (they must be in memory), the chain shares one buffer
+// (passes::cat_into_slices): no cat kernel runs, each feature is copied into the buffer once, and
+// the forward and the gradients match eager.
+TEST_F(KilnBackend, GrowingCatReadByConvolutionsSharesOneBufferAndMatchesEager) {
+  std::vector<Tensor> w;
+  for (int layer = 0; layer < 3; ++layer) w.push_back((randn({4, 4 + 4 * layer, 3, 3}) * 0.2).requires_grad_());
+  auto block = [&](const Tensor& x) {
+    std::vector<Tensor> features = {x};
+    for (int layer = 0; layer < 3; ++layer) features.push_back(relu(conv2d(cat(features, 1), w[layer], {}, {1, 1}, {1, 1})));
+    Tensor loss = (cat(features, 1) * cat(features, 1)).mean();
+    loss.backward();
+    return loss;
+  };
+  auto compiled = compile_kiln(block);
+  Tensor x = randn({2, 4, 6, 6}).contiguous(channels_last);
+  Tensor want = block(x);
+  std::vector<Tensor> want_grads;
+  for (Tensor& t : w) {
+    want_grads.push_back(t.grad().clone());
+    t.grad().zero_();  // the compiled backward accumulates into it
+  }
+  Delta d;
+  reset_op_profile();
+  set_op_profiling(true);
+  Tensor got = compiled(x);
+  set_op_profiling(false);
+  const std::string profile = op_profile_report();
+  EXPECT_GT(d.now().kernel_runs, 0);
+  EXPECT_EQ(profile.find("cat"), std::string::npos) << "no cat kernel and no dispatched cat\n" << profile;
+  EXPECT_NE(profile.find("copy_"), std::string::npos) << "features copied into the shared buffer\n" << profile;
+  EXPECT_TRUE(matches(got, want, reduction_tol(kFloat32)));
+  for (size_t k = 0; k < w.size(); ++k) EXPECT_TRUE(matches(w[k].grad(), want_grads[k], Tol{1e-4, 1e-5})) << "w" << k;
 }
 
 std::vector<Tensor> cat_of_fused_inputs(const Tensor& x, const Tensor& none) {

@@ -1003,3 +1003,142 @@ TEST(ChannelsLastConvolutions, DenseNetTrainingStepKeepsChannelsLastThroughTheBa
 }
 
 }  // namespace channels_last_tests
+
+// ---- cat_into_slices ----
+
+namespace cat_slices_tests {
+
+using Captured = kiln::testing::CapturedGraph;
+using kiln::testing::capture_graph;
+
+Graph check_captured(const Captured& c, int expect_rewritten, std::optional<Tol> tol = std::nullopt) {
+  int rewritten = -1;
+  Graph h = check_pass(c.graph, [&](Graph& g) { rewritten = passes::cat_into_slices(g); }, c.tensors, c.scalars, tol);
+  EXPECT_EQ(rewritten, expect_rewritten) << h;
+  return h;
+}
+
+int inplace_copies(const Graph& g) {
+  int n = 0;
+  for (const Node& node : g) n += node.target() == "copy" && node.inplace;
+  return n;
+}
+
+// A DenseNet-style block whose concatenations convolutions read: every feature is copied into the
+// shared buffer once, and every cat but the returned one becomes a view of its leading channels.
+TEST(CatIntoSlices, GrowingConcatenationsReadByConvolutionsShareOneBuffer) {
+  std::vector<Tensor> w;
+  for (int layer = 0; layer < 4; ++layer) w.push_back(kiln::randn({2, 3 + 2 * layer, 3, 3}) * 0.3);
+  auto block = [&](const Tensor& x) {
+    std::vector<Tensor> features = {x};
+    for (int layer = 0; layer < 4; ++layer)
+      features.push_back(kiln::conv2d(kiln::cat(features, 1), w[layer], {}, {1, 1}, {1, 1}));
+    return kiln::cat(features, 1).sum({1});  // a reduction reads the last cat: stored as well
+  };
+  Tensor x = kiln::randn({2, 3, 6, 6});
+  Captured c = capture_graph(block, x);
+  ASSERT_EQ(count_op(c.graph, "cat"), 5);
+  Graph h = check_captured(c, 5);
+  EXPECT_EQ(count_op(h, "cat"), 0) << h;
+  EXPECT_EQ(count_op(h, "empty"), 1) << "one buffer for the block\n" << h;
+  EXPECT_EQ(inplace_copies(h), 5) << "x and four features, each copied once\n" << h;
+  // The convolutions read views of the buffer: its channel stride spans all 11 channels.
+  for (const Node& n : h)
+    if (n.target() == "conv2d") EXPECT_EQ(h.values[n.inputs[0]].strides[0], 11 * 6 * 6) << n.name << "\n" << h;
+}
+
+TEST(CatIntoSlices, AChannelsLastBlockKeepsItsLayoutInTheBuffer) {
+  Tensor w1 = kiln::randn({4, 8, 1, 1}), w2 = kiln::randn({4, 12, 1, 1}), w3 = kiln::randn({2, 16, 1, 1});
+  auto block = [&](const Tensor& x) {
+    Tensor f1 = kiln::conv2d(x, w1);
+    Tensor f2 = kiln::conv2d(kiln::cat({x, f1}, 1), w2);
+    return kiln::conv2d(kiln::cat({x, f1, f2}, 1), w3);
+  };
+  Tensor x = kiln::randn({2, 8, 5, 5}).contiguous(kiln::channels_last);
+  Graph h = check_captured(capture_graph(block, x), 2);
+  for (const Node& n : h) {
+    if (n.target() != "conv2d") continue;
+    const ValueInfo& in = h.values[n.inputs[0]];
+    EXPECT_TRUE(kiln::detail::strides_like_channels_last(in.sizes, in.strides)) << n.name << "\n" << h;
+    if (in.sizes[1] > 8) EXPECT_EQ(in.strides[3], 16) << "a channel slice of the 16-channel NHWC buffer\n" << h;
+  }
+}
+
+TEST(CatIntoSlices, LeavesWhatItCannotOrNeedNotRewrite) {
+  Tensor w = kiln::randn({2, 4, 1, 1});
+  Tensor x = kiln::randn({2, 2, 3, 3}), y = kiln::randn({2, 2, 3, 3});
+  struct Case {
+    const char* what;
+    Captured captured;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"only pointwise ops read the cats (they fuse into the readers' kernels)",
+                   capture_graph(
+                       [](const Tensor& a, const Tensor& b) {
+                         Tensor c1 = kiln::cat({a}, 1) * 2;
+                         return kiln::cat({a, b}, 1).relu() + c1.sum();
+                       },
+                       x, y)});
+  cases.push_back({"a single cat: nothing to share",
+                   capture_graph([&](const Tensor& a, const Tensor& b) { return kiln::conv2d(kiln::cat({a, b}, 1), w); },
+                                 x, y)});
+  cases.push_back({"the cats' input lists are not prefixes of one another",
+                   capture_graph(
+                       [&](const Tensor& a, const Tensor& b) {
+                         return kiln::conv2d(kiln::cat({a, b}, 1), w) + kiln::conv2d(kiln::cat({b, a}, 1), w);
+                       },
+                       x, y)});
+  cases.push_back({"mixed dtypes (cat promotes)",
+                   capture_graph(
+                       [&](const Tensor& a, const Tensor& b) {
+                         Tensor b64 = b.to(kiln::kFloat64);
+                         return kiln::cat({a, b64}, 1).sum() + kiln::cat({a}, 1).sum({0, 2, 3}).sum();
+                       },
+                       x, y)});
+  for (Case& c : cases) {
+    Graph before = c.captured.graph;
+    Graph h = check_captured(c.captured, 0);
+    EXPECT_EQ(h.str(), before.str()) << c.what;
+  }
+}
+
+// The returned cat stays a cat (the caller gets a dense tensor); the smaller ones still share the
+// buffer of the largest.
+TEST(CatIntoSlices, AReturnedCatKeepsItsOwnMemory) {
+  Tensor w1 = kiln::randn({2, 2, 1, 1}), w2 = kiln::randn({2, 4, 1, 1});
+  auto block = [&](const Tensor& x) {
+    Tensor f1 = kiln::conv2d(kiln::cat({x}, 1), w1);
+    Tensor c2 = kiln::cat({x, f1}, 1);
+    Tensor f2 = kiln::conv2d(c2, w2);
+    return std::vector<Tensor>{kiln::cat({x, f1, f2}, 1), f2};
+  };
+  Graph h = check_captured(capture_graph(block, kiln::randn({2, 2, 4, 4})), 2);
+  EXPECT_EQ(count_op(h, "cat"), 1) << h;
+  for (const Node& n : h)
+    if (n.target() == "cat") EXPECT_EQ(h.values[n.outputs[0]].strides[0], 6 * 4 * 4) << "dense, as eager returns it\n" << h;
+}
+
+// A training step through a DenseNet: the backward of the views and the in-place copies keep the
+// gradients exact, and the whole kiln pipeline (which runs this pass last) matches eager.
+TEST(CatIntoSlices, DenseNetTrainingGraphHasNoCatLeft) {
+  kiln::models::DenseNetConfig config{.growth_rate = 4, .block_config = {3, 2}, .num_init_features = 8,
+                                      .bn_size = 2, .num_classes = 5};
+  kiln::manual_seed(4);
+  auto net = std::make_shared<kiln::models::DenseNet>(config);
+  Tensor x = kiln::randn({2, 3, 32, 32});
+  Tensor target = kiln::randint(0, 5, {2});
+  Captured c = capture_graph(
+      [&](const Tensor& in) {
+        Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
+        loss.backward();
+        return loss;
+      },
+      x);
+  const int cats = count_op(c.graph, "cat");
+  ASSERT_GE(cats, 5);
+  Graph h = check_captured(c, cats, Tol{1e-4, 1e-5});
+  EXPECT_EQ(count_op(h, "cat"), 0) << h;
+  EXPECT_EQ(count_op(h, "empty"), 2) << "one buffer per dense block\n" << h;
+}
+
+}  // namespace cat_slices_tests

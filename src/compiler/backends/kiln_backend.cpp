@@ -247,6 +247,8 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   passes::fold_constants(graph);
   passes::eliminate_dead_code(graph);
   passes::eliminate_common_subexpressions(graph);
+  // Growing concatenations (DenseNet blocks) share one buffer: each input is copied into it once.
+  passes::cat_into_slices(graph);
   auto ex = std::make_shared<Executable>();
   ex->program = lower::schedule(std::move(graph));
   lower::elide_copy_backs(ex->program);

@@ -100,6 +100,16 @@ void fuse_batch_norm_relu(Graph& graph);
 // graph. Run after fuse_conv_bn().
 bool channels_last_convolutions(Graph& graph);
 
+// Concatenation chains into one buffer: where the inputs of two or more `cat`s are prefixes of
+// the largest one's (a DenseNet block), every input is copied once into its slice of a buffer laid
+// out like the largest cat, right before the first cat that reads it, and each cat becomes a view
+// of the buffer's leading slice (no quadratic copying, one buffer alive instead of every
+// concatenation). Left alone: groups whose cats only pointwise ops read (those cats fuse into the
+// readers' kernels), cats that are graph outputs or written in place, inputs written in place,
+// mixed dtypes. Returns how many cats became views. Run last: the in-place copies
+// fix the order of the nodes around them.
+int cat_into_slices(Graph& graph);
+
 // Re-derives, in node order, every node output's strides, storage offset and alias group from
 // its op's meta on the current inputs (as capture records them). Run it after rewrites that give
 // a value another producer: a view of a new value has the new value's layout. Node outputs whose
