@@ -118,6 +118,9 @@ void refresh_layouts(Graph& graph);
 
 namespace internal {
 
+// Whether `v` names a value of `g` (not -1, the id of None, and not out of range).
+inline bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+
 // One entry of the decomposition table (passes/decompositions.cpp).
 struct Decomposition {
   // Attrs the decomposition reads as 0-dim float64 tensors (passed after the op's tensor inputs)

@@ -31,7 +31,7 @@ namespace kiln::compiler::passes {
 
 namespace {
 
-bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+using internal::valid;
 
 struct CatInfo {
   int node = -1;

@@ -10,8 +10,6 @@ namespace kiln::compiler::passes::internal {
 
 namespace {
 
-bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
-
 // Values that share memory: the recorded storage groups, joined through view nodes.
 class AliasGroups {
  public:

@@ -16,7 +16,7 @@ namespace kiln::compiler::passes {
 
 namespace {
 
-bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+using internal::valid;
 
 int64_t numel_of(const ValueInfo& v) {
   int64_t n = 1;

@@ -22,7 +22,7 @@ namespace kiln::compiler::passes {
 
 namespace {
 
-bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+using internal::valid;
 
 // A float attr's value (a double, or a Scalar holding a number).
 std::optional<double> number_of(const Attr& a) {

@@ -52,7 +52,7 @@ Tensor meta_tensor(const ValueInfo& info, std::shared_ptr<kiln::detail::Storage>
 
 namespace {
 
-bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
+using internal::valid;
 
 std::vector<int64_t> strides_of(const TensorMeta& m) {
   return m.strides.empty() ? kiln::detail::contiguous_strides(m.sizes) : m.strides;
