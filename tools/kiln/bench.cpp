@@ -1,6 +1,10 @@
-// `kiln bench MODEL`: times a model's eager inference and training step (later: compiled modes).
+// `kiln bench MODEL`: times a model's eager and compiled inference and training step.
 //
-//   kiln bench densenet121 --device cpu --batch 16 --size 128 --modes eager --train --json
+//   kiln bench densenet121 --device cpu --batch 16 --size 128 --modes eager,kiln,kiln-ro,kiln-at --train --json
+//
+// Modes: eager; kiln (compile() with the kiln backend); kiln-ro (mode reduce_overhead: a static
+// memory plan); kiln-at (mode max_autotune: convolutions timed direct vs Winograd at their first
+// call, the winner cached for the process).
 //
 // Compiled modes first measure compile times (cold: an empty kernel cache; warm: the disk cache).
 // Then every mode is timed in interleaved rounds (eager, kiln, ..., eager, kiln, ...) so that load
@@ -100,11 +104,19 @@ BenchArgs parse(const std::vector<std::string>& args) {
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
-    KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro", ValueError,
+    KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro" || m == "kiln-at", ValueError,
                "[kiln bench] unknown mode '" + m +
                    "'. Available modes: eager, kiln (compile() with the kiln backend), kiln-ro (the kiln backend "
-                   "with mode reduce_overhead: a static memory plan).");
+                   "with mode reduce_overhead: a static memory plan), kiln-at (the kiln backend with mode "
+                   "max_autotune: convolutions timed direct vs Winograd, the winner cached).");
   return a;
+}
+
+// The compile() mode of a compiled bench mode.
+Mode compile_mode(const std::string& mode) {
+  if (mode == "kiln-ro") return Mode::reduce_overhead;
+  if (mode == "kiln-at") return Mode::max_autotune;
+  return Mode::default_;
 }
 
 std::shared_ptr<nn::Module> make_model(const BenchArgs& a) {
@@ -389,7 +401,7 @@ int run_bench(const std::vector<std::string>& args) {
   for (const auto& mode : a.modes) {
     result["modes"][mode] =
         mode == "eager" ? nlohmann::json::object()
-                        : bench_compiled(a, model, x, y, mode == "kiln" ? Mode::default_ : Mode::reduce_overhead);
+                        : bench_compiled(a, model, x, y, compile_mode(mode));
   }
   compiler::reset();
   std::vector<TimedMode> timed;
@@ -404,8 +416,7 @@ int run_bench(const std::vector<std::string>& args) {
       };
       t.train = [step, x] { step(x).item<float>(); };
     } else {
-      const CompileOptions options{.backend = std::string("kiln"),
-                                   .mode = mode == "kiln" ? Mode::default_ : Mode::reduce_overhead};
+      const CompileOptions options{.backend = std::string("kiln"), .mode = compile_mode(mode)};
       auto infer = compile(forward, options);
       auto train = compile(step, options);
       t.infer = [infer, x]() mutable {

@@ -24,26 +24,39 @@
 // backward-weights. 1x1/stride-1 float32 weight gradients are threaded GEMMs instead, in both
 // layouts. float64 and fallbacks run col2im/im2col + GEMM; float16 computes through float32.
 //
+// Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
+// (blocked layouts only, reordered from and to the user's NCHW or NHWC). Inside a
+// ConvAutotuneScope a float32 call whose configuration oneDNN also runs with Winograd times both
+// variants once per configuration, layout and direction on scratch outputs and keeps the faster;
+// conv2d_relu and conv2d_bn share conv2d's forward choice. Outside a scope only direct plans run.
+//
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
 // scratchpad mode), so concurrent calls never share memory.
 #include <cblas.h>
+#include <fmt/format.h>
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string_view>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
+#include "backends/cpu/conv_autotune.h"
 #include "backends/cpu/loops.h"
+#include "compiler/capture/runtime.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
@@ -129,12 +142,13 @@ struct ConvShape {
 struct ConvKey {
   std::array<int64_t, 16> dims;
   DType dtype;
+  ConvAlgorithm algorithm = ConvAlgorithm::direct;
   bool operator==(const ConvKey&) const = default;
 };
 
 struct ConvKeyHash {
   size_t operator()(const ConvKey& k) const {
-    size_t h = static_cast<size_t>(k.dtype);
+    size_t h = static_cast<size_t>(k.dtype) * 31u + static_cast<size_t>(k.algorithm);
     for (int64_t v : k.dims) h = h * 1000003u ^ std::hash<int64_t>{}(v);
     return h;
   }
@@ -158,10 +172,11 @@ Layout preferred_layout(const Tensor& input, const Tensor& weight) {
   return {cl, weight_cl};
 }
 
-ConvKey make_key(const ConvShape& s, DType dtype, Layout layout) {
+ConvKey make_key(const ConvShape& s, DType dtype, Layout layout, ConvAlgorithm algorithm = ConvAlgorithm::direct) {
   return {{s.n, s.c, s.h, s.w, s.o, s.kh, s.kw, s.stride[0], s.stride[1], s.pad[0], s.pad[1], s.dilation[0],
            s.dilation[1], s.groups, s.bias, (layout.channels_last ? 1 : 0) | (layout.weight_channels_last ? 2 : 0)},
-          dtype};
+          dtype,
+          algorithm};
 }
 
 // oneDNN descriptors of the user (Kiln) buffers in `layout`.
@@ -204,13 +219,25 @@ Tag primitive_activation_tag(const ConvShape& s, Layout layout) {
 
 memory::data_type onednn_type(DType t) { return t == DType::bfloat16 ? memory::data_type::bf16 : memory::data_type::f32; }
 
-// Builds a plan; nullptr when oneDNN has no implementation for it.
-std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype, Layout layout) {
+// The oneDNN algorithm of a plan.
+dnnl::algorithm onednn_algorithm(ConvAlgorithm a) {
+  return a == ConvAlgorithm::winograd ? dnnl::algorithm::convolution_winograd : dnnl::algorithm::convolution_direct;
+}
+
+// Builds a plan; nullptr when oneDNN has no implementation for it. Winograd runs on blocked
+// layouts only (the plan reorders from and to the user's NCHW or NHWC) and as forward_training:
+// for inference oneDNN transforms the weights in their reorder, single-threaded (measured 0.4 ms
+// per call on DenseNet-121's 128->32 3x3 weights, more than the convolution at 8x8).
+std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype, Layout layout,
+                                           ConvAlgorithm algorithm = ConvAlgorithm::direct) {
   const auto dt = onednn_type(dtype);
   const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
   const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
                                                  : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
-  const Tag act = primitive_activation_tag(s, layout);
+  const bool winograd = algorithm == ConvAlgorithm::winograd;
+  const Tag act = winograd ? Tag::any : primitive_activation_tag(s, layout);
+  const auto prop = winograd ? dnnl::prop_kind::forward_training : dnnl::prop_kind::forward_inference;
+  const dnnl::algorithm alg = onednn_algorithm(algorithm);
   try {
     auto plan = std::make_shared<ConvPlan>();
     plan->src_user = activation_desc(src_dims, dt, layout);
@@ -220,14 +247,12 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype, Layo
     const memory::dims strides{s.stride[0], s.stride[1]}, padding{s.pad[0], s.pad[1]},
         dilation{s.dilation[0] - 1, s.dilation[1] - 1};  // oneDNN counts dilation from 0
     dnnl::convolution_forward::desc desc =
-        s.bias ? dnnl::convolution_forward::desc(
-                     dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
-                     memory::desc(src_dims, dt, act), memory::desc(weight_dims, dt, Tag::any), plan->bias,
-                     memory::desc(dst_dims, dt, act), strides, dilation, padding, padding)
-               : dnnl::convolution_forward::desc(
-                     dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
-                     memory::desc(src_dims, dt, act), memory::desc(weight_dims, dt, Tag::any),
-                     memory::desc(dst_dims, dt, act), strides, dilation, padding, padding);
+        s.bias ? dnnl::convolution_forward::desc(prop, alg, memory::desc(src_dims, dt, act),
+                                                 memory::desc(weight_dims, dt, Tag::any), plan->bias,
+                                                 memory::desc(dst_dims, dt, act), strides, dilation, padding, padding)
+               : dnnl::convolution_forward::desc(prop, alg, memory::desc(src_dims, dt, act),
+                                                 memory::desc(weight_dims, dt, Tag::any),
+                                                 memory::desc(dst_dims, dt, act), strides, dilation, padding, padding);
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     dnnl::convolution_forward::primitive_desc pd(desc, attr, cpu_engine());
@@ -254,16 +279,17 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvShape& s, DType dtype, Layo
 }
 
 // The cached plan for this configuration (built on first use); nullptr if oneDNN can't run it.
-std::shared_ptr<const ConvPlan> find_plan(const ConvShape& s, DType dtype, Layout layout) {
+std::shared_ptr<const ConvPlan> find_plan(const ConvShape& s, DType dtype, Layout layout,
+                                          ConvAlgorithm algorithm = ConvAlgorithm::direct) {
   static std::mutex mutex;
   static std::unordered_map<ConvKey, std::shared_ptr<const ConvPlan>, ConvKeyHash> cache;
-  const ConvKey key = make_key(s, dtype, layout);
+  const ConvKey key = make_key(s, dtype, layout, algorithm);
   {
     std::lock_guard lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  auto plan = build_plan(s, dtype, layout);  // outside the lock: building can take milliseconds
+  auto plan = build_plan(s, dtype, layout, algorithm);  // outside the lock: building can take milliseconds
   std::lock_guard lock(mutex);
   return cache.emplace(key, std::move(plan)).first->second;
 }
@@ -378,6 +404,10 @@ Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
                                     out.device());
 }
 
+std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, Layout layout,
+                                               std::shared_ptr<const ConvPlan> direct, const void* x, const void* w,
+                                               const void* bias);  // below, with the backward's
+
 void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   Tensor& out = outs[0];
   const Tensor& input = call.input(0);
@@ -408,7 +438,11 @@ void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   Tensor y = dense_buffer(out, layout.activations());
   if (plan) {
     Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
-    run_plan(*plan, x.impl().data(), w.impl().data(), b.defined() ? b.impl().data() : nullptr, y.impl().data());
+    const void* b_data = b.defined() ? b.impl().data() : nullptr;
+    // max_autotune: direct or Winograd, whichever timed faster for this configuration.
+    if (t == DType::float32 && conv_autotune_active())
+      plan = autotuned_plan(s, t, layout, std::move(plan), x.impl().data(), w.impl().data(), b_data);
+    run_plan(*plan, x.impl().data(), w.impl().data(), b_data, y.impl().data());
   } else if (t == DType::float64) {
     Tensor b = bias.defined() ? bias.contiguous() : Tensor();
     conv_im2col<double>(s, x.data_ptr<double>(), w.data_ptr<double>(), b.defined() ? b.data_ptr<double>() : nullptr,
@@ -538,15 +572,17 @@ dnnl::reorder make_reorder(const memory::desc& from, const memory::desc& to) {
   return dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), from, cpu_engine(), to));
 }
 
-// Builds a backward plan (s.bias: the bias gradient is wanted); nullptr when oneDNN has no fast
-// implementation for a requested part.
+// Builds a backward plan (s.bias: the bias gradient is wanted) with backward-data and
+// backward-weights in the given algorithms; nullptr when oneDNN has no fast implementation for a
+// requested part. Winograd primitives run on blocked layouts (as the Winograd forward does).
 std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DType dtype, Layout layout,
-                                                        bool need_data, bool need_weights) {
+                                                        bool need_data, bool need_weights,
+                                                        ConvAlgorithm data_algorithm = ConvAlgorithm::direct,
+                                                        ConvAlgorithm weights_algorithm = ConvAlgorithm::direct) {
   const auto dt = onednn_type(dtype);
   const memory::dims src_dims{s.n, s.c, s.h, s.w}, dst_dims{s.n, s.o, s.oh, s.ow};
   const memory::dims weight_dims = s.groups == 1 ? memory::dims{s.o, s.c, s.kh, s.kw}
                                                  : memory::dims{s.groups, s.o / s.groups, s.c / s.groups, s.kh, s.kw};
-  const Tag act = primitive_activation_tag(s, layout);
   const memory::dims strides{s.stride[0], s.stride[1]}, padding{s.pad[0], s.pad[1]},
       dilation{s.dilation[0] - 1, s.dilation[1] - 1};
   auto is_ref = [](const char* impl) { return std::string_view(impl).starts_with("ref"); };
@@ -555,24 +591,38 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
     plan->src_user = activation_desc(src_dims, dt, layout);
     plan->dst_user = activation_desc(dst_dims, dt, layout);
     plan->weights_user = user_weights_desc(weight_dims, dt, layout);
-    const memory::desc src_any(src_dims, dt, act), dst_any(dst_dims, dt, act), weights_any(weight_dims, dt, Tag::any);
+    const memory::desc weights_any(weight_dims, dt, Tag::any);
     const bool with_bias = s.bias && need_weights;
     if (with_bias) plan->bias_desc = memory::desc({s.o}, memory::data_type::f32, Tag::x);
-    // The forward this backward belongs to (a hint for oneDNN's layout choice).
-    dnnl::convolution_forward::desc fwd_desc =
-        with_bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
-                                                    dnnl::algorithm::convolution_direct, src_any, weights_any,
-                                                    plan->bias_desc, dst_any, strides, dilation, padding, padding)
-                  : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
-                                                    dnnl::algorithm::convolution_direct, src_any, weights_any, dst_any,
-                                                    strides, dilation, padding, padding);
-    dnnl::convolution_forward::primitive_desc hint(fwd_desc, cpu_engine());
+    // Per algorithm: the activation descs its primitives are built with, and the forward they
+    // belong to (a hint for oneDNN's layout choice).
+    struct Variant {
+      memory::desc src_any, dst_any;
+      std::optional<dnnl::convolution_forward::primitive_desc> hint;
+    };
+    std::array<Variant, 2> variants;
+    auto variant = [&](ConvAlgorithm algorithm) -> Variant& {
+      Variant& v = variants[static_cast<size_t>(algorithm)];
+      if (v.hint) return v;
+      const Tag act = algorithm == ConvAlgorithm::winograd ? Tag::any : primitive_activation_tag(s, layout);
+      v.src_any = memory::desc(src_dims, dt, act);
+      v.dst_any = memory::desc(dst_dims, dt, act);
+      const dnnl::algorithm alg = onednn_algorithm(algorithm);
+      dnnl::convolution_forward::desc fwd_desc =
+          with_bias ? dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg, v.src_any, weights_any,
+                                                      plan->bias_desc, v.dst_any, strides, dilation, padding, padding)
+                    : dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg, v.src_any, weights_any,
+                                                      v.dst_any, strides, dilation, padding, padding);
+      v.hint.emplace(fwd_desc, cpu_engine());
+      return v;
+    };
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (need_data) {
-      dnnl::convolution_backward_data::desc desc(dnnl::algorithm::convolution_direct, src_any, weights_any, dst_any,
+      const Variant& v = variant(data_algorithm);
+      dnnl::convolution_backward_data::desc desc(onednn_algorithm(data_algorithm), v.src_any, weights_any, v.dst_any,
                                                  strides, dilation, padding, padding);
-      dnnl::convolution_backward_data::primitive_desc pd(desc, attr, cpu_engine(), hint);
+      dnnl::convolution_backward_data::primitive_desc pd(desc, attr, cpu_engine(), *v.hint);
       if (is_ref(pd.impl_info_str())) return nullptr;
       plan->data = true;
       plan->bwd_data = dnnl::convolution_backward_data(pd);
@@ -588,14 +638,14 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
         plan->diff_src_reorder = make_reorder(plan->data_diff_src, plan->src_user);
     }
     if (need_weights) {
+      const Variant& v = variant(weights_algorithm);
+      const dnnl::algorithm alg = onednn_algorithm(weights_algorithm);
       dnnl::convolution_backward_weights::desc desc =
-          with_bias ? dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src_any,
-                                                               weights_any, plan->bias_desc, dst_any, strides,
-                                                               dilation, padding, padding)
-                    : dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct, src_any,
-                                                               weights_any, dst_any, strides, dilation, padding,
-                                                               padding);
-      dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), hint);
+          with_bias ? dnnl::convolution_backward_weights::desc(alg, v.src_any, weights_any, plan->bias_desc, v.dst_any,
+                                                               strides, dilation, padding, padding)
+                    : dnnl::convolution_backward_weights::desc(alg, v.src_any, weights_any, v.dst_any, strides,
+                                                               dilation, padding, padding);
+      dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), *v.hint);
       if (is_ref(pd.impl_info_str())) return nullptr;
       plan->weights = true;
       plan->bias = with_bias;
@@ -619,16 +669,21 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
 }
 
 std::shared_ptr<const BackwardPlan> find_backward_plan(const ConvShape& s, DType dtype, Layout layout,
-                                                       bool need_data, bool need_weights) {
+                                                       bool need_data, bool need_weights,
+                                                       ConvAlgorithm data_algorithm = ConvAlgorithm::direct,
+                                                       ConvAlgorithm weights_algorithm = ConvAlgorithm::direct) {
   static std::mutex mutex;
   static std::unordered_map<BackwardKey, std::shared_ptr<const BackwardPlan>, BackwardKeyHash> cache;
-  const BackwardKey key{make_key(s, dtype, layout), (need_data ? 1 : 0) | (need_weights ? 2 : 0)};
+  const int mask = (need_data ? 1 : 0) | (need_weights ? 2 : 0) |
+                   (need_data && data_algorithm == ConvAlgorithm::winograd ? 4 : 0) |
+                   (need_weights && weights_algorithm == ConvAlgorithm::winograd ? 8 : 0);
+  const BackwardKey key{make_key(s, dtype, layout), mask};
   {
     std::lock_guard lock(mutex);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  auto plan = build_backward_plan(s, dtype, layout, need_data, need_weights);
+  auto plan = build_backward_plan(s, dtype, layout, need_data, need_weights, data_algorithm, weights_algorithm);
   std::lock_guard lock(mutex);
   return cache.emplace(key, std::move(plan)).first->second;
 }
@@ -681,6 +736,175 @@ void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, cons
     if (p.reorder_diff_src) p.diff_src_reorder.execute(stream, diff_src, src_user);
   }
   stream.wait();
+}
+
+// ---------------- autotuning (max_autotune): direct vs Winograd ----------------
+
+thread_local int t_autotune_depth = 0;
+thread_local int t_force_winograd_depth = 0;  // KILN_CONV_AUTOTUNE=winograd
+
+struct DecisionKey {
+  ConvKey conv;
+  ConvDirection direction;
+  bool operator==(const DecisionKey&) const = default;
+};
+
+struct DecisionKeyHash {
+  size_t operator()(const DecisionKey& k) const {
+    return ConvKeyHash{}(k.conv) * 7u + static_cast<size_t>(k.direction);
+  }
+};
+
+// One key's decision, made once: std::call_once makes a racing thread wait for the first one's
+// timing (and lets the next caller time again if it threw). `timed` and `decision` are written
+// once, under the cache mutex, inside the call_once.
+struct DecisionEntry {
+  std::once_flag once;
+  bool timed = false;  // false: Winograd can't run this configuration (direct, nothing timed)
+  ConvAutotuneDecision decision;
+};
+
+struct DecisionCache {
+  std::mutex mutex;
+  std::unordered_map<DecisionKey, std::shared_ptr<DecisionEntry>, DecisionKeyHash> entries;
+};
+
+DecisionCache& decision_cache() {
+  static DecisionCache cache;
+  return cache;
+}
+
+std::string describe(const ConvShape& s, DType dtype, Layout layout) {
+  return fmt::format("{} {} input {}x{}x{}x{}, weight {}x{}x{}x{}{}, stride {}x{}, padding {}x{}, "
+                     "dilation {}x{}, groups {}{}",
+                     dtype_name(dtype), layout.channels_last ? "NHWC" : "NCHW", s.n, s.c, s.h, s.w, s.o,
+                     s.c / s.groups, s.kh, s.kw, layout.weight_channels_last ? " (OHWI)" : "", s.stride[0],
+                     s.stride[1], s.pad[0], s.pad[1], s.dilation[0], s.dilation[1], s.groups,
+                     s.bias ? ", bias" : "");
+}
+
+// Milliseconds of `run(algorithm)` for each algorithm, the fastest of five runs after two warm-up
+// runs, alternating so that load on the machine hits both alike. The fastest, not the median: on
+// a loaded machine a run that loses its cores takes scheduler quanta (measured 16-56 ms for
+// 0.05-3 ms convolutions), and only the undisturbed runs measure the kernels.
+std::pair<double, double> time_direct_and_winograd(const std::function<void(ConvAlgorithm)>& run) {
+  constexpr int kWarmup = 2, kRuns = 5;
+  for (int i = 0; i < kWarmup; ++i) {
+    run(ConvAlgorithm::direct);
+    run(ConvAlgorithm::winograd);
+  }
+  std::vector<double> ms[2];
+  for (int i = 0; i < kRuns; ++i)
+    for (ConvAlgorithm a : {ConvAlgorithm::direct, ConvAlgorithm::winograd}) {
+      const auto t0 = std::chrono::steady_clock::now();
+      run(a);
+      ms[static_cast<int>(a)].push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  return {*std::min_element(ms[0].begin(), ms[0].end()), *std::min_element(ms[1].begin(), ms[1].end())};
+}
+
+// The algorithm for this configuration, layout and direction: the cached decision, else timed
+// now (`winograd_available` says whether there is anything to time; `run` runs one algorithm on
+// scratch outputs). Winograd must win by 5%: within noise, the direct plan (eager's numerics)
+// stays.
+ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, DType dtype, Layout layout,
+                                  const std::function<bool()>& winograd_available,
+                                  const std::function<void(ConvAlgorithm)>& run) {
+  DecisionCache& cache = decision_cache();
+  const DecisionKey key{make_key(s, dtype, layout), direction};
+  std::shared_ptr<DecisionEntry> entry;
+  {
+    std::lock_guard lock(cache.mutex);
+    auto& slot = cache.entries[key];
+    if (!slot) slot = std::make_shared<DecisionEntry>();
+    entry = slot;
+  }
+  std::call_once(entry->once, [&] {
+    ConvAutotuneDecision d;
+    d.config = describe(s, dtype, layout);
+    d.input = {s.n, s.c, s.h, s.w};
+    d.weight = {s.o, s.c / s.groups, s.kh, s.kw};
+    d.channels_last = layout.channels_last;
+    d.direction = direction;
+    const bool timed = winograd_available();
+    if (timed) {
+      std::tie(d.direct_ms, d.winograd_ms) = time_direct_and_winograd(run);
+      d.chosen = d.winograd_ms < 0.95 * d.direct_ms ? ConvAlgorithm::winograd : ConvAlgorithm::direct;
+      if (compiler::logs().perf_hints)
+        compiler::detail::log_stream() << "[kiln.compile] conv autotune: " << d.str() << "\n";
+    }
+    std::lock_guard lock(cache.mutex);
+    entry->decision = std::move(d);
+    entry->timed = timed;
+  });
+  if (!entry->timed) return ConvAlgorithm::direct;
+  return t_force_winograd_depth > 0 ? ConvAlgorithm::winograd : entry->decision.chosen;
+}
+
+// The forward plan autotuning picks for a float32 call with direct plan `direct` (x, w, bias: the
+// call's operands in the plan's layout).
+std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, Layout layout,
+                                               std::shared_ptr<const ConvPlan> direct, const void* x, const void* w,
+                                               const void* bias) {
+  std::shared_ptr<const ConvPlan> winograd;
+  ScratchBuffer out;  // never the caller's output
+  const ConvAlgorithm a = autotuned_algorithm(
+      ConvDirection::forward, s, dtype, layout,
+      [&] { return (winograd = find_plan(s, dtype, layout, ConvAlgorithm::winograd)) != nullptr; },
+      [&](ConvAlgorithm algorithm) {
+        const ConvPlan& p = algorithm == ConvAlgorithm::winograd ? *winograd : *direct;
+        run_plan(p, x, w, bias, out.get(p.dst_user.get_size()));
+      });
+  if (a != ConvAlgorithm::winograd) return direct;
+  if (!winograd) winograd = find_plan(s, dtype, layout, ConvAlgorithm::winograd);
+  return winograd ? winograd : direct;
+}
+
+// The backward plan autotuning picks for a float32 call that needs backward-data (need_data)
+// and/or oneDNN's backward-weights (need_weights; s.bias: with the bias gradient): each direction
+// timed on its own. x, w, dy: the call's operands in the plan's layout (x only with need_weights,
+// w only with need_data).
+std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, DType dtype, Layout layout,
+                                                            bool need_data, bool need_weights,
+                                                            std::shared_ptr<const BackwardPlan> direct, const void* x,
+                                                            const void* w, const void* dy) {
+  ConvAlgorithm data_algorithm = ConvAlgorithm::direct, weights_algorithm = ConvAlgorithm::direct;
+  ScratchBuffer out, out_bias;  // never the caller's outputs
+  if (need_data) {
+    ConvShape data_shape = s;
+    data_shape.bias = false;  // the bias gradient comes from backward-weights
+    std::shared_ptr<const BackwardPlan> plans[2];
+    data_algorithm = autotuned_algorithm(
+        ConvDirection::backward_data, data_shape, dtype, layout,
+        [&] {
+          plans[0] = find_backward_plan(data_shape, dtype, layout, true, false);
+          plans[1] = find_backward_plan(data_shape, dtype, layout, true, false, ConvAlgorithm::winograd);
+          return plans[0] && plans[1];
+        },
+        [&](ConvAlgorithm algorithm) {
+          const BackwardPlan& p = *plans[static_cast<int>(algorithm)];
+          run_backward_plan(p, nullptr, w, dy, out.get(p.src_user.get_size()), nullptr, nullptr);
+        });
+  }
+  if (need_weights) {
+    std::shared_ptr<const BackwardPlan> plans[2];
+    weights_algorithm = autotuned_algorithm(
+        ConvDirection::backward_weights, s, dtype, layout,
+        [&] {
+          plans[0] = find_backward_plan(s, dtype, layout, false, true);
+          plans[1] = find_backward_plan(s, dtype, layout, false, true, ConvAlgorithm::direct, ConvAlgorithm::winograd);
+          return plans[0] && plans[1];
+        },
+        [&](ConvAlgorithm algorithm) {
+          const BackwardPlan& p = *plans[static_cast<int>(algorithm)];
+          run_backward_plan(p, x, nullptr, dy, nullptr, out.get(p.weights_user.get_size()),
+                            p.bias ? static_cast<float*>(out_bias.get(p.bias_desc.get_size())) : nullptr);
+        });
+  }
+  if (data_algorithm == ConvAlgorithm::direct && weights_algorithm == ConvAlgorithm::direct) return direct;
+  auto tuned = find_backward_plan(s, dtype, layout, need_data, need_weights, data_algorithm, weights_algorithm);
+  return tuned ? tuned : direct;
 }
 
 // ---------------- backward: col2im/im2col + GEMM ----------------
@@ -929,6 +1153,12 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
       else
         pointwise_weight_grad(s, x.data_ptr<float>(), dy.data_ptr<float>(), dw_data);
     }
+    // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
+    // timed faster for this configuration.
+    if (plan && t == DType::float32 && conv_autotune_active())
+      plan = autotuned_backward_plan(s, t, layout, need_dx, plan_dw, std::move(plan),
+                                     plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
+                                     dy.impl().data());
     const bool onednn_bias = need_db && plan && plan->bias;
     Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
                               : Tensor();
@@ -976,5 +1206,51 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 }();
 
 }  // namespace
+
+const char* name(ConvAlgorithm a) { return a == ConvAlgorithm::winograd ? "winograd" : "direct"; }
+
+const char* name(ConvDirection d) {
+  switch (d) {
+    case ConvDirection::forward: return "forward";
+    case ConvDirection::backward_data: return "backward_data";
+    case ConvDirection::backward_weights: return "backward_weights";
+  }
+  return "?";
+}
+
+ConvAutotuneScope::ConvAutotuneScope() {
+  const char* v = std::getenv("KILN_CONV_AUTOTUNE");  // read per scope, so tests can flip it
+  active_ = v == nullptr || std::string_view(v) != "0";
+  force_winograd_ = v != nullptr && std::string_view(v) == "winograd";
+  if (active_) ++t_autotune_depth;
+  if (force_winograd_) ++t_force_winograd_depth;
+}
+
+ConvAutotuneScope::~ConvAutotuneScope() {
+  if (active_) --t_autotune_depth;
+  if (force_winograd_) --t_force_winograd_depth;
+}
+
+bool conv_autotune_active() { return t_autotune_depth > 0; }
+
+std::string ConvAutotuneDecision::str() const {
+  return fmt::format("{} {}: direct {:.3f} ms, winograd {:.3f} ms -> {}", config, name(direction), direct_ms,
+                     winograd_ms, name(chosen));
+}
+
+std::vector<ConvAutotuneDecision> conv_autotune_decisions() {
+  DecisionCache& cache = decision_cache();
+  std::lock_guard lock(cache.mutex);
+  std::vector<ConvAutotuneDecision> out;
+  for (const auto& [key, entry] : cache.entries)
+    if (entry->timed) out.push_back(entry->decision);
+  return out;
+}
+
+void clear_conv_autotune_decisions() {
+  DecisionCache& cache = decision_cache();
+  std::lock_guard lock(cache.mutex);
+  cache.entries.clear();
+}
 
 }  // namespace kiln::cpu

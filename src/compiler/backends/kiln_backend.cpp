@@ -8,6 +8,9 @@
 #include <fstream>
 #include <unistd.h>
 
+#include <optional>
+
+#include "backends/cpu/conv_autotune.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/graph/passes.h"
 #include "compiler/lower/loop_ir.h"
@@ -43,6 +46,7 @@ struct Executable {
   std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
   lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
   std::unique_ptr<Arena> arena;   // set when the plan is not empty
+  bool autotune = false;          // max_autotune: convolutions time direct vs Winograd (conv_autotune.h)
 };
 
 // Holds the executable's arena for one call, or nothing when there is no plan or another call
@@ -139,6 +143,8 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
                  " and " + std::to_string(args.scalars.size()) + ".");
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
+  std::optional<kiln::cpu::ConvAutotuneScope> autotune;
+  if (ex.autotune) autotune.emplace();
   std::vector<Tensor> env(g.values.size());
   for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
   for (const auto& [v, t] : g.constants) env[v] = t;
@@ -273,6 +279,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     ex->plan = lower::plan_memory(ex->program);
     if (!ex->plan.empty()) ex->arena = std::make_unique<Arena>();
   }
+  if (const CompileOptions* o = compiling_options()) ex->autotune = o->mode == Mode::max_autotune || o->mode == Mode::max_autotune_no_cudagraphs;
   write_debug(before, ex->program, ex->plan, sources);
   if (detail::log_options().output_code) {
     for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;

@@ -1,0 +1,426 @@
+// Convolution autotuning (src/backends/cpu/conv_autotune.h, compile()'s max_autotune on the CPU):
+// outside a ConvAutotuneScope convolutions run the direct plan exactly as before and nothing is
+// timed; inside one, float32 3x3/stride-1 convolutions time direct against Winograd per direction
+// and layout, record the decision and stay within float32 tolerance of a float64 reference;
+// configurations Winograd can't run record nothing; racing threads time a key once; and a
+// compiled training step with mode max_autotune goes through the kiln backend and records
+// decisions, while the default mode records none.
+//
+// Tolerance: Winograd F(4,3) rounds differently from the direct kernels (its input and output
+// transforms add and subtract terms of several magnitudes). Errors are measured as the largest
+// absolute error over the largest reference magnitude of each result (y, dx, dw, db); with
+// unit-variance inputs and fan-in scaled weights, direct measured up to 1.4e-6 and Winograd up to
+// 1.5e-6 on these shapes (the tests print them as "[ measured ]"); the bound is 1e-5.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backends/cpu/conv_autotune.h"
+#include "compile_helpers.h"
+#include "kernel_cache_dir.h"
+#include "kiln/compiler.h"
+#include "kiln/kiln.h"
+
+namespace {
+
+using namespace kiln;
+using namespace kiln::testing;  // compile_helpers.h
+using cpu::ConvAlgorithm;
+using cpu::ConvAutotuneDecision;
+using cpu::ConvAutotuneScope;
+using cpu::ConvDirection;
+
+KILN_TEST_KERNEL_CACHE_DIR("kiln_test_conv_autotune");
+
+constexpr double kRelativeTolerance = 1e-5;
+
+struct ConvParams {
+  std::vector<int64_t> stride{1, 1}, padding{1, 1}, dilation{1, 1};
+  int64_t groups = 1;
+};
+
+struct ConvResult {
+  Tensor y, dx, dw, db;
+};
+
+// Forward and backward (through autograd: conv2d and convolution_backward) of one convolution.
+ConvResult run_conv(const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& gy, const ConvParams& p) {
+  Tensor xr = x.detach().requires_grad_();
+  Tensor wr = w.detach().requires_grad_();
+  Tensor br = b.defined() ? b.detach().requires_grad_() : Tensor();
+  Tensor y = conv2d(xr, wr, br, p.stride, p.padding, p.dilation, p.groups);
+  y.backward(gy);
+  return {y.detach(), xr.grad(), wr.grad(), br.defined() ? br.grad() : Tensor()};
+}
+
+// The operands of a test convolution: unit-variance input and output gradient, weights scaled by
+// 1/sqrt(fan-in) (as nn::Conv2d initializes them), so results are of order one.
+struct Operands {
+  Tensor x, w, b, gy;
+};
+
+Operands make_operands(std::vector<int64_t> x_shape, std::vector<int64_t> w_shape, const ConvParams& p, DType t,
+                       bool channels_last) {
+  Operands o;
+  o.x = randn(x_shape, t);
+  const double fan_in = static_cast<double>(w_shape[1] * w_shape[2] * w_shape[3]);
+  o.w = randn(w_shape, t) * (1.0 / std::sqrt(fan_in));
+  o.b = randn({w_shape[0]}, t);
+  Tensor y = conv2d(o.x, o.w, o.b, p.stride, p.padding, p.dilation, p.groups);  // for the output shape
+  o.gy = randn(y.sizes().vec(), t);
+  if (channels_last) {
+    o.x = o.x.contiguous(kiln::channels_last);
+    o.gy = o.gy.contiguous(kiln::channels_last);
+  }
+  return o;
+}
+
+ConvResult run_conv(const Operands& o, const ConvParams& p) { return run_conv(o.x, o.w, o.b, o.gy, p); }
+
+ConvResult reference(const Operands& o, const ConvParams& p) {
+  return run_conv(o.x.to(kFloat64), o.w.to(kFloat64), o.b.to(kFloat64), o.gy.to(kFloat64), p);
+}
+
+// max |got - want| / max |want|.
+double relative_error(const Tensor& got, const Tensor& want) {
+  const std::vector<double> g = got.to_vector<double>(), w = want.to_vector<double>();
+  double err = 0, mag = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    err = std::max(err, std::abs(g[i] - w[i]));
+    mag = std::max(mag, std::abs(w[i]));
+  }
+  return mag > 0 ? err / mag : err;
+}
+
+::testing::AssertionResult near_reference(const ConvResult& got, const ConvResult& want, const std::string& what) {
+  const char* names[4] = {"y", "dx", "dw", "db"};
+  const Tensor* g[4] = {&got.y, &got.dx, &got.dw, &got.db};
+  const Tensor* w[4] = {&want.y, &want.dx, &want.dw, &want.db};
+  std::string measured;
+  for (int i = 0; i < 4; ++i) {
+    if (!g[i]->defined() || !w[i]->defined())
+      return ::testing::AssertionFailure() << what << ": " << names[i] << " undefined";
+    if (!(g[i]->sizes() == w[i]->sizes()))
+      return ::testing::AssertionFailure() << what << ": " << names[i] << " shape " << shape_str(g[i]->sizes());
+    const double e = relative_error(*g[i], *w[i]);
+    std::ostringstream text;
+    text << " " << names[i] << " " << std::setprecision(2) << std::scientific << e;
+    measured += text.str();
+    if (!(e <= kRelativeTolerance))
+      return ::testing::AssertionFailure() << what << ": " << names[i] << " relative error " << e << " > "
+                                           << kRelativeTolerance;
+  }
+  std::cout << "[ measured ] " << what << ":" << measured << "\n";
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult bit_identical(const ConvResult& a, const ConvResult& b) {
+  const char* names[4] = {"y", "dx", "dw", "db"};
+  const Tensor* x[4] = {&a.y, &a.dx, &a.dw, &a.db};
+  const Tensor* y[4] = {&b.y, &b.dx, &b.dw, &b.db};
+  for (int i = 0; i < 4; ++i) {
+    if (x[i]->defined() != y[i]->defined()) return ::testing::AssertionFailure() << names[i] << " defined differs";
+    if (x[i]->defined() && !equal(*x[i], *y[i])) return ::testing::AssertionFailure() << names[i] << " differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// The decisions recorded for input shape `input`, output channels `out`, and layout
+// `channels_last` (either when unset).
+std::vector<ConvAutotuneDecision> decisions_for(std::array<int64_t, 4> input, int64_t out,
+                                                std::optional<bool> channels_last) {
+  std::vector<ConvAutotuneDecision> found;
+  for (const auto& d : cpu::conv_autotune_decisions())
+    if (d.input == input && d.weight[0] == out && (!channels_last || d.channels_last == *channels_last))
+      found.push_back(d);
+  return found;
+}
+
+// Each direction recorded once, with both timings.
+void expect_all_directions(const std::vector<ConvAutotuneDecision>& found) {
+  for (ConvDirection dir : {ConvDirection::forward, ConvDirection::backward_data, ConvDirection::backward_weights}) {
+    auto n = std::count_if(found.begin(), found.end(), [&](const auto& d) { return d.direction == dir; });
+    EXPECT_EQ(n, 1) << cpu::name(dir);
+  }
+  for (const auto& d : found) {
+    EXPECT_GT(d.direct_ms, 0) << d.str();
+    EXPECT_GT(d.winograd_ms, 0) << d.str();
+    EXPECT_NE(d.str().find(cpu::name(d.chosen)), std::string::npos) << d.str();
+  }
+}
+
+class ConvAutotune : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    cpu::clear_conv_autotune_decisions();
+    manual_seed(0);
+  }
+  void TearDown() override { cpu::clear_conv_autotune_decisions(); }
+};
+
+// ---------------- outside a scope ----------------
+
+// Eager convolutions time nothing and run the direct plan: the results before any scope, after a
+// scope that ran Winograd, and inside a KILN_CONV_AUTOTUNE=0 (inert) scope are bit-identical.
+TEST_F(ConvAutotune, OutsideAScopeNothingIsTimedAndTheDirectPlanRuns) {
+  for (bool channels_last : {false, true}) {
+    SCOPED_TRACE(channels_last ? "channels_last" : "contiguous");
+    const ConvParams p;
+    Operands o = make_operands({4, 64, 16, 16}, {32, 64, 3, 3}, p, kFloat32, channels_last);
+    EXPECT_FALSE(cpu::conv_autotune_active());
+    ConvResult before = run_conv(o, p);
+    EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
+    ConvResult winograd;
+    {
+      ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
+      ConvAutotuneScope scope;
+      EXPECT_TRUE(cpu::conv_autotune_active());
+      winograd = run_conv(o, p);
+    }
+    EXPECT_FALSE(cpu::conv_autotune_active());
+    EXPECT_FALSE(bit_identical(winograd, before)) << "the forced scope should have run Winograd";
+    ConvResult after = run_conv(o, p);
+    EXPECT_TRUE(bit_identical(after, before));
+    {
+      ScopedEnv off("KILN_CONV_AUTOTUNE", "0");
+      cpu::clear_conv_autotune_decisions();
+      ConvAutotuneScope scope;
+      EXPECT_FALSE(cpu::conv_autotune_active());
+      EXPECT_TRUE(bit_identical(run_conv(o, p), before));
+      EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
+    }
+  }
+}
+
+// ---------------- inside a scope ----------------
+
+// Winograd (forced, wherever oneDNN has it) forward, backward-data and backward-weights in both
+// layouts stay within float32 tolerance of float64, and differ from the direct plan's rounding
+// (so Winograd really ran).
+TEST_F(ConvAutotune, WinogradMatchesFloat64InBothLayouts) {
+  for (int64_t size : {16, 32})
+    for (bool channels_last : {false, true}) {
+      const std::string what = std::to_string(size) + "x" + std::to_string(size) +
+                               (channels_last ? " channels_last" : " contiguous") + " winograd";
+      SCOPED_TRACE(what);
+      const ConvParams p;
+      Operands o = make_operands({4, 64, size, size}, {32, 64, 3, 3}, p, kFloat32, channels_last);
+      ConvResult direct = run_conv(o, p);
+      ConvResult got;
+      {
+        ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
+        ConvAutotuneScope scope;
+        got = run_conv(o, p);
+      }
+      ConvResult want = reference(o, p);
+      EXPECT_TRUE(near_reference(got, want, what));
+      EXPECT_TRUE(near_reference(direct, want, what.substr(0, what.size() - 9) + " direct"));
+      EXPECT_FALSE(equal(got.y, direct.y)) << "forward ran the direct plan";
+      EXPECT_FALSE(equal(got.dx, direct.dx)) << "backward-data ran the direct plan";
+      EXPECT_FALSE(equal(got.dw, direct.dw)) << "backward-weights ran the direct plan";
+      if (channels_last) {
+        EXPECT_TRUE(got.y.is_contiguous(kiln::channels_last));
+        EXPECT_TRUE(got.dx.is_contiguous(kiln::channels_last));
+      }
+      expect_all_directions(decisions_for({4, 64, size, size}, 32, channels_last));
+    }
+}
+
+// The timed choice (whichever won) is within tolerance, and each direction's decision is
+// recorded once, with both timings, and reused by later calls.
+TEST_F(ConvAutotune, TimedChoiceRecordsEachDirectionAndMatchesFloat64) {
+  for (int64_t size : {16, 32})
+    for (bool channels_last : {false, true}) {
+      const std::string what =
+          std::to_string(size) + "x" + std::to_string(size) + (channels_last ? " channels_last" : " contiguous");
+      SCOPED_TRACE(what);
+      const ConvParams p;
+      Operands o = make_operands({4, 64, size, size}, {32, 64, 3, 3}, p, kFloat32, channels_last);
+      ConvAutotuneScope scope;
+      ConvResult first = run_conv(o, p);
+      auto found = decisions_for({4, 64, size, size}, 32, channels_last);
+      expect_all_directions(found);
+      for (const auto& d : found) std::cout << "[ decision ] " << d.str() << "\n";
+      EXPECT_TRUE(near_reference(first, reference(o, p), what + " timed choice"));
+      // A second call reuses the decisions (same plans: same bits) and times nothing new.
+      const size_t recorded = cpu::conv_autotune_decisions().size();
+      EXPECT_TRUE(bit_identical(run_conv(o, p), first));
+      EXPECT_EQ(cpu::conv_autotune_decisions().size(), recorded);
+    }
+}
+
+// Configurations oneDNN's Winograd can't run (stride 2, 1x1, dilation 2, groups 2, float64) are
+// not timed, record nothing, and compute what they compute outside a scope.
+TEST_F(ConvAutotune, ConfigurationsWinogradCantRunRecordNothing) {
+  struct Case {
+    const char* name;
+    ConvParams p;
+    std::vector<int64_t> w;
+    DType dtype;
+  };
+  const std::vector<Case> cases = {
+      {"stride 2", ConvParams{{2, 2}, {1, 1}, {1, 1}, 1}, {32, 64, 3, 3}, kFloat32},
+      {"1x1", ConvParams{{1, 1}, {0, 0}, {1, 1}, 1}, {32, 64, 1, 1}, kFloat32},
+      {"dilation 2", ConvParams{{1, 1}, {2, 2}, {2, 2}, 1}, {32, 64, 3, 3}, kFloat32},
+      {"groups 2", ConvParams{{1, 1}, {1, 1}, {1, 1}, 2}, {32, 32, 3, 3}, kFloat32},
+      {"float64", ConvParams{}, {32, 64, 3, 3}, kFloat64},
+  };
+  for (const Case& c : cases)
+    for (bool channels_last : {false, true}) {
+      const std::string what = std::string(c.name) + (channels_last ? " channels_last" : " contiguous");
+      SCOPED_TRACE(what);
+      Operands o = make_operands({4, 64, 16, 16}, c.w, c.p, c.dtype, channels_last);
+      ConvResult outside = run_conv(o, c.p);
+      ConvResult inside;
+      {
+        ConvAutotuneScope scope;
+        inside = run_conv(o, c.p);
+      }
+      EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
+      EXPECT_TRUE(bit_identical(inside, outside));
+      if (c.dtype == kFloat32) {
+        EXPECT_TRUE(near_reference(inside, reference(o, c.p), what));
+      }
+    }
+}
+
+// Two threads meeting a new configuration at once: one decision per direction, and both get
+// correct results.
+TEST_F(ConvAutotune, RacingThreadsRecordOneDecisionPerDirection) {
+  const ConvParams p;
+  Operands o = make_operands({4, 64, 16, 16}, {32, 64, 3, 3}, p, kFloat32, true);
+  const ConvResult want = reference(o, p);
+  ConvResult got[2];
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 2; ++i)
+    threads.emplace_back([&, i] {
+      ConvAutotuneScope scope;
+      got[i] = run_conv(o, p);
+    });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(near_reference(got[i], want, "thread " + std::to_string(i)));
+  expect_all_directions(decisions_for({4, 64, 16, 16}, 32, true));
+  EXPECT_TRUE(bit_identical(got[0], got[1])) << "both threads must use the same decisions";
+}
+
+// ---------------- compile(..., {.mode = max_autotune}) ----------------
+
+class ConvAutotuneCompile : public CompilerTest {
+ protected:
+  void SetUp() override {
+    CompilerTest::SetUp();
+    cpu::clear_conv_autotune_decisions();
+  }
+  void TearDown() override {
+    cpu::clear_conv_autotune_decisions();
+    CompilerTest::TearDown();
+  }
+};
+
+std::shared_ptr<nn::Sequential> small_conv_net() {
+  return std::make_shared<nn::Sequential>(
+      std::make_shared<nn::Conv2d>(8, 32, 3, 1, 1), std::make_shared<nn::ReLU>(),
+      std::make_shared<nn::Conv2d>(32, 32, 3, 1, 1), std::make_shared<nn::ReLU>());
+}
+
+auto forward_backward(std::shared_ptr<nn::Sequential> net) {
+  return [net](const Tensor& x) {
+    Tensor loss = net->forward(x).pow(2).mean();
+    loss.backward();
+    return loss;
+  };
+}
+
+struct TrainingResult {
+  Tensor loss;
+  std::vector<Tensor> grads;
+};
+
+TrainingResult compiled_step(Mode mode, const std::shared_ptr<nn::Sequential>& reference_net, const Tensor& x,
+                             compiler::Counters* delta) {
+  auto net = small_conv_net();
+  net->load_state_dict(reference_net->state_dict());
+  auto step = kiln::compile(forward_backward(net), {.backend = std::string("kiln"), .mode = mode});
+  Delta d;
+  TrainingResult r;
+  r.loss = step(x);
+  *delta = d.now();
+  for (const Tensor& p : net->parameters()) r.grads.push_back(p.grad());
+  return r;
+}
+
+TEST_F(ConvAutotuneCompile, MaxAutotuneTimesTheConvolutionsOfACompiledTrainingStep) {
+  manual_seed(1);
+  auto eager_net = small_conv_net();
+  Tensor x = randn({4, 8, 16, 16});
+  Tensor eager_loss = forward_backward(eager_net)(x);
+  ASSERT_TRUE(cpu::conv_autotune_decisions().empty()) << "eager must time nothing";
+
+  compiler::Counters delta;
+  TrainingResult got = compiled_step(Mode::max_autotune, eager_net, x, &delta);
+  EXPECT_GE(delta.graph_runs, 1);
+  EXPECT_GT(delta.kernel_runs, 0) << "generated kernels ran";
+  EXPECT_EQ(delta.eager_frames, 0);
+  EXPECT_LE(relative_error(got.loss, eager_loss), kRelativeTolerance);
+  auto params = eager_net->parameters();
+  ASSERT_EQ(got.grads.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(got.grads[i].defined()) << "parameter " << i;
+    const double e = relative_error(got.grads[i], params[i].grad());
+    std::cout << "[ measured ] compiled max_autotune grad " << i << " relative error " << e << "\n";
+    EXPECT_LE(e, kRelativeTolerance) << "parameter " << i;
+  }
+  // The second convolution (32 -> 32) gets every direction; the first (8 -> 32, its input needs
+  // no gradient) forward and backward-weights. The kiln backend runs the second channels-last
+  // (the first one's backward sees the NCHW input, so it may run NCHW).
+  auto second = decisions_for({4, 32, 16, 16}, 32, true);
+  expect_all_directions(second);
+  auto first = decisions_for({4, 8, 16, 16}, 32, std::nullopt);
+  for (ConvDirection dir : {ConvDirection::forward, ConvDirection::backward_weights})
+    EXPECT_EQ(std::count_if(first.begin(), first.end(), [&](const auto& d) { return d.direction == dir; }), 1)
+        << cpu::name(dir);
+  for (const auto& d : cpu::conv_autotune_decisions()) std::cout << "[ decision ] " << d.str() << "\n";
+
+  // The same step with Winograd forced wherever it can run (this small net's timings pick direct)
+  // is still within tolerance of eager.
+  ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
+  TrainingResult winograd = compiled_step(Mode::max_autotune, eager_net, x, &delta);
+  EXPECT_GE(delta.graph_runs, 1);
+  EXPECT_LE(relative_error(winograd.loss, eager_loss), kRelativeTolerance);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double e = relative_error(winograd.grads[i], params[i].grad());
+    std::cout << "[ measured ] compiled max_autotune, Winograd forced: grad " << i << " relative error " << e << "\n";
+    EXPECT_LE(e, kRelativeTolerance) << "parameter " << i;
+    if (i % 2 == 0) {  // the convolution weights' gradients
+      EXPECT_FALSE(equal(winograd.grads[i], got.grads[i])) << "Winograd did not run for weight " << i;
+    }
+  }
+}
+
+TEST_F(ConvAutotuneCompile, DefaultModeRecordsNoDecision) {
+  manual_seed(1);
+  auto eager_net = small_conv_net();
+  Tensor x = randn({4, 8, 16, 16});
+  Tensor eager_loss = forward_backward(eager_net)(x);
+  compiler::Counters delta;
+  TrainingResult got = compiled_step(Mode::default_, eager_net, x, &delta);
+  EXPECT_GE(delta.graph_runs, 1);
+  EXPECT_GT(delta.kernel_runs, 0);
+  EXPECT_LE(relative_error(got.loss, eager_loss), kRelativeTolerance);
+  EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
+  // reduce_overhead does not autotune either.
+  got = compiled_step(Mode::reduce_overhead, eager_net, x, &delta);
+  EXPECT_GE(delta.graph_runs, 1);
+  EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
+}
+
+}  // namespace
