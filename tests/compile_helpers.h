@@ -70,6 +70,7 @@ inline compiler::Counters operator-(compiler::Counters a, const compiler::Counte
   a.replays -= b.replays;
   a.kernel_runs -= b.kernel_runs;
   a.dispatched_nodes -= b.dispatched_nodes;
+  a.recomputed_values -= b.recomputed_values;
   return a;
 }
 

@@ -3,6 +3,7 @@
 // compiled code. Gradients and trained parameters are compared with eager ones.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -173,6 +174,127 @@ TEST_F(CompileAutograd, TrainingStepSgdMatchesEager) {
 
 TEST_F(CompileAutograd, TrainingStepAdamMatchesEager) {
   check_training_step<optim::Adam>(optim::AdamOptions{.lr = 0.01});
+}
+
+// ================================ the min-cut partition of saved values ================================
+//
+// A compiled forward whose backward runs later saves only what the backward cannot cheaply
+// recompute: a value that only autograd holds and that one pointwise op computes from graph inputs
+// or other saved values is recomputed by the backward instead (compiler::counters().recomputed_values).
+
+// Runs `fn` compiled (with `backend`) and eagerly on copies of the leaves, backward outside, and
+// compares values and gradients. Returns the values the compiled forward left to recompute.
+int64_t check_backward_outside(const std::function<Tensor(const Tensor&, const Tensor&)>& fn, const Tensor& x,
+                               const Tensor& w, const std::string& backend = "kiln") {
+  Tensor xc = leaf_copy(x), wc = leaf_copy(w), xe = leaf_copy(x), we = leaf_copy(w);
+  auto f = kiln::compile(fn, {.backend = backend});
+  Delta d;
+  Tensor lc = f(xc, wc);
+  const int64_t recomputed = d.now().recomputed_values;
+  EXPECT_EQ(d.now().graph_runs, 1);
+  lc.backward();
+  EXPECT_EQ(d.now().graph_runs, 2) << "the backward runs as a compiled graph";
+  EXPECT_EQ(d.now().eager_frames, 0);
+  Tensor le = fn(xe, we);
+  le.backward();
+  EXPECT_TRUE(close(lc, le));
+  EXPECT_TRUE(close(xc.grad(), xe.grad()));
+  EXPECT_TRUE(close(wc.grad(), we.grad()));
+  return recomputed;
+}
+
+TEST_F(CompileAutograd, PartitionRecomputesAPointwiseChainFromTheInputs) {
+  // mul saves x and w (inputs); sin saves m = x * w, cos saves s = sin(m): both recomputed.
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  EXPECT_EQ(check_backward_outside(fn, randn({4, 5}), randn({5})), 2);
+}
+
+TEST_F(CompileAutograd, PartitionKeepsWhatTheCallerHolds) {
+  // The caller holds m, so m is saved as computed; s = sin(m) is still recomputed from it.
+  auto fn = [](const Tensor& x, const Tensor& w) {
+    Tensor m = x * w;
+    Tensor loss = m.sin().cos().sum();
+    return loss + m.detach().sum() * 0;  // m escapes through a detached read: still a held value
+  };
+  Tensor x = randn({3, 4}), w = randn({4});
+  EXPECT_EQ(check_backward_outside(fn, x, w), 2) << "m and s: nothing holds m after the call";
+  std::vector<Tensor> held;
+  auto holding = [&](const Tensor& a, const Tensor& b) {
+    Tensor m = a * b;
+    held.push_back(m);  // the caller keeps m alive past the flush
+    return m.sin().cos().sum();
+  };
+  EXPECT_EQ(check_backward_outside(holding, x, w), 1) << "only s = sin(m)";
+}
+
+TEST_F(CompileAutograd, PartitionNeverRecomputesGemmsOrReductions) {
+  // relu saves its result r = relu(x @ w); x @ w is not saved, so r stays saved.
+  auto gemm = [](const Tensor& x, const Tensor& w) { return (x.matmul(w.unsqueeze(1))).relu().sum(); };
+  EXPECT_EQ(check_backward_outside(gemm, randn({4, 5}), randn({5})), 0);
+  // A pointwise value a GEMM saves is recomputed for the backward's GEMM.
+  auto into_gemm = [](const Tensor& x, const Tensor& w) { return x.sin().matmul(w).pow(2).sum(); };
+  EXPECT_GE(check_backward_outside(into_gemm, randn({4, 5}), randn({5})), 1);
+}
+
+TEST_F(CompileAutograd, PartitionAppliesToAotEagerAndNotToEager) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor x = randn({4, 5}), w = randn({5});
+  EXPECT_EQ(check_backward_outside(fn, x, w, "aot_eager"), 2);
+  EXPECT_EQ(check_backward_outside(fn, x, w, "eager"), 0) << "the eager backend runs the graph as captured";
+}
+
+// A backward that does not capture (force_eager) computes the recomputed values eagerly.
+TEST_F(CompileAutograd, PartitionedValuesComputeEagerlyWhenTheBackwardRunsEagerly) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor x = leaf_copy(randn({4, 5})), w = leaf_copy(randn({5}));
+  Tensor xe = leaf_copy(x), we = leaf_copy(w);
+  auto f = kiln::compile(fn);
+  Delta d;
+  Tensor lc = f(x, w);
+  EXPECT_EQ(d.now().recomputed_values, 2);
+  {
+    compiler::StanceGuard eager(Stance::force_eager);
+    lc.backward();
+  }
+  EXPECT_EQ(d.now().graph_runs, 1) << "the backward ran op by op";
+  fn(xe, we).backward();
+  EXPECT_TRUE(close(x.grad(), xe.grad()));
+  EXPECT_TRUE(close(w.grad(), we.grad()));
+}
+
+TEST_F(CompileAutograd, PartitionedValuesSurviveRetainGraphAndDoubleBackward) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor x = leaf_copy(randn({3, 4})), w = leaf_copy(randn({4}));
+  Tensor xe = leaf_copy(x), we = leaf_copy(w);
+  auto f = kiln::compile(fn);
+  Tensor lc = f(x, w), le = fn(xe, we);
+  lc.backward({}, /*retain_graph=*/true);
+  lc.backward();
+  le.backward({}, true);
+  le.backward();
+  EXPECT_TRUE(close(w.grad(), we.grad())) << "two backwards through one forward";
+  // create_graph: the backward runs eagerly and records a graph of its own.
+  Tensor lc2 = f(x, w), le2 = fn(xe, we);
+  Tensor gc = autograd::grad({lc2}, {w}, {}, std::nullopt, /*create_graph=*/true)[0];
+  Tensor ge = autograd::grad({le2}, {we}, {}, std::nullopt, true)[0];
+  EXPECT_TRUE(close(gc, ge));
+  Tensor hc = autograd::grad({gc.sum()}, {x})[0], he = autograd::grad({ge.sum()}, {xe})[0];
+  EXPECT_TRUE(close(hc, he)) << "second derivatives through recomputed values";
+}
+
+// A recomputed value's inputs must be what the forward read: an in-place change before the
+// backward is an error, as it is in eager (where the mul saved x).
+TEST_F(CompileAutograd, PartitionRefusesInputsModifiedBeforeTheBackward) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor x = randn({3, 4}), w = leaf_copy(randn({4}));
+  auto f = kiln::compile(fn);
+  Tensor lc = f(x, w);
+  x.add_(1);
+  EXPECT_THROW(lc.backward(), kiln::Error);
+  Tensor xe = randn({3, 4});
+  Tensor le = fn(xe, leaf_copy(w));
+  xe.add_(1);
+  EXPECT_THROW(le.backward(), kiln::Error) << "eager refuses it too";
 }
 
 // ================================ autograd::grad inside compiled code ================================

@@ -278,6 +278,8 @@ struct Counters {
   int64_t replays = 0;          // pure calls that skipped the body
   int64_t kernel_runs = 0;      // generated kernels run (kiln backend)
   int64_t dispatched_nodes = 0; // graph nodes the kiln backend ran through the eager dispatcher
+  int64_t recomputed_values = 0; // saved tensors a forward graph left for its backward to recompute
+                                 // (the min-cut partition: aot_eager and kiln backends)
 };
 Counters counters();
 

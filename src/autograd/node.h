@@ -52,6 +52,8 @@ class SavedTensor {
   SavedTensor(const Tensor& t, bool is_output);
   // The saved value; throws if it was modified in place since it was saved or was released.
   Tensor unpack(const std::shared_ptr<Node>& owner) const;
+  // The held value, without the version check (the compiler's partition counts references).
+  const Tensor& peek() const { return data_; }
   // Frees the value; a later unpack of a slot that held one throws.
   void release() {
     if (!saved_) return;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <source_location>
 #include <string>
 #include <string_view>
@@ -25,10 +26,25 @@ struct Segment;
 struct CaptureContext;
 }  // namespace detail
 
-// What TensorImpl::lazy points to while a value is pending.
+// How to compute a value that a forward graph did not save (the min-cut partition, see
+// context.cpp "recomputed saved values"): one pointwise op over tensors that are real, or
+// recomputed themselves. A backward that captures reads it as that op (fused into the backward's
+// kernels); anything else that touches the data computes it eagerly once.
+struct Recipe {
+  const OpDef* op = nullptr;
+  std::vector<Attr> attrs;
+  std::vector<Tensor> inputs;  // undefined for None
+  std::vector<uint64_t> versions;  // of the inputs, when the forward ran
+  ValueInfo info;              // the value as the forward graph recorded it
+  std::mutex mutex;            // one eager computation at a time
+};
+
+// What TensorImpl::lazy points to while a value is pending. After its segment ran, a value that
+// only autograd saved and that is cheap to recompute keeps a `recipe` instead of data.
 struct LazyValue {
   std::shared_ptr<detail::Segment> segment;
   int value = -1;
+  std::shared_ptr<Recipe> recipe;
 };
 
 namespace detail {

@@ -7,6 +7,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "compiler/capture/segment.h"
 #include "core/dispatch.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -43,40 +44,8 @@ inline void mix_value(uint64_t& h, const ValueInfo& v) {
   mix(h, v.is_wrapped_number);
 }
 
-constexpr uint64_t kSeed = 0xcbf29ce484222325ull;
 }  // namespace
 
-struct Segment {
-  enum class State { pending, done, failed };
-
-  Graph graph;
-  uint64_t hash = kSeed;
-  std::unordered_map<const TensorImpl*, int> input_ids;
-  std::unordered_map<const Storage*, int> input_groups;
-  std::vector<Tensor> inputs;  // strong references, one per graph input
-  struct Pending {
-    std::weak_ptr<Storage> storage;
-    int value;
-  };
-  std::vector<Pending> pending;                 // one per buffer a node allocates
-  std::vector<std::weak_ptr<TensorImpl>> lazy;  // every lazy handle created, to clear after a flush
-  State state = State::pending;
-  std::string failure;
-  int next_group = 0;
-  std::thread::id thread = std::this_thread::get_id();
-
-  void clear() {
-    graph = Graph();
-    hash = kSeed;
-    input_ids.clear();
-    input_groups.clear();
-    inputs.clear();
-    pending.clear();
-    lazy.clear();
-    state = State::pending;
-    next_group = 0;
-  }
-};
 
 CaptureContext* active_capture() { return t_capture; }
 CaptureContext* exchange_capture(CaptureContext* ctx) { return std::exchange(t_capture, ctx); }
@@ -115,9 +84,13 @@ ValueInfo info_of(const Tensor& t) {
       "between threads only after the compiled call that produced them has returned.");
 }
 
-// The value id of `t` in `seg`: its lazy value, or a (new) placeholder for a real tensor.
+int replay_recipe(Segment& seg, const Tensor& t);
+
+// The value id of `t` in `seg`: its lazy value, a recomputed value's replay, or a (new)
+// placeholder for a real tensor.
 int value_of(Segment& seg, const Tensor& t) {
   const TensorImpl& impl = t.impl();
+  if (impl.lazy && impl.lazy->recipe && !impl.storage->data) return replay_recipe(seg, t);
   if (impl.lazy) {
     const Segment& owner = *impl.lazy->segment;
     if (&owner == &seg) return impl.lazy->value;
@@ -215,6 +188,32 @@ int add_result_value(Segment& seg, ValueInfo v) {
   return id;
 }
 
+// A value the forward left to recompute (segment.h), read by a later capture: the recipe's op
+// joins this graph (the backward's kernels fuse it). A handle whose layout differs from the
+// recipe's value (a view made outside capture) is computed eagerly and read as an input.
+int replay_recipe(Segment& seg, const Tensor& t) {
+  const TensorImpl& impl = t.impl();
+  const std::shared_ptr<Recipe>& r = impl.lazy->recipe;
+  if (impl.sizes != r->info.sizes || impl.strides != r->info.strides || impl.storage_offset != r->info.storage_offset) {
+    materialize_recipe(impl);
+    return value_of(seg, t);
+  }
+  if (auto it = seg.replayed.find(r.get()); it != seg.replayed.end()) return it->second;
+  check_recipe_inputs(*r);
+  std::vector<int> ids;
+  ids.reserve(r->inputs.size());
+  for (const Tensor& in : r->inputs) ids.push_back(in.defined() ? value_of(seg, in) : -1);
+  int node = append_node(seg, *r->op, std::move(ids), r->attrs, /*inplace=*/false);
+  ValueInfo v = r->info;
+  v.is_input = false;
+  v.name.clear();
+  v.storage = seg.next_group++;
+  int id = add_result_value(seg, std::move(v));
+  seg.graph.nodes[node].outputs = {id};
+  seg.replayed[r.get()] = id;
+  return id;
+}
+
 void set_lazy(Segment& seg, const std::shared_ptr<Segment>& owner, Tensor& t, int value) {
   auto lv = std::make_shared<LazyValue>();
   lv->segment = owner;
@@ -256,8 +255,13 @@ bool capturable(const OpDef& op) { return !is_disallowed_in_graph(op); }
 // Autograd nodes recorded during capture remember their compiled function, so that a backward()
 // run after the call returns is captured as a graph of that function too.
 void tag_autograd_nodes(CaptureContext& cap, std::span<Tensor> outputs) {
+  std::shared_ptr<autograd::Node> last;
   for (Tensor& o : outputs) {
     auto* m = autograd::meta_if_exists(o);
+    if (m && m->grad_fn && m->grad_fn != last && cap.segment) {
+      cap.segment->autograd_nodes.push_back(m->grad_fn);  // what it saves: the partition's input
+      last = m->grad_fn;
+    }
     if (m && m->grad_fn && !m->grad_fn->compiled_owner) {
       m->grad_fn->compiled_owner = cap.fn->shared_from_this();
       autograd::g_compiled_nodes.fetch_add(1, std::memory_order_relaxed);
@@ -361,8 +365,6 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
 
 // ---- flush ----
 
-namespace {
-
 // Moves `result`'s buffer into the pending storage of a lazy value (or copies it there when the
 // backend returned memory it does not own exclusively, or in another layout).
 void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) {
@@ -402,8 +404,6 @@ void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) 
   NoGradGuard no_grad;
   Tensor(std::move(view)).copy_(result);
 }
-
-}  // namespace
 
 void CaptureContext::flush(bool end_of_call, std::string_view reason, const CallSite* site) {
   if (!fn) {  // trace_graph(): a traced function may not read data
@@ -448,6 +448,10 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
       live.push_back(std::move(s));
     }
   }
+  // The min-cut partition: values only autograd saved, cheap to recompute, are not outputs.
+  std::vector<RecomputedValue> recomputed;
+  if (!seg->autograd_nodes.empty() && (backend == "aot_eager" || backend == "kiln" || backend == "inductor"))
+    recomputed = split_recomputed(*seg, live);
   mix(seg->hash, 0x3c);
   for (int v : graph.outputs) mix(seg->hash, static_cast<uint64_t>(v));
 
@@ -472,6 +476,10 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
                          " outputs. A backend's callable must return one tensor per graph output.");
     }
     for (size_t k = 0; k < results.size(); ++k) bind(*live[k], graph.values[graph.outputs[k]], results[k], k);
+    if (!recomputed.empty()) {
+      attach_recipes(seg, recomputed, live);
+      counter_set().recomputed_values.fetch_add(static_cast<int64_t>(recomputed.size()), std::memory_order_relaxed);
+    }
     last_graph = std::move(compiled);
   } catch (const std::exception& e) {
     seg->state = Segment::State::failed;
@@ -481,7 +489,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
   results.clear();
   seg->state = Segment::State::done;
   for (auto& w : seg->lazy)
-    if (auto impl = w.lock(); impl && impl->lazy && impl->lazy->segment == seg) impl->lazy.reset();
+    if (auto impl = w.lock(); impl && impl->lazy && impl->lazy->segment == seg && !impl->lazy->recipe) impl->lazy.reset();
   last_output_storages.clear();
   for (const auto& s : live) last_output_storages.push_back(s.get());
   last_inputs = std::move(seg->inputs);
@@ -514,6 +522,10 @@ void host_read(std::string_view what) {
 
 void materialize(const TensorImpl& impl) {
   if (!impl.lazy) return;
+  if (impl.lazy->recipe) {
+    if (!impl.storage->data) materialize_recipe(impl);
+    return;
+  }
   Segment& seg = *impl.lazy->segment;
   if (seg.state == Segment::State::done) return;
   CaptureContext* cap = t_capture;

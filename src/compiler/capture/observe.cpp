@@ -174,6 +174,7 @@ Counters counters() {
   out.replays = c.replays.load();
   out.kernel_runs = c.kernel_runs.load();
   out.dispatched_nodes = c.dispatched_nodes.load();
+  out.recomputed_values = c.recomputed_values.load();
   return out;
 }
 
@@ -187,7 +188,8 @@ void reset() {
   }
   auto& c = detail::counter_set();
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
-                  &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes})
+                  &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
+                  &c.recomputed_values})
     a->store(0);
 }
 

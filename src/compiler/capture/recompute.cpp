@@ -1,0 +1,190 @@
+// The min-cut partition of saved values (DESIGN §2.3, AOTAutograd's partitioner; see segment.h).
+//
+// When a forward graph runs, autograd holds some of its values for the backward: a mul saves its
+// inputs, a sin its input, a relu its result. Saving costs a store in the forward, memory until the
+// backward, and a load there. For a value computed by one pointwise op from tensors the backward
+// holds anyway, recomputing it in the backward is cheaper: the backward's fused kernel computes
+// it in registers from what it loads already. So at the flush, a live value is left out of the
+// graph's outputs when
+//   - only saved tensors of autograd nodes recorded in this segment hold it (no user handle, no
+//     view, no other node): counted by references, so anything uncounted keeps it saved;
+//   - the op that produced it is pointwise (OpDef::lowering), deterministic, writes nothing else;
+//   - each of that op's inputs is a graph input or a value autograd saved (kept or recomputed
+//     itself), so the recipe keeps alive nothing the backward would not hold anyway.
+// Its saved handles then hold a Recipe. GEMMs, convolutions, reductions, random ops and
+// everything else stay saved, as the partitioner never recomputes them.
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "autograd/node.h"
+#include "compiler/capture/runtime.h"
+#include "compiler/capture/segment.h"
+#include "core/dispatch.h"
+#include "kiln/autograd.h"
+
+namespace kiln::compiler::detail {
+
+using kiln::detail::Storage;
+using kiln::detail::TensorImpl;
+
+namespace {
+
+bool cheap_to_recompute(const Node& n) {
+  const OpDef& op = *n.op;
+  return !n.inplace && n.outputs.size() == 1 && op.kind == OpKind::compute && op.lowering == "pointwise" &&
+         op.mutated_inputs.empty() && op.runtime_attrs.empty();
+}
+
+bool same_layout(const TensorImpl& impl, const ValueInfo& v) {
+  return impl.sizes == v.sizes && impl.strides == v.strides && impl.storage_offset == v.storage_offset &&
+         impl.dtype == v.dtype && impl.device == v.device;
+}
+
+// A handle on the memory of a kept output (bound by now) with its recorded metadata.
+Tensor handle_on(const std::shared_ptr<Storage>& storage, const ValueInfo& v) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = storage;
+  impl->sizes = v.sizes;
+  impl->strides = v.strides;
+  impl->storage_offset = v.storage_offset;
+  impl->dtype = v.dtype;
+  impl->device = v.device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
+}  // namespace
+
+std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<Storage>>& live) {
+  Graph& g = seg.graph;
+  // Saved references per handle, over the nodes recorded in this segment (each node once).
+  std::vector<std::shared_ptr<autograd::Node>> nodes;  // alive for the count
+  std::unordered_set<const autograd::Node*> seen;
+  std::unordered_map<const TensorImpl*, long> refs;
+  std::unordered_map<const Storage*, std::vector<const Tensor*>> saved_on;  // one entry per distinct handle
+  for (const auto& w : seg.autograd_nodes) {
+    std::shared_ptr<autograd::Node> n = w.lock();
+    if (!n || !seen.insert(n.get()).second) continue;
+    auto* op = dynamic_cast<autograd::OpNode*>(n.get());
+    if (!op) continue;  // other nodes' references stay uncounted: what they hold stays saved
+    for (const auto* list : {&op->saved_inputs, &op->saved_outputs})
+      for (const autograd::SavedTensor& s : *list) {
+        const Tensor& t = s.peek();
+        if (!t.defined()) continue;
+        if (refs[&t.impl()]++ == 0) saved_on[t.impl().storage.get()].push_back(&t);
+      }
+    nodes.push_back(std::move(n));
+  }
+  if (saved_on.empty()) return {};
+
+  std::vector<int> producer(g.values.size(), -1);
+  for (size_t i = 0; i < g.nodes.size(); ++i)
+    if (!g.nodes[i].inplace)
+      for (int v : g.nodes[i].outputs) producer[v] = static_cast<int>(i);
+  std::vector<bool> saved(g.values.size(), false), saved_only(g.values.size(), false);
+  for (size_t k = 0; k < g.outputs.size(); ++k) {
+    const int v = g.outputs[k];
+    auto it = saved_on.find(live[k].get());
+    if (it == saved_on.end()) continue;
+    saved[v] = true;
+    // Every holder of the storage is a handle in the table (live[k] is this function's own
+    // reference), and every holder of those handles is a saved tensor.
+    bool only = static_cast<size_t>(live[k].use_count() - 1) == it->second.size();
+    for (const Tensor* t : it->second)
+      only = only && t->impl_ptr().use_count() == refs[&t->impl()] && same_layout(t->impl(), g.values[v]);
+    saved_only[v] = only;
+  }
+
+  std::vector<RecomputedValue> out;
+  std::vector<bool> drop(g.outputs.size(), false);
+  for (size_t k = 0; k < g.outputs.size(); ++k) {
+    const int v = g.outputs[k];
+    if (!saved_only[v] || producer[v] < 0 || !cheap_to_recompute(g.nodes[producer[v]])) continue;
+    bool inputs_held = true;
+    for (int u : g.nodes[producer[v]].inputs)
+      inputs_held = inputs_held && (u < 0 || g.values[u].is_input || saved[u]);
+    if (!inputs_held) continue;
+    RecomputedValue r;
+    r.value = v;
+    r.storage = live[k];
+    for (const Tensor* t : saved_on[live[k].get()]) r.handles.push_back(t->impl_ptr());
+    out.push_back(std::move(r));
+    drop[k] = true;
+  }
+  if (out.empty()) return out;
+  std::vector<int> outputs;
+  std::vector<std::shared_ptr<Storage>> kept;
+  for (size_t k = 0; k < g.outputs.size(); ++k) {
+    if (drop[k]) continue;
+    outputs.push_back(g.outputs[k]);
+    kept.push_back(std::move(live[k]));
+  }
+  g.outputs = std::move(outputs);
+  live = std::move(kept);
+  return out;
+}
+
+void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedValue>& values,
+                    const std::vector<std::shared_ptr<Storage>>& live) {
+  const Graph& g = seg->graph;
+  std::unordered_map<int, Tensor> held;  // value -> a tensor the recipes read it from
+  for (size_t k = 0; k < g.inputs.size(); ++k) held[g.inputs[k]] = seg->inputs[k];
+  for (size_t k = 0; k < g.outputs.size(); ++k) held[g.outputs[k]] = handle_on(live[k], g.values[g.outputs[k]]);
+  std::vector<int> producer(g.values.size(), -1);
+  for (size_t i = 0; i < g.nodes.size(); ++i)
+    if (!g.nodes[i].inplace)
+      for (int v : g.nodes[i].outputs) producer[v] = static_cast<int>(i);
+  // In node order, so that a recipe reading another recomputed value finds its handle.
+  std::sort(values.begin(), values.end(),
+            [&](const RecomputedValue& a, const RecomputedValue& b) { return producer[a.value] < producer[b.value]; });
+  for (RecomputedValue& rv : values) {
+    const Node& n = g.nodes[producer[rv.value]];
+    auto recipe = std::make_shared<Recipe>();
+    recipe->op = n.op;
+    recipe->attrs = n.attrs;  // this call's values, scalar slots included
+    recipe->info = g.values[rv.value];
+    for (int u : n.inputs) {
+      Tensor in = u < 0 ? Tensor() : held.at(u);
+      recipe->versions.push_back(in.defined() ? in.version() : 0);
+      recipe->inputs.push_back(std::move(in));
+    }
+    auto lazy = std::make_shared<LazyValue>();
+    lazy->segment = seg;
+    lazy->value = rv.value;
+    lazy->recipe = recipe;
+    for (const auto& h : rv.handles) h->lazy = lazy;
+    held[rv.value] = handle_on(rv.storage, recipe->info);
+    held[rv.value].impl().lazy = lazy;
+  }
+}
+
+void check_recipe_inputs(const Recipe& r) {
+  for (size_t i = 0; i < r.inputs.size(); ++i) {
+    const Tensor& t = r.inputs[i];
+    if (!t.defined() || t.version() == r.versions[i]) continue;
+    throw Error("[kiln::compile] a tensor that the compiled forward's '" + r.op->name +
+                "' read was modified by an in-place operation before the backward ran: [" +
+                std::string(dtype_name(t.dtype())) + " " + shape_str(t.sizes()) + "] is at version " +
+                std::to_string(t.version()) + "; expected version " + std::to_string(r.versions[i]) +
+                ". The backward needs the value it had in the forward. Clone it before modifying it, or "
+                "modify it after backward().");
+  }
+}
+
+void materialize_recipe(const TensorImpl& impl) {
+  std::shared_ptr<Recipe> r = impl.lazy->recipe;
+  std::lock_guard lock(r->mutex);
+  Storage& storage = *impl.storage;
+  if (storage.data) return;
+  check_recipe_inputs(*r);
+  std::vector<Tensor> result;
+  {
+    SuspendCapture eager;
+    NoGradGuard no_grad;
+    result = call_op(*r->op, r->inputs, r->attrs);  // recomputed inputs compute as they are read
+  }
+  bind(storage, r->info, result.at(0), 0);
+}
+
+}  // namespace kiln::compiler::detail

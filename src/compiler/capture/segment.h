@@ -1,0 +1,96 @@
+// A segment: the graph a capture is building, its inputs and the lazy values it will fill
+// (context.cpp), and the min-cut partition of what its autograd nodes save (recompute.cpp).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "compiler/capture/capture.h"
+#include "kiln/detail/tensor_impl.h"
+
+namespace kiln::autograd {
+struct Node;
+}
+
+namespace kiln::compiler::detail {
+
+constexpr uint64_t kSegmentHashSeed = 0xcbf29ce484222325ull;
+
+struct Segment {
+  enum class State { pending, done, failed };
+
+  Graph graph;
+  uint64_t hash = kSegmentHashSeed;
+  std::unordered_map<const kiln::detail::TensorImpl*, int> input_ids;
+  std::unordered_map<const kiln::detail::Storage*, int> input_groups;
+  std::vector<Tensor> inputs;  // strong references, one per graph input
+  struct Pending {
+    std::weak_ptr<kiln::detail::Storage> storage;
+    int value;
+  };
+  std::vector<Pending> pending;                 // one per buffer a node allocates
+  std::vector<std::weak_ptr<kiln::detail::TensorImpl>> lazy;  // every lazy handle created, to clear after a flush
+  State state = State::pending;
+  std::string failure;
+  int next_group = 0;
+  std::thread::id thread = std::this_thread::get_id();
+  // Autograd nodes recorded while capturing (the partition counts what they save), and the
+  // recomputed values already replayed into this segment (by recipe).
+  std::vector<std::weak_ptr<autograd::Node>> autograd_nodes;
+  std::unordered_map<const Recipe*, int> replayed;
+
+  void clear() {
+    graph = Graph();
+    hash = kSegmentHashSeed;
+    input_ids.clear();
+    input_groups.clear();
+    inputs.clear();
+    pending.clear();
+    lazy.clear();
+    autograd_nodes.clear();
+    replayed.clear();
+    state = State::pending;
+    next_group = 0;
+  }
+};
+
+// Moves (or copies) `result` into the pending storage of value `v`, graph output `k` (context.cpp).
+void bind(kiln::detail::Storage& pending, const ValueInfo& v, const Tensor& result, size_t k);
+
+// ---- the min-cut partition of saved values (recompute.cpp) ----
+//
+// A forward graph whose backward runs later (outside the compiled call, or after a graph break)
+// would save every value autograd holds. Values that only autograd's saved tensors hold and that
+// one pointwise op computes from tensors the backward has anyway (graph inputs, other saved
+// values) are not saved: their saved handles keep a Recipe, and the backward recomputes them
+// (fused into its kernels when it is captured). Convolutions, GEMMs, reductions and random ops
+// are always saved. Applies to the aot_eager and kiln backends (`eager` runs the graph as
+// captured).
+
+// A value the forward graph leaves to be recomputed, and the saved handles that will read it.
+struct RecomputedValue {
+  int value = -1;
+  std::shared_ptr<kiln::detail::Storage> storage;
+  std::vector<std::shared_ptr<kiln::detail::TensorImpl>> handles;
+};
+
+// Picks the values of graph.outputs (kept alive by `live`, index for index) to recompute and
+// removes them from both.
+std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<kiln::detail::Storage>>& live);
+
+// After the graph ran and the kept outputs were bound: gives each recomputed value's handles a
+// recipe (its op over graph inputs, kept outputs and other recipes).
+void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedValue>& values,
+                    const std::vector<std::shared_ptr<kiln::detail::Storage>>& live);
+
+// Throws when an input of the recipe changed in place since the forward (the recomputed value
+// would differ from the one autograd saved).
+void check_recipe_inputs(const Recipe& recipe);
+
+// data() on a recomputed handle: computes the value eagerly, once, into its storage.
+void materialize_recipe(const kiln::detail::TensorImpl& impl);
+
+}  // namespace kiln::compiler::detail
