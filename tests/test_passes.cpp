@@ -999,6 +999,7 @@ TEST(ChannelsLastConvolutions, DenseNetTrainingStepKeepsChannelsLastThroughTheBa
   for (const Node& n : h)
     if (n.target() == "convolution_backward") {
       EXPECT_TRUE(channels_last(h.values[n.inputs[0]])) << "grad_output of " << n.name;
+      EXPECT_TRUE(channels_last(h.values[n.inputs[1]])) << "input of " << n.name << " (the stem's too)";
     }
 }
 
@@ -1044,7 +1045,9 @@ TEST(CatIntoSlices, GrowingConcatenationsReadByConvolutionsShareOneBuffer) {
   EXPECT_EQ(inplace_copies(h), 5) << "x and four features, each copied once\n" << h;
   // The convolutions read views of the buffer: its channel stride spans all 11 channels.
   for (const Node& n : h)
-    if (n.target() == "conv2d") EXPECT_EQ(h.values[n.inputs[0]].strides[0], 11 * 6 * 6) << n.name << "\n" << h;
+    if (n.target() == "conv2d") {
+      EXPECT_EQ(h.values[n.inputs[0]].strides[0], 11 * 6 * 6) << n.name << "\n" << h;
+    }
 }
 
 TEST(CatIntoSlices, AChannelsLastBlockKeepsItsLayoutInTheBuffer) {
@@ -1060,7 +1063,9 @@ TEST(CatIntoSlices, AChannelsLastBlockKeepsItsLayoutInTheBuffer) {
     if (n.target() != "conv2d") continue;
     const ValueInfo& in = h.values[n.inputs[0]];
     EXPECT_TRUE(kiln::detail::strides_like_channels_last(in.sizes, in.strides)) << n.name << "\n" << h;
-    if (in.sizes[1] > 8) EXPECT_EQ(in.strides[3], 16) << "a channel slice of the 16-channel NHWC buffer\n" << h;
+    if (in.sizes[1] > 8) {
+      EXPECT_EQ(in.strides[3], 16) << "a channel slice of the 16-channel NHWC buffer\n" << h;
+    }
   }
 }
 
@@ -1115,7 +1120,9 @@ TEST(CatIntoSlices, AReturnedCatKeepsItsOwnMemory) {
   Graph h = check_captured(capture_graph(block, kiln::randn({2, 2, 4, 4})), 2);
   EXPECT_EQ(count_op(h, "cat"), 1) << h;
   for (const Node& n : h)
-    if (n.target() == "cat") EXPECT_EQ(h.values[n.outputs[0]].strides[0], 6 * 4 * 4) << "dense, as eager returns it\n" << h;
+    if (n.target() == "cat") {
+      EXPECT_EQ(h.values[n.outputs[0]].strides[0], 6 * 4 * 4) << "dense, as eager returns it\n" << h;
+    }
 }
 
 // A training step through a DenseNet: the backward of the views and the in-place copies keep the

@@ -22,6 +22,10 @@ bool is_convolution(const Node& n) {
   return name == "conv2d" || name == "conv2d_relu" || name == "conv2d_bn";
 }
 
+bool is_convolution_backward(const Node& n) {
+  return n.op && !n.inplace && n.op->name == "convolution_backward" && n.inputs.size() >= 2;
+}
+
 // A 4-D CPU activation in a dtype oneDNN runs, row-major-like, whose layout channels-last
 // would change (one channel or a 1x1 image lie the same in both).
 bool wants_channels_last(const ValueInfo& x) {
@@ -104,9 +108,14 @@ bool channels_last_convolutions(Graph& g) {
     Node to_nhwc = layout_copy(g, conv.inputs[0], /*channels_last=*/true, namer("to_channels_last"));
     const int converted = to_nhwc.outputs[0];
     const int original = g.nodes[i].inputs[0];
-    // Every convolution reading this activation takes the converted copy.
-    for (size_t j = i; j < g.nodes.size(); ++j)
-      if (is_convolution(g.nodes[j]) && g.nodes[j].inputs[0] == original) g.nodes[j].inputs[0] = converted;
+    // Every convolution reading this activation takes the converted copy, and so do their
+    // backward calls (the weight gradient would otherwise run on a row-major input beside a
+    // channels-last gradient: oneDNN's slow mixed-layout path).
+    for (size_t j = i; j < g.nodes.size(); ++j) {
+      Node& n = g.nodes[j];
+      if (is_convolution(n) && n.inputs[0] == original) n.inputs[0] = converted;
+      if (is_convolution_backward(n) && n.inputs[1] == original) n.inputs[1] = converted;
+    }
     insert_node(g, i, std::move(to_nhwc));
     ++i;
     refresh_layouts(g);
