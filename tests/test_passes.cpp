@@ -1149,3 +1149,26 @@ TEST(CatIntoSlices, DenseNetTrainingGraphHasNoCatLeft) {
 }
 
 }  // namespace cat_slices_tests
+
+// ---- internal::mutates_inputs / written_memory ----
+
+// Batch norm writes its running statistics only in training (OpDef::writes_mutated_inputs), so the
+// passes see an inference batch norm's statistics as read-only memory.
+TEST(WrittenMemory, BatchNormWritesItsRunningStatisticsOnlyInTraining) {
+  Tensor mean = kiln::zeros({3}), var = kiln::ones({3});
+  for (bool training : {false, true}) {
+    auto c = kiln::testing::capture_graph(
+        [&](const Tensor& x) { return kiln::batch_norm(x, mean, var, {}, {}, training, 0.1, 1e-5); },
+        kiln::randn({2, 3, 4, 4}));
+    const Graph& g = c.graph;
+    const Node* bn = nullptr;
+    for (const Node& n : g)
+      if (n.target() == "native_batch_norm") bn = &n;
+    ASSERT_NE(bn, nullptr) << g;
+    EXPECT_EQ(passes::internal::mutates_inputs(g, *bn), training) << g;
+    const std::vector<char> written = passes::internal::written_memory(g);
+    EXPECT_EQ(written[bn->inputs[3]] != 0, training) << "running_mean, training=" << training;
+    EXPECT_EQ(written[bn->inputs[4]] != 0, training) << "running_var, training=" << training;
+    EXPECT_EQ(written[bn->inputs[0]], 0) << "the input is only read";
+  }
+}

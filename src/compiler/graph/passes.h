@@ -160,6 +160,10 @@ Tensor meta_tensor(const ValueInfo& info, std::shared_ptr<kiln::detail::Storage>
 // them and constant folding never folds them (this and written_memory: passes/common.cpp).
 bool is_random(const OpDef& op);
 
+// Whether node `n` writes its OpDef::mutated_inputs (OpDef::mutates on the node's attrs and its
+// inputs' metadata): batch norm writes its running statistics only in training.
+bool mutates_inputs(const Graph& graph, const Node& n);
+
 // Per value: 1 when some node writes its memory (an in-place output, or an input the op mutates,
 // OpDef::mutated_inputs), directly or through an alias (a shared storage group, or a view).
 std::vector<char> written_memory(const Graph& graph);

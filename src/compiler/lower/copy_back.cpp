@@ -10,6 +10,7 @@
 //   - v and p have the same sizes, strides and dtype, and p shares its memory with no other input;
 //   - v is not a graph output (the caller would get its input back) and nothing else writes v.
 #include <algorithm>
+#include <unordered_map>
 
 #include "compiler/lower/loop_ir.h"
 
@@ -86,12 +87,17 @@ int elide_copy_backs(Program& p) {
       for (int v : p.steps[s].allocate) storer[v] = static_cast<int>(s);
   std::vector<bool> is_output(g.values.size(), false);
   for (int v : g.outputs) is_output[v] = true;
-  // Another placeholder over the same memory would see the early write.
+  // Values per alias group, and placeholders per group: another placeholder over the same memory
+  // would see the early write.
+  std::unordered_map<int, std::vector<int>> members;
+  for (size_t a = 0; a < g.values.size(); ++a)
+    if (g.values[a].storage >= 0) members[g.values[a].storage].push_back(static_cast<int>(a));
+  std::unordered_map<int, int> placeholders;
+  for (int in : g.inputs)
+    if (g.values[in].storage >= 0) ++placeholders[g.values[in].storage];
   auto shares_storage = [&](int input) {
-    for (int other : g.inputs)
-      if (other != input && g.values[other].storage >= 0 && g.values[other].storage == g.values[input].storage)
-        return true;
-    return false;
+    const int group = g.values[input].storage;
+    return group >= 0 && placeholders[group] > 1;
   };
 
   std::vector<bool> drop(p.steps.size(), false);
@@ -110,12 +116,10 @@ int elide_copy_backs(Program& p) {
     auto after_kernel = [&](const std::vector<int>& steps) {
       return std::any_of(steps.begin(), steps.end(), [&](int t) { return t > k && t != static_cast<int>(s); });
     };
-    bool touched_later = false;
-    for (size_t a = 0; a < g.values.size() && !touched_later; ++a) {
-      const bool alias = static_cast<int>(a) == input ||
-                         (g.values[input].storage >= 0 && g.values[a].storage == g.values[input].storage);
-      if (alias) touched_later = after_kernel(uses.reads[a]) || after_kernel(uses.writes[a]);
-    }
+    bool touched_later = after_kernel(uses.reads[input]) || after_kernel(uses.writes[input]);
+    if (const int group = g.values[input].storage; group >= 0)
+      for (int a : members[group])
+        touched_later = touched_later || after_kernel(uses.reads[a]) || after_kernel(uses.writes[a]);
     if (touched_later || uses.writes[v].size() != 1) continue;
     Step& ks = p.steps[k];
     const Kernel& kernel = p.kernels[ks.kernel];

@@ -46,6 +46,15 @@ bool is_random(const OpDef& op) {
   return false;
 }
 
+bool mutates_inputs(const Graph& g, const Node& n) {
+  if (!n.op || n.op->mutated_inputs.empty()) return false;
+  if (!n.op->writes_mutated_inputs) return true;
+  std::vector<Tensor> inputs;
+  inputs.reserve(n.inputs.size());
+  for (int v : n.inputs) inputs.push_back(valid(g, v) ? meta_tensor(g.values[v]) : Tensor());
+  return n.op->mutates(OpCall(n.op, inputs, n.attrs));
+}
+
 std::vector<char> written_memory(const Graph& g) {
   AliasGroups groups(g);
   std::vector<char> written(g.values.size(), 0);  // by group root
@@ -53,7 +62,7 @@ std::vector<char> written_memory(const Graph& g) {
     if (n.inplace)
       for (int v : n.outputs)
         if (valid(g, v)) written[groups.find(v)] = 1;
-    if (n.op)
+    if (mutates_inputs(g, n))
       for (int i : n.op->mutated_inputs)
         if (static_cast<size_t>(i) < n.inputs.size() && valid(g, n.inputs[i]))
           written[groups.find(n.inputs[i])] = 1;

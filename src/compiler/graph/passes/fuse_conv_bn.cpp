@@ -24,9 +24,7 @@ void fuse_conv_bn(Graph& g) {
   for (const Node& n : g.nodes) {
     if (n.inplace)
       for (int v : n.outputs) written[v] = true;
-    // A batch norm in inference mode reads its running statistics and writes nothing.
-    if (n.op->name == "native_batch_norm" && std::holds_alternative<bool>(n.attrs.at(0)) && !std::get<bool>(n.attrs[0]))
-      continue;
+    if (!internal::mutates_inputs(g, n)) continue;  // e.g. an inference batch norm
     for (int i : n.op->mutated_inputs)
       if (i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0) written[n.inputs[i]] = true;
   }
