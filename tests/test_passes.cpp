@@ -882,6 +882,27 @@ TEST_F(PassPipeline, DenseNetInferenceMatchesEager) {
 
 // ---- channels_last_convolutions ----
 
+namespace {
+
+// A training step of a small DenseNet, captured (forward, backward and the loss in one graph).
+kiln::testing::CapturedGraph capture_dense_net_training_step(std::vector<int64_t> blocks, uint64_t seed) {
+  kiln::models::DenseNetConfig config{.growth_rate = 4, .block_config = std::move(blocks), .num_init_features = 8,
+                                      .bn_size = 2, .num_classes = 5};
+  kiln::manual_seed(seed);
+  auto net = std::make_shared<kiln::models::DenseNet>(config);
+  Tensor x = kiln::randn({2, 3, 32, 32});
+  Tensor target = kiln::randint(0, 5, {2});
+  return kiln::testing::capture_graph(
+      [&](const Tensor& in) {
+        Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
+        loss.backward();
+        return loss;
+      },
+      x);
+}
+
+}  // namespace
+
 namespace channels_last_tests {
 
 using Captured = kiln::testing::CapturedGraph;
@@ -977,19 +998,7 @@ TEST(ChannelsLastConvolutions, LeavesGraphsWithoutAnythingToConvert) {
 }
 
 TEST(ChannelsLastConvolutions, DenseNetTrainingStepKeepsChannelsLastThroughTheBackward) {
-  kiln::models::DenseNetConfig config{.growth_rate = 4, .block_config = {2, 2}, .num_init_features = 8,
-                                      .bn_size = 2, .num_classes = 5};
-  kiln::manual_seed(3);
-  auto net = std::make_shared<kiln::models::DenseNet>(config);
-  Tensor x = kiln::randn({2, 3, 32, 32});
-  Tensor target = kiln::randint(0, 5, {2});
-  Captured c = capture_graph(
-      [&](const Tensor& in) {
-        Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
-        loss.backward();
-        return loss;
-      },
-      x);
+  Captured c = capture_dense_net_training_step({2, 2}, 3);
   ASSERT_GT(count_op(c.graph, "convolution_backward"), 0) << "the backward is part of the graph";
   // Loose: in a tiny net a few activations sit at the relu threshold, where float rounding of
   // either layout decides which side they fall on.
@@ -1128,19 +1137,7 @@ TEST(CatIntoSlices, AReturnedCatKeepsItsOwnMemory) {
 // A training step through a DenseNet: the backward of the views and the in-place copies keep the
 // gradients exact, and the whole kiln pipeline (which runs this pass last) matches eager.
 TEST(CatIntoSlices, DenseNetTrainingGraphHasNoCatLeft) {
-  kiln::models::DenseNetConfig config{.growth_rate = 4, .block_config = {3, 2}, .num_init_features = 8,
-                                      .bn_size = 2, .num_classes = 5};
-  kiln::manual_seed(4);
-  auto net = std::make_shared<kiln::models::DenseNet>(config);
-  Tensor x = kiln::randn({2, 3, 32, 32});
-  Tensor target = kiln::randint(0, 5, {2});
-  Captured c = capture_graph(
-      [&](const Tensor& in) {
-        Tensor loss = kiln::nn::functional::cross_entropy(net->forward(in), target);
-        loss.backward();
-        return loss;
-      },
-      x);
+  Captured c = capture_dense_net_training_step({3, 2}, 4);
   const int cats = count_op(c.graph, "cat");
   ASSERT_GE(cats, 5);
   Graph h = check_captured(c, cats, Tol{1e-4, 1e-5});

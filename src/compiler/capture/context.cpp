@@ -365,6 +365,18 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
 
 // ---- flush ----
 
+Tensor tensor_on(std::shared_ptr<Storage> storage, const ValueInfo& v) {
+  auto impl = std::make_shared<TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->sizes = v.sizes;
+  impl->strides = v.strides;
+  impl->storage_offset = v.storage_offset;
+  impl->dtype = v.dtype;
+  impl->device = v.device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
 // Moves `result`'s buffer into the pending storage of a lazy value (or copies it there when the
 // backend returned memory it does not own exclusively, or in another layout).
 void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) {
@@ -392,17 +404,10 @@ void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) 
   pending.free_fn = fresh->free_fn;
   pending.free_context = fresh->free_context;
   fresh->free_fn = nullptr;
-  auto view = std::make_shared<TensorImpl>();
-  view->storage = std::shared_ptr<Storage>(std::shared_ptr<Storage>(), &pending);  // non-owning alias
-  view->sizes = v.sizes;
-  view->strides = v.strides;
-  view->storage_offset = v.storage_offset;
-  view->dtype = v.dtype;
-  view->device = v.device;
-  view->refresh_metadata();
   SuspendCapture suspend;
   NoGradGuard no_grad;
-  Tensor(std::move(view)).copy_(result);
+  // A non-owning alias of the pending storage, laid out as recorded.
+  tensor_on(std::shared_ptr<Storage>(std::shared_ptr<Storage>(), &pending), v).copy_(result);
 }
 
 void CaptureContext::flush(bool end_of_call, std::string_view reason, const CallSite* site) {

@@ -41,19 +41,6 @@ bool same_layout(const TensorImpl& impl, const ValueInfo& v) {
          impl.dtype == v.dtype && impl.device == v.device;
 }
 
-// A handle on the memory of a kept output (bound by now) with its recorded metadata.
-Tensor handle_on(const std::shared_ptr<Storage>& storage, const ValueInfo& v) {
-  auto impl = std::make_shared<TensorImpl>();
-  impl->storage = storage;
-  impl->sizes = v.sizes;
-  impl->strides = v.strides;
-  impl->storage_offset = v.storage_offset;
-  impl->dtype = v.dtype;
-  impl->device = v.device;
-  impl->refresh_metadata();
-  return Tensor(std::move(impl));
-}
-
 }  // namespace
 
 std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<Storage>>& live) {
@@ -130,7 +117,7 @@ void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedV
   const Graph& g = seg->graph;
   std::unordered_map<int, Tensor> held;  // value -> a tensor the recipes read it from
   for (size_t k = 0; k < g.inputs.size(); ++k) held[g.inputs[k]] = seg->inputs[k];
-  for (size_t k = 0; k < g.outputs.size(); ++k) held[g.outputs[k]] = handle_on(live[k], g.values[g.outputs[k]]);
+  for (size_t k = 0; k < g.outputs.size(); ++k) held[g.outputs[k]] = tensor_on(live[k], g.values[g.outputs[k]]);
   std::vector<int> producer(g.values.size(), -1);
   for (size_t i = 0; i < g.nodes.size(); ++i)
     if (!g.nodes[i].inplace)
@@ -154,7 +141,7 @@ void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedV
     lazy->value = rv.value;
     lazy->recipe = recipe;
     for (const auto& h : rv.handles) h->lazy = lazy;
-    held[rv.value] = handle_on(rv.storage, recipe->info);
+    held[rv.value] = tensor_on(rv.storage, recipe->info);
     held[rv.value].impl().lazy = lazy;
   }
 }

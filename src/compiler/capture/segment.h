@@ -57,6 +57,9 @@ struct Segment {
   }
 };
 
+// A tensor over `storage` with value `v`'s recorded sizes, strides, offset, dtype and device.
+Tensor tensor_on(std::shared_ptr<kiln::detail::Storage> storage, const ValueInfo& v);
+
 // Moves (or copies) `result` into the pending storage of value `v`, graph output `k` (context.cpp).
 void bind(kiln::detail::Storage& pending, const ValueInfo& v, const Tensor& result, size_t k);
 
