@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "compile_helpers.h"
@@ -280,6 +281,52 @@ TEST_F(CompileAutograd, PartitionedValuesSurviveRetainGraphAndDoubleBackward) {
   EXPECT_TRUE(close(gc, ge));
   Tensor hc = autograd::grad({gc.sum()}, {x})[0], he = autograd::grad({ge.sum()}, {xe})[0];
   EXPECT_TRUE(close(hc, he)) << "second derivatives through recomputed values";
+}
+
+// Two forwards before one backward, a graph break inside the forward, and a backward on another
+// thread: each forward's recipes read that forward's values.
+TEST_F(CompileAutograd, PartitionedValuesBelongToTheirOwnForward) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor w = leaf_copy(randn({4})), we = leaf_copy(w);
+  Tensor x1 = randn({3, 4}), x2 = randn({3, 4});
+  auto f = kiln::compile(fn);
+  Delta d;
+  Tensor l1 = f(x1, w), l2 = f(x2, w);
+  EXPECT_EQ(d.now().recomputed_values, 4);
+  (l1 + l2).backward();
+  (fn(x1, we) + fn(x2, we)).backward();
+  EXPECT_TRUE(close(w.grad(), we.grad()));
+}
+
+TEST_F(CompileAutograd, PartitionAcrossAGraphBreakInTheForward) {
+  auto fn = [](const Tensor& x, const Tensor& w) {
+    Tensor s = (x * w).sin();
+    compiler::graph_break();  // the first graph ends here: only sin's saved m = x * w is left unsaved
+    return s.cos().sum();
+  };
+  Tensor x = leaf_copy(randn({3, 4})), w = leaf_copy(randn({4}));
+  Tensor xe = leaf_copy(x), we = leaf_copy(w);
+  auto f = kiln::compile(fn);
+  Delta d;
+  Tensor lc = f(x, w);
+  EXPECT_EQ(d.now().graph_breaks, 1);
+  EXPECT_EQ(d.now().recomputed_values, 1) << "m in the first graph; s is held at the break, so it is saved";
+  lc.backward();
+  fn(xe, we).backward();
+  EXPECT_TRUE(close(x.grad(), xe.grad()));
+  EXPECT_TRUE(close(w.grad(), we.grad()));
+}
+
+TEST_F(CompileAutograd, PartitionedBackwardOnAnotherThread) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  Tensor x = randn({3, 4}), w = leaf_copy(randn({4})), we = leaf_copy(w);
+  auto f = kiln::compile(fn);
+  Delta d;
+  Tensor lc = f(x, w);
+  EXPECT_EQ(d.now().recomputed_values, 2);
+  std::thread([&] { lc.backward(); }).join();
+  fn(x, we).backward();
+  EXPECT_TRUE(close(w.grad(), we.grad()));
 }
 
 // A recomputed value's inputs must be what the forward read: an in-place change before the
