@@ -210,6 +210,16 @@ TEST_F(CompileAutograd, PartitionRecomputesAPointwiseChainFromTheInputs) {
   EXPECT_EQ(check_backward_outside(fn, randn({4, 5}), randn({5})), 2);
 }
 
+TEST_F(CompileAutograd, PartitionRecomputesAChainThroughValuesNothingHolds) {
+  // relu saves its result r = relu(x * w + 1); nothing holds x * w or the sum, so r is recomputed
+  // from x and w by the chain mul → add → relu.
+  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w + 1).relu().pow(2).sum(); };
+  EXPECT_EQ(check_backward_outside(fn, randn({4, 5}), randn({5})), 1) << "r, saved by relu and by pow";
+  // A chain that reaches a GEMM's result stays saved.
+  auto gemm = [](const Tensor& x, const Tensor& w) { return (x.matmul(w.unsqueeze(1)) + 1).relu().sum(); };
+  EXPECT_EQ(check_backward_outside(gemm, randn({4, 5}), randn({5})), 0);
+}
+
 TEST_F(CompileAutograd, PartitionKeepsWhatTheCallerHolds) {
   // The caller holds m, so m is saved as computed; s = sin(m) is still recomputed from it.
   auto fn = [](const Tensor& x, const Tensor& w) {

@@ -483,7 +483,9 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     for (size_t k = 0; k < results.size(); ++k) bind(*live[k], graph.values[graph.outputs[k]], results[k], k);
     if (!recomputed.empty()) {
       attach_recipes(seg, recomputed, live);
-      counter_set().recomputed_values.fetch_add(static_cast<int64_t>(recomputed.size()), std::memory_order_relaxed);
+      const auto saved_values = std::count_if(recomputed.begin(), recomputed.end(),
+                                              [](const RecomputedValue& r) { return !r.handles.empty(); });
+      counter_set().recomputed_values.fetch_add(saved_values, std::memory_order_relaxed);
     }
     last_graph = std::move(compiled);
   } catch (const std::exception& e) {

@@ -10,10 +10,13 @@
 //     view, no other node): counted by references, so anything uncounted keeps it saved;
 //   - the op that produced it is pointwise (OpDef::lowering), deterministic, writes nothing else;
 //   - each of that op's inputs is a graph input or a value autograd saved (kept or recomputed
-//     itself), so the recipe keeps alive nothing the backward would not hold anyway.
+//     itself), or a value nothing holds that a short chain of such ops computes from those (up to
+//     kMaxChain ops: relu(x * w + b) saves only x, w and b), so the recipes keep alive nothing the
+//     backward would not hold anyway.
 // Its saved handles then hold a Recipe. GEMMs, convolutions, reductions, random ops and
 // everything else stay saved, as the partitioner never recomputes them.
 #include <algorithm>
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -34,6 +37,22 @@ bool cheap_to_recompute(const Node& n) {
   const OpDef& op = *n.op;
   return !n.inplace && n.outputs.size() == 1 && op.kind == OpKind::compute && op.lowering == "pointwise" &&
          op.mutated_inputs.empty() && op.runtime_attrs.empty();
+}
+
+// Ops on the longest chain one recomputed value may replay.
+constexpr int kMaxChain = 4;
+
+// An empty storage (no data yet) big enough for value v.
+std::shared_ptr<Storage> pending_storage(const ValueInfo& v) {
+  int64_t numel = 1, span = 1;
+  for (size_t d = 0; d < v.sizes.size(); ++d) {
+    numel *= v.sizes[d];
+    span += (v.sizes[d] - 1) * v.strides[d];
+  }
+  auto storage = std::make_shared<Storage>();
+  storage->nbytes = numel == 0 ? 0 : (span + v.storage_offset) * static_cast<int64_t>(itemsize(v.dtype));
+  storage->device = v.device;
+  return storage;
 }
 
 bool same_layout(const TensorImpl& impl, const ValueInfo& v) {
@@ -83,15 +102,33 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
     saved_only[v] = only;
   }
 
+  std::vector<bool> alive(g.values.size(), false);
+  for (int v : g.outputs) alive[v] = true;
+  // Whether the backward can compute value u from what it holds anyway: u is a graph input or a
+  // saved value, or nothing holds it and a short chain of cheap ops computes it from such values
+  // (relu(x * w + b) saves only x, w and b). The dead values on those chains go to `through`.
+  std::vector<int> through;
+  std::function<bool(int, int)> computable = [&](int u, int depth) {
+    if (u < 0 || g.values[u].is_input || saved[u]) return true;
+    if (alive[u] || depth == 0 || producer[u] < 0 || !cheap_to_recompute(g.nodes[producer[u]])) return false;
+    for (int i : g.nodes[producer[u]].inputs)
+      if (!computable(i, depth - 1)) return false;
+    through.push_back(u);
+    return true;
+  };
+
   std::vector<RecomputedValue> out;
   std::vector<bool> drop(g.outputs.size(), false);
   for (size_t k = 0; k < g.outputs.size(); ++k) {
     const int v = g.outputs[k];
     if (!saved_only[v] || producer[v] < 0 || !cheap_to_recompute(g.nodes[producer[v]])) continue;
+    const size_t mark = through.size();
     bool inputs_held = true;
-    for (int u : g.nodes[producer[v]].inputs)
-      inputs_held = inputs_held && (u < 0 || g.values[u].is_input || saved[u]);
-    if (!inputs_held) continue;
+    for (int u : g.nodes[producer[v]].inputs) inputs_held = inputs_held && computable(u, kMaxChain - 1);
+    if (!inputs_held) {
+      through.resize(mark);
+      continue;
+    }
     RecomputedValue r;
     r.value = v;
     r.storage = live[k];
@@ -100,6 +137,15 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
     drop[k] = true;
   }
   if (out.empty()) return out;
+  // The dead values the recipes read, each once, with a storage of their own to fill.
+  std::sort(through.begin(), through.end());
+  through.erase(std::unique(through.begin(), through.end()), through.end());
+  for (int u : through) {
+    RecomputedValue r;
+    r.value = u;
+    r.storage = pending_storage(g.values[u]);
+    out.push_back(std::move(r));
+  }
   std::vector<int> outputs;
   std::vector<std::shared_ptr<Storage>> kept;
   for (size_t k = 0; k < g.outputs.size(); ++k) {

@@ -67,13 +67,14 @@ void bind(kiln::detail::Storage& pending, const ValueInfo& v, const Tensor& resu
 //
 // A forward graph whose backward runs later (outside the compiled call, or after a graph break)
 // would save every value autograd holds. Values that only autograd's saved tensors hold and that
-// one pointwise op computes from tensors the backward has anyway (graph inputs, other saved
-// values) are not saved: their saved handles keep a Recipe, and the backward recomputes them
+// a short chain of pointwise ops computes from tensors the backward has anyway (graph inputs,
+// other saved values) are not saved: their saved handles keep a Recipe, and the backward recomputes them
 // (fused into its kernels when it is captured). Convolutions, GEMMs, reductions and random ops
 // are always saved. Applies to the aot_eager and kiln backends (`eager` runs the graph as
 // captured).
 
-// A value the forward graph leaves to be recomputed, and the saved handles that will read it.
+// A value the forward graph leaves to be recomputed, and the saved handles that will read it (none
+// for a dead value on a recomputed chain).
 struct RecomputedValue {
   int value = -1;
   std::shared_ptr<kiln::detail::Storage> storage;
