@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <limits>
 #include <memory>
@@ -800,6 +801,55 @@ TEST_F(KilnBackend, FusedCatAlongEveryDimMatchesEager) {
   EXPECT_TRUE(all_match(got, cats(d0, d1, last, a, b, ia, ib),
                         {"relu(cat dim 0) * 2", "relu(cat dim 1) * 2", "relu(cat dim -1) * 2", "cat 2 + 1",
                          "int64 cat * 3"}));
+}
+
+// Reduction epilogues: pointwise work on a reduction's result runs in the reduction's kernel,
+// once per result element after the reduced loops.
+struct EpilogueCase {
+  const char* what;
+  std::function<std::vector<Tensor>(const Tensor&, const Tensor&)> fn;
+  Tensor x, b;
+  int64_t kernels;  // kernel runs per call
+};
+
+TEST_F(KilnBackend, ReductionEpiloguesFuseAndMatchEager) {
+  std::vector<EpilogueCase> cases = {
+      {"(sum(1) * 2 + 1).sqrt()", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{(x.sum({1}) * 2 + 1).sqrt()}; },
+       rand({64, 48}), Tensor(), 1},
+      {"the sum is returned too (stored) beside its epilogue",
+       [](const Tensor& x, const Tensor&) {
+         Tensor s = x.sum({1});
+         return std::vector<Tensor>{s, s.exp() - 1};
+       },
+       randn({16, 33}), Tensor(), 1},
+      {"mean(keepdim) + eps, rsqrt", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{(x.mean({1}, true) + 1e-5).rsqrt()}; },
+       rand({8, 100}), Tensor(), 1},
+      {"full sum * 3 + 1", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{x.sum() * 3 + 1}; }, randn({1000}), Tensor(), 1},
+      {"amax(1) - b, b read in the epilogue", [](const Tensor& x, const Tensor& b) { return std::vector<Tensor>{x.amax({1}) - b}; },
+       randn({32, 17}), randn({32}), 1},
+      {"sum over dim 0 (kept dim innermost) * b", [](const Tensor& x, const Tensor& b) { return std::vector<Tensor>{x.sum({0}) * b}; },
+       randn({40, 24}), randn({24}), 1},
+      {"channels-last sum over H, W, then relu", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{(x.sum({2, 3}) - 1).relu()}; },
+       randn({2, 8, 5, 6}).contiguous(channels_last), Tensor(), 1},
+      {"int64 sum * 2", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{x.sum({1}) * 2}; },
+       randint(-50, 50, {6, 7}), Tensor(), 1},
+      {"an empty reduced dim keeps the unfused path", [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{x.sum({1}) * 2 + 1}; },
+       randn({4, 0}), Tensor(), 2},
+      {"x - mean(keepdim) is not an epilogue (the input's shape)",
+       [](const Tensor& x, const Tensor&) { return std::vector<Tensor>{x - x.mean({1}, true)}; }, randn({8, 9}), Tensor(), 2},
+  };
+  for (EpilogueCase& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto compiled = compile_kiln(c.fn);
+    compiled(c.x, c.b);
+    Delta d;
+    std::vector<Tensor> got = compiled(c.x, c.b);
+    EXPECT_EQ(d.now().kernel_runs, c.kernels);
+    EXPECT_EQ(d.now().dispatched_nodes, 0);
+    std::vector<Tensor> want = c.fn(c.x, c.b);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t k = 0; k < got.size(); ++k) EXPECT_TRUE(matches(got[k], want[k], reduction_tol(c.x.dtype()))) << k;
+  }
 }
 
 // Cat sharing a kernel with pointwise work before it, an operand broadcast along the cat dim,

@@ -35,7 +35,8 @@ Uses collect_uses(const Program& p) {
       const Kernel& k = p.kernels[st.kernel];
       std::vector<bool> stored(k.buffers.size(), false);
       for (const Store& store : k.stores) stored[store.buffer] = true;
-      if (k.kind == Kernel::reduction) stored[k.result.buffer] = true;
+      for (const Store& store : k.epilogue_stores) stored[store.buffer] = true;
+      if (k.kind == Kernel::reduction && k.result.buffer >= 0) stored[k.result.buffer] = true;
       for (const Expr& e : k.exprs) {
         if (e.kind == Expr::load) u.reads[st.bindings[e.buffer]].push_back(si);
         for (const Expr::Segment& seg : e.segments) u.reads[st.bindings[seg.buffer]].push_back(si);

@@ -26,6 +26,7 @@ struct Expr {
     call,      // `code` with $0, $1, ... replaced by the operands
     cat,       // a load from one of several buffers, chosen by the index along `cat_dim` (a fused
                // cat: the code generator splits the loop nest at the segment boundaries)
+    reduced,   // a reduction's result at the current kept position (epilogue expressions only)
   };
   struct Segment {
     int buffer = -1;
@@ -67,7 +68,13 @@ struct Kernel {
   int reduce_expr = -1;
   DType acc_dtype = DType::float32;
   double scale = 1;              // mean: 1 / count
-  Store result;                  // strides over the iteration dims (0 on reduced dims)
+  Store result;                  // strides over the iteration dims (0 on reduced dims); buffer -1:
+                                 // only the epilogue reads it, nothing is stored
+  // Reductions: pointwise work on the result (x.sum(1) * 2 + 1), evaluated once per kept position
+  // after its reduced loops. Expressions from epilogue_begin on belong to it (-1: none); its
+  // stores have stride 0 on the reduced dims.
+  int epilogue_begin = -1;
+  std::vector<Store> epilogue_stores;
   std::vector<std::string> ops;  // graph nodes fused in (for the debug dump and logs)
   std::string profile_name;      // KILN_PROFILE's row for this kernel
 };

@@ -4,7 +4,9 @@
 // one kernel; their inputs from outside the group are loads (broadcast by stride 0), values used
 // only inside the group stay in registers, and values used later (or returned) are stored. A
 // reduction whose input is produced by the open group takes the group as its prologue: one loop
-// nest computes the group's values, stores those needed later, and accumulates. Everything else
+// nest computes the group's values, stores those needed later, and accumulates. Pointwise nodes
+// over the reduction's result shape that read it (x.sum(1) * 2 + 1, a norm's rsqrt(var + eps))
+// join as its epilogue, computed once per result element after the reduced loops. Everything else
 // (GEMM, convolution, pooling, views, random ops, in-place nodes left by functionalization) runs
 // through the dispatcher as a node step.
 #include <algorithm>
@@ -59,6 +61,18 @@ struct Builder {
     std::vector<int> produced;     // values produced in the group, in order
     std::vector<int64_t> cat_bounds;  // segment starts of the group's fused cat (at most one layout)
     int cat_dim = -1;
+    // A reduction kept open for its epilogue: its result value, the result's sizes (the
+    // epilogue's shape), its keepdim, and the epilogue's values and expressions.
+    int reduction_out = -1;
+    std::vector<int64_t> epilogue_sizes;
+    bool keepdim = false;
+    std::map<int, int> epi_expr_of;
+    std::vector<int> epi_produced;
+    bool is_reduction() const { return kernel.kind == Kernel::reduction; }
+    bool produces(int v) const {
+      return v == reduction_out || epi_expr_of.count(v) ||
+             std::find(produced.begin(), produced.end(), v) != produced.end();
+    }
   };
   std::vector<Group> open;  // open groups, oldest first
 
@@ -173,9 +187,25 @@ struct Builder {
     Step step;
     step.kind = Step::Kind::kernel;
     add_stores(grp, -1, step);
+    if (grp.is_reduction()) {
+      // The result is stored when someone outside the kernel reads it; so are epilogue values.
+      if (needed_outside(grp, grp.reduction_out)) {
+        grp.kernel.result.buffer = buffer(grp, grp.reduction_out);
+        step.allocate.push_back(grp.reduction_out);
+      }
+      for (int v : grp.epi_produced) {
+        if (!needed_outside(grp, v)) continue;
+        Store st;
+        st.buffer = buffer(grp, v);
+        st.strides = epilogue_strides(grp, v);
+        st.expr = grp.epi_expr_of.at(v);
+        grp.kernel.epilogue_stores.push_back(st);
+        step.allocate.push_back(v);
+      }
+    }
     step.kernel = static_cast<int>(p.kernels.size());
     step.bindings = grp.bindings;
-    if (!grp.kernel.stores.empty()) {
+    if (!grp.kernel.stores.empty() || grp.is_reduction()) {
       grp.kernel.name = "kiln_kernel_" + std::to_string(p.kernels.size());
       p.kernels.push_back(std::move(grp.kernel));
       p.steps.push_back(std::move(step));
@@ -187,9 +217,76 @@ struct Builder {
   // The open group producing value v, or -1.
   int producer_group(int v) const {
     for (size_t i = 0; i < open.size(); ++i)
-      if (std::find(open[i].produced.begin(), open[i].produced.end(), v) != open[i].produced.end())
-        return static_cast<int>(i);
+      if (open[i].produces(v)) return static_cast<int>(i);
     return -1;
+  }
+
+  // Strides of value v (of the epilogue's shape, or broadcast to it) over the reduction kernel's
+  // iteration dims: the result's dims map to the kept dims, reduced dims get stride 0.
+  std::vector<int64_t> epilogue_strides(const Group& grp, int v) const {
+    const std::vector<int64_t> over_result = broadcast_strides(g.values[v], grp.epilogue_sizes);
+    std::vector<int64_t> out(grp.kernel.sizes.size(), 0);
+    for (size_t d = 0, j = 0; d < out.size(); ++d) {
+      if (grp.kernel.reduced[d]) {
+        if (grp.keepdim) ++j;
+        continue;
+      }
+      out[d] = over_result[j++];
+    }
+    return out;
+  }
+
+  // The open reduction a pointwise node joins as epilogue: same shape as the result, reading the
+  // result or an earlier epilogue value, every other input already in memory. -1 when none.
+  int epilogue_group_for(int node) const {
+    const Node& n = g.nodes[node];
+    const auto& sizes = g.values[n.outputs[0]].sizes;
+    for (size_t i = 0; i < open.size(); ++i) {
+      const Group& r = open[i];
+      if (!r.is_reduction() || full(r) || r.epilogue_sizes != sizes) continue;
+      if (std::find(r.kernel.sizes.begin(), r.kernel.sizes.end(), 0) != r.kernel.sizes.end()) continue;
+      bool related = false, loadable = true;
+      for (int v : n.inputs) {
+        if (v < 0) continue;
+        if (v == r.reduction_out || r.epi_expr_of.count(v)) related = true;
+        else if (producer_group(v) >= 0) loadable = false;  // not in memory before this kernel ends
+      }
+      if (related && loadable) return static_cast<int>(i);
+    }
+    return -1;
+  }
+
+  void add_epilogue(Group& grp, int node) {
+    const Node& n = g.nodes[node];
+    Kernel& k = grp.kernel;
+    if (k.epilogue_begin < 0) k.epilogue_begin = static_cast<int>(k.exprs.size());
+    ExprBuilder b(k, g);
+    std::vector<int> in;
+    for (int v : n.inputs) {
+      if (v < 0) {
+        in.push_back(-1);
+        continue;
+      }
+      auto it = grp.epi_expr_of.find(v);
+      if (it == grp.epi_expr_of.end()) {
+        Expr e;
+        e.dtype = g.values[v].dtype;
+        if (v == grp.reduction_out) {
+          e.kind = Expr::reduced;
+        } else {
+          e.kind = Expr::load;
+          e.buffer = buffer(grp, v);
+          e.strides = epilogue_strides(grp, v);
+        }
+        it = grp.epi_expr_of.emplace(v, b.add(std::move(e))).first;
+      }
+      in.push_back(it->second);
+    }
+    grp.epi_expr_of[n.outputs[0]] = lower_pointwise(b, g, node, in);
+    grp.epi_produced.push_back(n.outputs[0]);
+    grp.nodes.insert(node);
+    k.ops.push_back(n.name.empty() ? n.op->name : n.name);
+    ++p.fused_nodes;
   }
   // Materializes the inputs of `node` that open groups other than `keep` produce.
   void close_producers_of(const Node& n, int keep = -1) {
@@ -209,7 +306,7 @@ struct Builder {
     const ValueInfo& xi = g.values[x];
     Group grp;
     int i = producer_group(x);
-    if (i >= 0 && open[i].kernel.sizes == xi.sizes && open[i].cat_dim < 0) {
+    if (i >= 0 && !open[i].is_reduction() && open[i].kernel.sizes == xi.sizes && open[i].cat_dim < 0) {
       grp = std::move(open[i]);  // prologue fusion: the group's loop nest also reduces
       open.erase(open.begin() + i);
     } else {
@@ -230,7 +327,6 @@ struct Builder {
     if (r.mean) k.scale = count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count);
     const int y = n.outputs[0];
     const ValueInfo& yi = g.values[y];
-    k.result.buffer = buffer(grp, y);
     k.result.strides.assign(xi.sizes.size(), 0);
     for (size_t d = 0, od = 0; d < xi.sizes.size(); ++d) {
       if (r.reduced[d]) {
@@ -243,15 +339,11 @@ struct Builder {
     grp.nodes.insert(node);
     k.ops.push_back(n.name.empty() ? n.op->name : n.name);
     ++p.fused_nodes;
-    Step step;
-    step.kind = Step::Kind::kernel;
-    add_stores(grp, node, step);
-    step.allocate.push_back(y);
-    step.kernel = static_cast<int>(p.kernels.size());
-    step.bindings = grp.bindings;
-    k.name = "kiln_kernel_" + std::to_string(p.kernels.size());
-    p.kernels.push_back(std::move(k));
-    p.steps.push_back(std::move(step));
+    // Open until a node needs its values: pointwise work on the result may still join.
+    grp.reduction_out = y;
+    grp.epilogue_sizes = yi.sizes;
+    grp.keepdim = r.keepdim;
+    open.push_back(std::move(grp));
   }
 
   // A group this big stops taking nodes: independent work of one shape (the optimizer update of
@@ -263,7 +355,7 @@ struct Builder {
   // The open group a pointwise node of these sizes (and cat layout) joins; -1 when none fits.
   int group_for(const std::vector<int64_t>& sizes, int cat_dim, const std::vector<int64_t>* bounds) const {
     for (size_t i = 0; i < open.size(); ++i) {
-      if (open[i].kernel.sizes != sizes || full(open[i])) continue;
+      if (open[i].is_reduction() || open[i].kernel.sizes != sizes || full(open[i])) continue;
       if (bounds && open[i].cat_dim >= 0 && (open[i].cat_dim != cat_dim || open[i].cat_bounds != *bounds)) continue;
       return static_cast<int>(i);
     }
@@ -287,6 +379,12 @@ struct Builder {
       const int node = static_cast<int>(i);
       const Node& n = g.nodes[i];
       const bool cat = is_lowerable_cat(g, node);
+      if (!cat && is_lowerable_pointwise(g, node)) {
+        if (int r = epilogue_group_for(node); r >= 0) {
+          add_epilogue(open[r], node);
+          continue;
+        }
+      }
       if (cat || is_lowerable_pointwise(g, node)) {
         const auto& sizes = g.values[n.outputs[0]].sizes;
         std::pair<int, std::vector<int64_t>> layout{-1, {}};

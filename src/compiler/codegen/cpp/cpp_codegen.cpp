@@ -135,6 +135,8 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   for (const Store& s : k.stores) accesses.push_back(&s.strides);
   const size_t result_access = accesses.size();
   if (k.kind == Kernel::reduction) accesses.push_back(&k.result.strides);
+  const size_t first_epilogue_store = accesses.size();
+  for (const Store& s : k.epilogue_stores) accesses.push_back(&s.strides);
   Space sp = coalesce(k, accesses, first_store);
   const size_t rank = sp.sizes.size();
   int64_t total = 1;
@@ -160,7 +162,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     }
     bool any_kept_empty = false;
     for (size_t d = 0; d < sp.sizes.size(); ++d) any_kept_empty |= !sp.reduced[d] && sp.sizes[d] == 0;
-    if (!any_kept_empty) {
+    if (!any_kept_empty && k.result.buffer >= 0) {
       std::vector<int64_t> strides = sp.strides[result_access];
       for (size_t d = 0; d < strides.size(); ++d)
         if (sp.reduced[d]) strides[d] = 0;
@@ -179,9 +181,11 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   std::vector<bool> varies(k.exprs.size(), false);
   for (size_t e = 0; e < k.exprs.size(); ++e) {
     const Expr& x = k.exprs[e];
-    if (x.kind == Expr::load) varies[e] = true;
+    if (x.kind == Expr::load || x.kind == Expr::reduced) varies[e] = true;
     for (int a : x.args) varies[e] = varies[e] || varies[a];
   }
+  const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
+  const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
   auto emit_expr = [&](std::ostringstream& out, size_t e, const std::string& indent, const std::vector<std::string>& vars) {
     const Expr& x = k.exprs[e];
     out << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
@@ -195,6 +199,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
       case Expr::constant: out << literal(x.value, x.dtype); break;
       case Expr::call: out << substitute(x.code, x.args); break;
       case Expr::cat: break;  // emit_kernel turns cats into loads, one loop nest per segment
+      case Expr::reduced: out << "static_cast<" << ctype(x.dtype) << ">(" << result_value << ")"; break;
     }
     out << ";\n";
   };
@@ -268,7 +273,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   // element in place.
   const bool trivial_reduction = reduction && red.empty() && !kept.empty();
   if (trivial_reduction) os << indent << acc_t << " acc = " << init() << ";\n";
-  for (size_t e = 0; e < k.exprs.size(); ++e)
+  for (size_t e = 0; e < epilogue_begin; ++e)
     if (varies[e]) emit_expr(os, e, indent, vars);
   for (size_t s = 0; s < k.stores.size(); ++s) {
     const Store& st = k.stores[s];
@@ -276,26 +281,28 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
        << "] = static_cast<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
   }
   if (reduction) os << indent << combine() << "\n";
-  if (trivial_reduction) {
-    os << indent << "b" << k.result.buffer << "[" << index_of(sp.strides[result_access], k.result.offset, vars)
-       << "] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">("
-       << (k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc")) << ");\n";
-  }
+  // A reduction's result, once per kept position, and its epilogue.
+  auto finish = [&](const std::string& in) {
+    if (k.result.buffer >= 0) {
+      os << in << "b" << k.result.buffer << "[" << index_of(sp.strides[result_access], k.result.offset, vars)
+         << "] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">(" << result_value << ");\n";
+    }
+    for (size_t e = epilogue_begin; e < k.exprs.size(); ++e)
+      if (varies[e]) emit_expr(os, e, in, vars);
+    for (size_t s = 0; s < k.epilogue_stores.size(); ++s) {
+      const Store& st = k.epilogue_stores[s];
+      os << in << "b" << st.buffer << "[" << index_of(sp.strides[first_epilogue_store + s], st.offset, vars)
+         << "] = static_cast<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
+    }
+  };
+  if (trivial_reduction) finish(indent);
   // Close loops; a reduction writes its result after the reduced loops.
   for (size_t li = order.size(); li-- > 0;) {
     indent.resize(indent.size() - 2);
     os << indent << "}\n";
-    if (reduction && li == kept.size() && !kept.empty()) {
-      std::vector<std::string> v = vars;
-      os << indent << "b" << k.result.buffer << "[" << index_of(sp.strides[result_access], k.result.offset, v)
-         << "] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">("
-         << (k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc")) << ");\n";
-    }
+    if (reduction && li == kept.size() && !kept.empty()) finish(indent);
   }
-  if (reduction && kept.empty()) {
-    os << "  b" << k.result.buffer << "[0] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">("
-       << (k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc")) << ");\n";
-  }
+  if (reduction && kept.empty()) finish("  ");
   os << "  }\n";
 }
 
@@ -307,7 +314,8 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
   os << "  (void)scalars;\n  (void)int_scalars;\n";
   std::set<int> stored;
   for (const Store& s : k.stores) stored.insert(s.buffer);
-  if (k.kind == Kernel::reduction) stored.insert(k.result.buffer);
+  for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);
+  if (k.kind == Kernel::reduction && k.result.buffer >= 0) stored.insert(k.result.buffer);
   for (size_t b = 0; b < k.buffers.size(); ++b) {
     const char* t = ctype(k.buffers[b]);
     if (stored.count(static_cast<int>(b))) {
