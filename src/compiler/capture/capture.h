@@ -40,7 +40,8 @@ struct Recipe {
 };
 
 // What TensorImpl::lazy points to while a value is pending. After its segment ran, a value that
-// only autograd saved and that is cheap to recompute keeps a `recipe` instead of data.
+// only autograd saved and that is cheap to recompute keeps a `recipe` instead of data (and no
+// segment: the forward's graph is not kept alive for it).
 struct LazyValue {
   std::shared_ptr<detail::Segment> segment;
   int value = -1;

@@ -91,7 +91,7 @@ int replay_recipe(Segment& seg, const Tensor& t);
 int value_of(Segment& seg, const Tensor& t) {
   const TensorImpl& impl = t.impl();
   if (impl.lazy && impl.lazy->recipe && !impl.storage->data) return replay_recipe(seg, t);
-  if (impl.lazy) {
+  if (impl.lazy && impl.lazy->segment) {  // a recomputed value has no segment: its graph ran
     const Segment& owner = *impl.lazy->segment;
     if (&owner == &seg) return impl.lazy->value;
     if (owner.state != Segment::State::done) throw_unusable(owner);

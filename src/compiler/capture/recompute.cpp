@@ -182,8 +182,7 @@ void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedV
       recipe->versions.push_back(in.defined() ? in.version() : 0);
       recipe->inputs.push_back(std::move(in));
     }
-    auto lazy = std::make_shared<LazyValue>();
-    lazy->segment = seg;
+    auto lazy = std::make_shared<LazyValue>();  // no segment: the forward's graph may go
     lazy->value = rv.value;
     lazy->recipe = recipe;
     for (const auto& h : rv.handles) h->lazy = lazy;
