@@ -300,6 +300,27 @@ TEST_F(MemoryPlan, WarmCallAllocatesOnlyItsOutputs) {
   EXPECT_TRUE(close(planned(x), fn(x), kReductionTol));
 }
 
+// max_autotune takes the static plan too (torch's max-autotune takes CUDA graphs, its CPU
+// counterpart here); max_autotune_no_cudagraphs does not.
+TEST_F(MemoryPlan, MaxAutotuneTakesTheStaticPlanAndNoCudagraphsDoesNot) {
+  auto fn = [](const Tensor& x) {
+    Tensor c = x.sin() + x;
+    Tensor m = c.mean({1}, true);
+    return (c - m).exp();
+  };
+  Tensor x = randn({64, 128});
+  CompileOptions autotune = kiln_options(Mode::max_autotune), no_graphs = kiln_options(Mode::max_autotune_no_cudagraphs);
+  autotune.pure = no_graphs.pure = true;
+  auto planned = kiln::compile(fn, autotune);
+  auto unplanned = kiln::compile(fn, no_graphs);
+  Delta d;
+  EXPECT_EQ(allocations_per_call(planned, x), 1) << "the output only";
+  EXPECT_EQ(allocations_per_call(unplanned, x), 3) << "c and m as well";
+  EXPECT_GT(d.now().kernel_runs, 0);
+  EXPECT_TRUE(close(planned(x), fn(x), kReductionTol));
+  EXPECT_TRUE(close(unplanned(x), fn(x), kReductionTol));
+}
+
 // Without host scalars the body allocates nothing either, pure or not; two outputs, two blocks.
 TEST_F(MemoryPlan, WarmCallOfTheBodyAllocatesOnlyItsOutputs) {
   auto fn = [](const Tensor& x) {

@@ -275,7 +275,10 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   }
   std::vector<std::string> sources = lower::generate_cpp(ex->program);
   // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
-  if (const CompileOptions* opts = compiling_options(); opts && opts->mode == Mode::reduce_overhead) {
+  // max_autotune includes it too, as torch's max-autotune includes CUDA graphs (the static plan is
+  // the CPU's counterpart); max_autotune_no_cudagraphs does not.
+  if (const CompileOptions* opts = compiling_options();
+      opts && (opts->mode == Mode::reduce_overhead || opts->mode == Mode::max_autotune)) {
     ex->plan = lower::plan_memory(ex->program);
     if (!ex->plan.empty()) ex->arena = std::make_unique<Arena>();
   }
