@@ -764,6 +764,8 @@ void expect_compiled_training_matches_eager(const CompileOptions& options) {
   EXPECT_TRUE(profiled(profile, "batch_norm_relu_backward")) << "the fused backward ran\n" << profile;
   EXPECT_FALSE(contains(profile, "kernel[relu]")) << profile;
   EXPECT_FALSE(contains(profile, "le+where")) << profile;
+  EXPECT_FALSE(contains(profile, "kernel[cat")) << "the dense blocks' concatenations share a buffer (cat_into_slices)\n"
+                                          << profile;
   auto pc = model_c->named_parameters(), pe = model_e->named_parameters();
   ASSERT_EQ(pc.size(), pe.size());
   for (size_t i = 0; i < pc.size(); ++i)
@@ -789,6 +791,14 @@ TEST_F(KilnBatchNormRelu, DenseNetTrainingStepsMatchEagerReduceOverhead) {
   CompileOptions options;
   options.backend = std::string("kiln");
   options.mode = Mode::reduce_overhead;
+  expect_compiled_training_matches_eager(options);
+}
+
+// max_autotune: the static plan plus timed convolution algorithms (Winograd where it wins).
+TEST_F(KilnBatchNormRelu, DenseNetTrainingStepsMatchEagerMaxAutotune) {
+  CompileOptions options;
+  options.backend = std::string("kiln");
+  options.mode = Mode::max_autotune;
   expect_compiled_training_matches_eager(options);
 }
 
