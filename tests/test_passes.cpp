@@ -1116,6 +1116,49 @@ TEST(CatIntoSlices, LeavesWhatItCannotOrNeedNotRewrite) {
   }
 }
 
+// Orders and shapes the DenseNet pattern does not show: the largest cat first, a repeated input,
+// a batch (dim 0) concatenation read by a GEMM, inputs of both layouts, an empty input.
+TEST(CatIntoSlices, OtherOrdersShapesAndLayoutsStayExact) {
+  Tensor w = kiln::randn({4, 3});
+  Tensor wc = kiln::randn({2, 5, 1, 1});
+  struct Case {
+    const char* what;
+    Captured captured;
+    int rewritten;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"the largest cat first",
+                   capture_graph(
+                       [&](const Tensor& a, const Tensor& b) {
+                         Tensor big = kiln::matmul(kiln::cat({a, b, a * 2}, 0), w);
+                         return big.sum() + kiln::matmul(kiln::cat({a, b}, 0), w).sum();
+                       },
+                       kiln::randn({2, 4}), kiln::randn({3, 4})),
+                   2});
+  cases.push_back({"a repeated input",
+                   capture_graph(
+                       [&](const Tensor& a, const Tensor& b) {
+                         return kiln::matmul(kiln::cat({a, a}, 0), w).sum() + kiln::matmul(kiln::cat({a}, 0), w).sum() +
+                                b.sum();
+                       },
+                       kiln::randn({2, 4}), kiln::randn({1})),
+                   2});
+  cases.push_back({"inputs of both layouts and an empty one",
+                   capture_graph(
+                       [&](const Tensor& a, const Tensor& b) {
+                         Tensor e = kiln::zeros({2, 0, 3, 3});
+                         Tensor c1 = kiln::conv2d(kiln::cat({a, e}, 1), wc.narrow(1, 0, 2));
+                         return kiln::conv2d(kiln::cat({a, e, b}, 1), wc) + c1;
+                       },
+                       kiln::randn({2, 2, 3, 3}), kiln::randn({2, 3, 3, 3}).contiguous(kiln::channels_last)),
+                   2});
+  for (Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Graph h = check_captured(c.captured, c.rewritten);
+    EXPECT_EQ(count_op(h, "cat"), 0) << h;
+  }
+}
+
 // The returned cat stays a cat (the caller gets a dense tensor); the smaller ones still share the
 // buffer of the largest.
 TEST(CatIntoSlices, AReturnedCatKeepsItsOwnMemory) {

@@ -163,6 +163,9 @@ int cat_into_slices(Graph& g) {
   const OpDef& slice = internal::registered_op("slice");
   const OpDef& copy = internal::registered_op("copy");
   internal::NodeNamer namer(g);
+  // The leaders' results, read before the nodes move into `out` (a leader may come first).
+  std::vector<int> lead_output(groups.size(), -1);
+  for (size_t k = 0; k < groups.size(); ++k) lead_output[k] = g.nodes[cats[groups[k][0]].node].outputs[0];
   std::vector<int> buffer(groups.size(), -1);
   std::vector<int64_t> filled(groups.size(), 0);  // leading inputs of the leader already copied
   std::vector<Node> out;
@@ -176,9 +179,8 @@ int cat_into_slices(Graph& g) {
       continue;
     }
     const int k = it->second;
-    const Node& lead_node = g.nodes[cats[groups[k][0]].node];
     const int64_t dim = cats[groups[k][0]].dim;
-    const int lead_out = lead_node.outputs[0];
+    const int lead_out = lead_output[k];
     if (buffer[k] < 0) {
       // The buffer: a dense empty tensor in the leader's memory order, permuted back.
       const ValueInfo lead = g.values[lead_out];
