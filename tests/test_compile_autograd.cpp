@@ -339,6 +339,20 @@ TEST_F(CompileAutograd, PartitionedBackwardOnAnotherThread) {
   EXPECT_TRUE(close(w.grad(), we.grad()));
 }
 
+// A recipe keeps the attrs of its own call: a run-time scalar that changes between two forwards.
+TEST_F(CompileAutograd, PartitionedValuesKeepTheirCallsScalars) {
+  auto fn = [](const Tensor& x, const Tensor& w, double s) { return (x * w * s).sin().sum(); };
+  Tensor x = randn({3, 4}), w = leaf_copy(randn({4})), we = leaf_copy(w);
+  auto f = kiln::compile(fn);
+  Delta d;
+  Tensor l1 = f(x, w, 0.5), l2 = f(x, w, -3.0);
+  EXPECT_EQ(d.now().graph_compiles, 1) << "the scalar is a run-time input";
+  EXPECT_EQ(d.now().recomputed_values, 4) << "per forward: x * w (the second mul saves it) and sin's input";
+  (l1 + l2).backward();
+  (fn(x, we, 0.5) + fn(x, we, -3.0)).backward();
+  EXPECT_TRUE(close(w.grad(), we.grad()));
+}
+
 // A recomputed value's inputs must be what the forward read: an in-place change before the
 // backward is an error, as it is in eager (where the mul saved x).
 TEST_F(CompileAutograd, PartitionRefusesInputsModifiedBeforeTheBackward) {

@@ -859,6 +859,19 @@ TEST_F(KilnBackend, ReductionEpiloguesFuseAndMatchEager) {
   }
 }
 
+// A run-time scalar read in an epilogue changes between calls without a recompile.
+TEST_F(KilnBackend, ReductionEpilogueReadsRunTimeScalars) {
+  auto fn = [](const Tensor& x, double scale) { return (x.sum({1}) * scale).exp(); };
+  auto compiled = compile_kiln(fn);
+  Tensor x = rand({8, 16}) * 0.1;
+  EXPECT_TRUE(matches(compiled(x, 0.5), fn(x, 0.5), reduction_tol(kFloat32)));
+  Delta d;
+  Tensor got = compiled(x, -2.0);
+  EXPECT_EQ(d.now().graph_compiles, 0);
+  EXPECT_EQ(d.now().kernel_runs, 1);
+  EXPECT_TRUE(matches(got, fn(x, -2.0), reduction_tol(kFloat32)));
+}
+
 // Cat sharing a kernel with pointwise work before it, an operand broadcast along the cat dim,
 // and a reduction after it.
 std::vector<Tensor> cat_neighbours(const std::vector<Tensor>& d0, const Tensor& big, const std::vector<Tensor>& d1,
