@@ -2,9 +2,9 @@
 //
 // When a forward graph runs, autograd holds some of its values for the backward: a mul saves its
 // inputs, a sin its input, a relu its result. Saving costs a store in the forward, memory until the
-// backward, and a load there. For a value computed by one pointwise op from tensors the backward
-// holds anyway, recomputing it in the backward is cheaper: the backward's fused kernel computes
-// it in registers from what it loads already. So at the flush, a live value is left out of the
+// backward, and a load there. For a value that a few pointwise ops compute from tensors the
+// backward holds anyway, recomputing it in the backward is cheaper: the backward's fused kernel
+// computes it in registers from what it loads already. So at the flush, a live value is left out of the
 // graph's outputs when
 //   - only saved tensors of autograd nodes recorded in this segment hold it (no user handle, no
 //     view, no other node): counted by references, so anything uncounted keeps it saved;
