@@ -66,12 +66,15 @@ struct Builder {
     int reduction_out = -1;
     std::vector<int64_t> epilogue_sizes;
     bool keepdim = false;
-    std::map<int, int> epi_expr_of;
-    std::vector<int> epi_produced;
+    std::map<int, int> epi_expr_of;  // the result, values loaded or computed in the epilogue
+    std::vector<int> epi_produced;   // values the epilogue computes
     bool is_reduction() const { return kernel.kind == Kernel::reduction; }
+    // The result or a value the epilogue computes (not one it only loads).
+    bool result_or_epilogue(int v) const {
+      return v == reduction_out || std::find(epi_produced.begin(), epi_produced.end(), v) != epi_produced.end();
+    }
     bool produces(int v) const {
-      return v == reduction_out || epi_expr_of.count(v) ||
-             std::find(produced.begin(), produced.end(), v) != produced.end();
+      return result_or_epilogue(v) || std::find(produced.begin(), produced.end(), v) != produced.end();
     }
   };
   std::vector<Group> open;  // open groups, oldest first
@@ -248,7 +251,7 @@ struct Builder {
       bool related = false, loadable = true;
       for (int v : n.inputs) {
         if (v < 0) continue;
-        if (v == r.reduction_out || r.epi_expr_of.count(v)) related = true;
+        if (r.result_or_epilogue(v)) related = true;
         else if (producer_group(v) >= 0) loadable = false;  // not in memory before this kernel ends
       }
       if (related && loadable) return static_cast<int>(i);
