@@ -202,5 +202,14 @@ std::vector<int64_t> strides_following(IntArrayRef like_sizes, IntArrayRef like_
   return format_strides(sizes, sizes.size() == 4 && strides_like_channels_last(like_sizes, like_strides));
 }
 
+int64_t storage_span(IntArrayRef sizes, IntArrayRef strides) {
+  int64_t span = 1;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return 0;
+    span += (sizes[d] - 1) * strides[d];
+  }
+  return span;
+}
+
 }  // namespace detail
 }  // namespace kiln

@@ -33,6 +33,10 @@ std::vector<int64_t> infer_size(IntArrayRef shape, int64_t numel, const std::str
 std::optional<std::vector<int64_t>> compute_view_strides(IntArrayRef old_sizes, IntArrayRef old_strides,
                                           IntArrayRef new_sizes);
 
+// Elements that a layout of `sizes` and non-negative `strides` spans, from its first element to
+// one past its last (what its storage must hold after the offset); 0 when it has no elements.
+int64_t storage_span(IntArrayRef sizes, IntArrayRef strides);
+
 // ---- memory formats (4-D only) ----
 // Strides of a dense channels-last (NHWC) tensor of `sizes`.
 std::vector<int64_t> channels_last_strides(IntArrayRef sizes);

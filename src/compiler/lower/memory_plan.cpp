@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "core/shape.h"
+
 namespace kiln::compiler::lower {
 
 namespace {
@@ -21,15 +23,10 @@ struct AliasClasses {
 // Bytes the value's sizes and strides span from its first element; -1 when it cannot be planned
 // (negative strides).
 int64_t span_bytes(const ValueInfo& v) {
-  int64_t numel = 1;
-  for (int64_t s : v.sizes) numel *= s;
-  if (numel == 0) return 0;
-  int64_t span = 1;
-  for (size_t d = 0; d < v.sizes.size(); ++d) {
+  if (std::find(v.sizes.begin(), v.sizes.end(), 0) != v.sizes.end()) return 0;
+  for (size_t d = 0; d < v.sizes.size(); ++d)
     if (d >= v.strides.size() || v.strides[d] < 0) return -1;
-    span += (v.sizes[d] - 1) * v.strides[d];
-  }
-  return span * static_cast<int64_t>(itemsize(v.dtype));
+  return kiln::detail::storage_span(v.sizes, v.strides) * static_cast<int64_t>(itemsize(v.dtype));
 }
 
 int64_t align(int64_t n) { return (n + MemoryPlan::kAlignment - 1) / MemoryPlan::kAlignment * MemoryPlan::kAlignment; }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "compiler/graph/passes.h"
+#include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/detail/tensor_impl.h"
 #include "kiln/error.h"
@@ -39,11 +40,8 @@ Tensor meta_tensor(const ValueInfo& info, std::shared_ptr<kiln::detail::Storage>
   impl->device = info.device;
   impl->is_wrapped_number = info.is_wrapped_number;
   impl->refresh_metadata();
-  int64_t span = impl->numel > 0 ? 1 : 0;
-  if (impl->numel > 0)
-    for (size_t d = 0; d < impl->sizes.size(); ++d) span += (impl->sizes[d] - 1) * impl->strides[d];
-  storage->nbytes =
-      std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
+  const int64_t span = kiln::detail::storage_span(impl->sizes, impl->strides);
+  storage->nbytes = std::max(storage->nbytes, (info.storage_offset + span) * itemsize(info.dtype));
   impl->storage = std::move(storage);
   return Tensor(std::move(impl));
 }
