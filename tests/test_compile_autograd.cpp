@@ -183,6 +183,9 @@ TEST_F(CompileAutograd, TrainingStepAdamMatchesEager) {
 // recompute: a value that only autograd holds and that one pointwise op computes from graph inputs
 // or other saved values is recomputed by the backward instead (compiler::counters().recomputed_values).
 
+// mul saves x and w (inputs); sin saves m = x * w, cos saves s = sin(m): both recomputable.
+Tensor sin_cos_chain(const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); }
+
 // Runs `fn` compiled (with `backend`) and eagerly on copies of the leaves, backward outside, and
 // compares values and gradients. Returns the values the compiled forward left to recompute.
 int64_t check_backward_outside(const std::function<Tensor(const Tensor&, const Tensor&)>& fn, const Tensor& x,
@@ -205,9 +208,7 @@ int64_t check_backward_outside(const std::function<Tensor(const Tensor&, const T
 }
 
 TEST_F(CompileAutograd, PartitionRecomputesAPointwiseChainFromTheInputs) {
-  // mul saves x and w (inputs); sin saves m = x * w, cos saves s = sin(m): both recomputed.
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
-  EXPECT_EQ(check_backward_outside(fn, randn({4, 5}), randn({5})), 2);
+  EXPECT_EQ(check_backward_outside(sin_cos_chain, randn({4, 5}), randn({5})), 2);
 }
 
 TEST_F(CompileAutograd, PartitionRecomputesAChainThroughValuesNothingHolds) {
@@ -248,15 +249,25 @@ TEST_F(CompileAutograd, PartitionNeverRecomputesGemmsOrReductions) {
 }
 
 TEST_F(CompileAutograd, PartitionAppliesToAotEagerAndNotToEager) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor x = randn({4, 5}), w = randn({5});
   EXPECT_EQ(check_backward_outside(fn, x, w, "aot_eager"), 2);
   EXPECT_EQ(check_backward_outside(fn, x, w, "eager"), 0) << "the eager backend runs the graph as captured";
 }
 
+// The partition follows the backend's "aot_autograd" tag, so a backend of the user's gets it too.
+TEST_F(CompileAutograd, PartitionFollowsTheAotAutogradTag) {
+  auto run_graph = [](compiler::Graph& g, const compiler::Arguments&) { return compiler::interpreter(g); };
+  compiler::register_backend("partition_test_tagged", run_graph, {"aot_autograd"});
+  compiler::register_backend("partition_test_untagged", run_graph);
+  Tensor x = randn({4, 5}), w = randn({5});
+  EXPECT_EQ(check_backward_outside(sin_cos_chain, x, w, "partition_test_tagged"), 2);
+  EXPECT_EQ(check_backward_outside(sin_cos_chain, x, w, "partition_test_untagged"), 0);
+}
+
 // A backward that does not capture (force_eager) computes the recomputed values eagerly.
 TEST_F(CompileAutograd, PartitionedValuesComputeEagerlyWhenTheBackwardRunsEagerly) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor x = leaf_copy(randn({4, 5})), w = leaf_copy(randn({5}));
   Tensor xe = leaf_copy(x), we = leaf_copy(w);
   auto f = kiln::compile(fn);
@@ -274,7 +285,7 @@ TEST_F(CompileAutograd, PartitionedValuesComputeEagerlyWhenTheBackwardRunsEagerl
 }
 
 TEST_F(CompileAutograd, PartitionedValuesSurviveRetainGraphAndDoubleBackward) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor x = leaf_copy(randn({3, 4})), w = leaf_copy(randn({4}));
   Tensor xe = leaf_copy(x), we = leaf_copy(w);
   auto f = kiln::compile(fn);
@@ -296,7 +307,7 @@ TEST_F(CompileAutograd, PartitionedValuesSurviveRetainGraphAndDoubleBackward) {
 // Two forwards before one backward, a graph break inside the forward, and a backward on another
 // thread: each forward's recipes read that forward's values.
 TEST_F(CompileAutograd, PartitionedValuesBelongToTheirOwnForward) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor w = leaf_copy(randn({4})), we = leaf_copy(w);
   Tensor x1 = randn({3, 4}), x2 = randn({3, 4});
   auto f = kiln::compile(fn);
@@ -328,7 +339,7 @@ TEST_F(CompileAutograd, PartitionAcrossAGraphBreakInTheForward) {
 }
 
 TEST_F(CompileAutograd, PartitionedBackwardOnAnotherThread) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor x = randn({3, 4}), w = leaf_copy(randn({4})), we = leaf_copy(w);
   auto f = kiln::compile(fn);
   Delta d;
@@ -356,7 +367,7 @@ TEST_F(CompileAutograd, PartitionedValuesKeepTheirCallsScalars) {
 // A recomputed value's inputs must be what the forward read: an in-place change before the
 // backward is an error, as it is in eager (where the mul saved x).
 TEST_F(CompileAutograd, PartitionRefusesInputsModifiedBeforeTheBackward) {
-  auto fn = [](const Tensor& x, const Tensor& w) { return (x * w).sin().cos().sum(); };
+  auto fn = sin_cos_chain;
   Tensor x = randn({3, 4}), w = leaf_copy(randn({4}));
   auto f = kiln::compile(fn);
   Tensor lc = f(x, w);

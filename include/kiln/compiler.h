@@ -214,7 +214,9 @@ CustomOp custom_op(CustomOpDef def);
 // ------------------------------------------------------------------------------------------
 
 // Registers `fn` under `name` (throws ValueError if taken). Tags: "debug" backends are hidden by
-// list_backends() unless asked for, as in torch._dynamo.
+// list_backends() unless asked for, as in torch._dynamo; "aot_autograd" backends get the
+// saved-value partition (a forward whose backward runs later saves only what the backward cannot
+// cheaply recompute; aot_eager and kiln carry it, as torch's aot_autograd wrapper adds it).
 void register_backend(std::string name, BackendFn fn, std::vector<std::string> tags = {});
 // Registered names, sorted, without those tagged with any of `exclude_tags`.
 std::vector<std::string> list_backends(const std::vector<std::string>& exclude_tags = {"debug", "experimental"});

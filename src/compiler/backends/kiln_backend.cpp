@@ -300,8 +300,8 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
 }
 
 [[maybe_unused]] const bool registered = [] {
-  register_backend("kiln", kiln_backend);
-  register_backend("inductor", kiln_backend);
+  register_backend("kiln", kiln_backend, {"aot_autograd"});  // the saved-value partition applies
+  register_backend("inductor", kiln_backend, {"aot_autograd"});
   return true;
 }();
 

@@ -5,7 +5,8 @@
 //   aot_eager  first runs the graph machinery the code generator builds on — validation (every
 //              node's meta re-run on the recorded metadata), dead-code elimination and common
 //              subexpression elimination — then runs op by op. If eager works and aot_eager does
-//              not, the graph passes are at fault.
+//              not, the graph passes are at fault. Tagged "aot_autograd": a forward it compiles
+//              saves only what the backward cannot recompute (capture/recompute.cpp).
 #include <algorithm>
 #include <map>
 #include <mutex>
@@ -38,7 +39,7 @@ Registry& registry() {
                                     passes::eliminate_common_subexpressions(g);
                                     return interpreter(g);
                                   },
-                                  {"debug"}};
+                                  {"debug", "aot_autograd"}};
     return reg;
   }();
   return *r;
@@ -80,6 +81,15 @@ BackendFn lookup_backend(std::string_view name) {
   }
   return it->second.fn;
 }
+
+namespace detail {
+bool backend_has_tag(std::string_view name, std::string_view tag) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  auto it = r.backends.find(std::string(name));
+  return it != r.backends.end() && std::find(it->second.tags.begin(), it->second.tags.end(), tag) != it->second.tags.end();
+}
+}  // namespace detail
 
 std::string default_backend() {
   Registry& r = registry();

@@ -225,14 +225,8 @@ void set_lazy(Segment& seg, const std::shared_ptr<Segment>& owner, Tensor& t, in
 // A lazy result: metadata and a pending storage that a flush fills.
 Tensor make_pending(const TensorMeta& m) {
   std::vector<int64_t> strides = m.strides.empty() ? kiln::detail::contiguous_strides(m.sizes) : m.strides;
-  int64_t numel = 1;
-  int64_t span = 1;
-  for (size_t i = 0; i < m.sizes.size(); ++i) {
-    numel *= m.sizes[i];
-    span += (m.sizes[i] - 1) * strides[i];
-  }
   auto storage = std::make_shared<Storage>();
-  storage->nbytes = numel == 0 ? 0 : span * itemsize(m.dtype);
+  storage->nbytes = kiln::detail::storage_span(m.sizes, strides) * itemsize(m.dtype);
   storage->device = m.device;
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::move(storage);
@@ -455,7 +449,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
   }
   // The min-cut partition: values only autograd saved, cheap to recompute, are not outputs.
   std::vector<RecomputedValue> recomputed;
-  if (!seg->autograd_nodes.empty() && (backend == "aot_eager" || backend == "kiln" || backend == "inductor"))
+  if (!seg->autograd_nodes.empty() && backend_has_tag(backend, "aot_autograd"))
     recomputed = split_recomputed(*seg, live);
   mix(seg->hash, 0x3c);
   for (int v : graph.outputs) mix(seg->hash, static_cast<uint64_t>(v));

@@ -23,6 +23,7 @@
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/capture/segment.h"
+#include "core/shape.h"
 #include "core/dispatch.h"
 #include "kiln/autograd.h"
 
@@ -44,13 +45,9 @@ constexpr int kMaxChain = 4;
 
 // An empty storage (no data yet) big enough for value v.
 std::shared_ptr<Storage> pending_storage(const ValueInfo& v) {
-  int64_t numel = 1, span = 1;
-  for (size_t d = 0; d < v.sizes.size(); ++d) {
-    numel *= v.sizes[d];
-    span += (v.sizes[d] - 1) * v.strides[d];
-  }
   auto storage = std::make_shared<Storage>();
-  storage->nbytes = numel == 0 ? 0 : (span + v.storage_offset) * static_cast<int64_t>(itemsize(v.dtype));
+  const int64_t span = kiln::detail::storage_span(v.sizes, v.strides);
+  storage->nbytes = span == 0 ? 0 : (v.storage_offset + span) * static_cast<int64_t>(itemsize(v.dtype));
   storage->device = v.device;
   return storage;
 }
@@ -131,6 +128,7 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
     }
     RecomputedValue r;
     r.value = v;
+    r.producer = producer[v];
     r.storage = live[k];
     for (const Tensor* t : saved_on[live[k].get()]) r.handles.push_back(t->impl_ptr());
     out.push_back(std::move(r));
@@ -143,6 +141,7 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
   for (int u : through) {
     RecomputedValue r;
     r.value = u;
+    r.producer = producer[u];
     r.storage = pending_storage(g.values[u]);
     out.push_back(std::move(r));
   }
@@ -164,15 +163,11 @@ void attach_recipes(const std::shared_ptr<Segment>& seg, std::vector<RecomputedV
   std::unordered_map<int, Tensor> held;  // value -> a tensor the recipes read it from
   for (size_t k = 0; k < g.inputs.size(); ++k) held[g.inputs[k]] = seg->inputs[k];
   for (size_t k = 0; k < g.outputs.size(); ++k) held[g.outputs[k]] = tensor_on(live[k], g.values[g.outputs[k]]);
-  std::vector<int> producer(g.values.size(), -1);
-  for (size_t i = 0; i < g.nodes.size(); ++i)
-    if (!g.nodes[i].inplace)
-      for (int v : g.nodes[i].outputs) producer[v] = static_cast<int>(i);
   // In node order, so that a recipe reading another recomputed value finds its handle.
   std::sort(values.begin(), values.end(),
-            [&](const RecomputedValue& a, const RecomputedValue& b) { return producer[a.value] < producer[b.value]; });
+            [](const RecomputedValue& a, const RecomputedValue& b) { return a.producer < b.producer; });
   for (RecomputedValue& rv : values) {
-    const Node& n = g.nodes[producer[rv.value]];
+    const Node& n = g.nodes[rv.producer];
     auto recipe = std::make_shared<Recipe>();
     recipe->op = n.op;
     recipe->attrs = n.attrs;  // this call's values, scalar slots included

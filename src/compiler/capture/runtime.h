@@ -179,6 +179,9 @@ void run_captured_backward(const std::shared_ptr<void>& owner, const std::functi
 // `path` relative to the working directory when it lies below it.
 std::string relative_path(const std::string& path);
 
+// Whether the registered backend `name` carries `tag` (false for unknown names, "custom").
+bool backend_has_tag(std::string_view name, std::string_view tag);
+
 // Structural equality of two graphs (cache hits compare the new capture with the cached graph).
 bool same_structure(const Graph& a, const Graph& b);
 

@@ -70,13 +70,14 @@ void bind(kiln::detail::Storage& pending, const ValueInfo& v, const Tensor& resu
 // a short chain of pointwise ops computes from tensors the backward has anyway (graph inputs,
 // other saved values) are not saved: their saved handles keep a Recipe, and the backward recomputes them
 // (fused into its kernels when it is captured). Convolutions, GEMMs, reductions and random ops
-// are always saved. Applies to the aot_eager and kiln backends (`eager` runs the graph as
-// captured).
+// are always saved. Applies to backends registered with the "aot_autograd" tag: aot_eager and kiln
+// (`eager` runs the graph as captured).
 
 // A value the forward graph leaves to be recomputed, and the saved handles that will read it (none
 // for a dead value on a recomputed chain).
 struct RecomputedValue {
   int value = -1;
+  int producer = -1;  // the graph node that computes it
   std::shared_ptr<kiln::detail::Storage> storage;
   std::vector<std::shared_ptr<kiln::detail::TensorImpl>> handles;
 };
