@@ -251,6 +251,13 @@ void avg_pool_backward_loop(const Tensor& grad, Tensor& dx, const AvgWindow& win
   });
 }
 
+// What each input element of a full window gets of the window's gradient in the tiled backward
+// passes: 1 / window size, or 1 / the divisor override.
+template <class T>
+T tiled_share(const AvgWindow& win) {
+  return T(1) / static_cast<T>(win.divisor_override ? *win.divisor_override : win.kernel[0] * win.kernel[1]);
+}
+
 // Non-overlapping full windows (kernel == stride, no padding, none cut by ceil_mode; DenseNet's
 // transitions): every input element gets its window's gradient / divisor or, past the last
 // window, zero; each is written once, row by row, with no zero fill first.
@@ -260,7 +267,7 @@ void avg_pool_backward_tiled(const Tensor& grad, Tensor& dx, const AvgWindow& wi
   const T* gp = grad.data_ptr<T>();
   T* o = dx.data_ptr<T>();
   const int64_t kh = win.kernel[0], kw = win.kernel[1];
-  const T inv = T(1) / static_cast<T>(win.divisor_override ? *win.divisor_override : kh * kw);
+  const T inv = tiled_share<T>(win);
   const int64_t covered = g.ow * kw;
   parallel_for(g.planes * g.h, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.w)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
@@ -318,7 +325,7 @@ void avg_pool_backward_tiled_nhwc(const Tensor& grad, Tensor& dx, const AvgWindo
   const T* gp = grad.data_ptr<T>();
   T* o = dx.data_ptr<T>();
   const int64_t kh = win.kernel[0], kw = win.kernel[1];
-  const T inv = T(1) / static_cast<T>(win.divisor_override ? *win.divisor_override : kh * kw);
+  const T inv = tiled_share<T>(win);
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.w * g.c));
   parallel_for(g.n * g.h, grain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
