@@ -1,14 +1,17 @@
 // Batch norm + relu fusion: the batch_norm_relu op against relu(native_batch_norm(...)) and
 // batch_norm_relu_backward against native_batch_norm_backward(where(r <= 0, 0, grad), ...) (dtypes,
 // planar and channels-last layouts, small and large planes, training and inference, running
-// statistics, output masks, NaN, out= targets), the derivative of batch_norm_relu, the
-// fuse_batch_norm_relu pass on captured graphs (fused where the pattern holds, left alone
-// otherwise, scalar slots and run-time host scalars kept), and DenseNet training steps compiled
+// statistics, output masks, NaN, out= targets), batch_norm_relu_backward_recompute bit for bit
+// against batch_norm_relu_backward reading the forward's result, the derivative of
+// batch_norm_relu, the fuse_batch_norm_relu pass on captured graphs (fused where the pattern
+// holds, left alone otherwise, the mask recomputed only where the forward's operands are the
+// backward's, scalar slots and run-time host scalars kept), and DenseNet training steps compiled
 // with the kiln backend, which runs the pass, against eager.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
 #include <filesystem>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -429,6 +432,136 @@ TEST(BatchNormReluBackward, RejectsBadOperandsNamingItself) {
   EXPECT_THROW(call(c.r, Tensor(), randn({2, 3, 4, 5})), ShapeError);
 }
 
+// ========================== batch_norm_relu_backward_recompute ==========================
+
+// batch_norm_relu_backward_recompute on the forward's operands, and batch_norm_relu_backward on
+// the result batch_norm_relu returned. The recomputed result is the forward's bit for bit, so the
+// masks are the same: grad_bias, the masked gradient's sum (additions only, in the same order), is
+// equal bit for bit, and with a gradient of ones it counts the elements the mask passes. The
+// other outputs agree to a few ulps (the compiler may contract the two instantiations' products
+// into fmas differently).
+struct RecomputeCase {
+  BatchNormCase b;
+  TensorList fwd;  // batch_norm_relu's (result, save_mean, save_invstd)
+  Tensor grad;
+
+  static RecomputeCase make(const Tensor& x, bool affine, bool training) {
+    RecomputeCase c{BatchNormCase::make(x.sizes().vec(), x.dtype(), false, affine), {}, {}};
+    c.b.x = x;
+    Tensor rm, rv;
+    c.fwd = c.b.forward("batch_norm_relu", training, rm, rv);
+    c.grad = randn(x.sizes().vec(), x.dtype()) * 2 + 0.5;
+    if (x.dim() == 4 && x.suggest_memory_format() == kiln::channels_last) c.grad = in_layout(c.grad, true);
+    return c;
+  }
+  TensorList reading(bool training, std::vector<int64_t> mask, const Tensor& threshold = {},
+                     const Tensor& fill = {}) const {
+    return call_op(op("batch_norm_relu_backward"),
+                   {grad, fwd[0], b.x, b.weight, fwd[1], fwd[2], threshold, fill}, {training, mask});
+  }
+  TensorList recomputing(bool training, std::vector<int64_t> mask, const Tensor& threshold = {},
+                         const Tensor& fill = {}) const {
+    return call_op(op("batch_norm_relu_backward_recompute"),
+                   {grad, b.x, b.weight, fwd[1], fwd[2], b.bias, threshold, fill}, {training, mask});
+  }
+};
+
+::testing::AssertionResult bitwise_same(const Tensor& a, const Tensor& b) {
+  if (a.sizes() != b.sizes() || a.dtype() != b.dtype())
+    return ::testing::AssertionFailure() << "shape/dtype " << shape_str(a.sizes()) << " vs " << shape_str(b.sizes());
+  if (a.numel() == 0 || (equal(isnan(a), isnan(b)) && equal(where(isnan(a), 0, a), where(isnan(b), 0, b))))
+    return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\nrecomputed: " << a << "\nread:       " << b;
+}
+
+// Same masks (grad_bias bit for bit, also with a gradient of ones), the other outputs within a few
+// ulps of t.
+void expect_same_backward(const TensorList& got, const TensorList& want, DType t) {
+  EXPECT_TRUE(bitwise_same(got[2], want[2])) << "grad_bias: the masks differ";
+  const double tol = t == kFloat16 || t == kBFloat16 ? 1e-2 : backward_rtol(t);
+  for (size_t i = 0; i < 2; ++i) EXPECT_TRUE(same(got[i], want[i], tol, tol)) << "output " << i;
+}
+
+TEST(BatchNormReluBackwardRecompute, EqualsTheBackwardReadingTheForwardsResult) {
+  manual_seed(20);
+  for (DType t : {kFloat32, kFloat64, kFloat16, kBFloat16})
+    for (bool channels_last : {false, true})
+      for (bool training : {true, false})
+        for (bool affine : {true, false})
+          for (const auto& sizes : kShapes) {
+            SCOPED_TRACE(describe(t, channels_last, training) + (affine ? ", affine, " : ", no affine, ") +
+                         shape_str(sizes));
+            RecomputeCase c = RecomputeCase::make(in_layout(randn(sizes, t) * 2 + 0.5, channels_last), affine,
+                                                  training);
+            expect_same_backward(c.recomputing(training, {1, 1, 1}), c.reading(training, {1, 1, 1}), t);
+            TensorList only_input = c.recomputing(training, {1, 0, 0});
+            EXPECT_TRUE(same(only_input[0], c.reading(training, {1, 0, 0})[0], 1e-2, 1e-2));
+            EXPECT_EQ(only_input[1].numel() + only_input[2].numel(), 0);
+            EXPECT_TRUE(channels_last ? only_input[0].is_contiguous(kiln::channels_last)
+                                      : only_input[0].is_contiguous());
+            c.grad = ones_like(c.grad);
+            if (channels_last) c.grad = in_layout(c.grad, true);
+            EXPECT_TRUE(bitwise_same(c.recomputing(training, {0, 0, 1})[2], c.reading(training, {0, 0, 1})[2]))
+                << "the elements each channel's mask passes";
+          }
+}
+
+// Inputs as the compiled DenseNet passes them: a channel slice of a wider channels-last buffer,
+// and 3-D and 2-D inputs; the threshold and fill operands; NaN and infinities in the input (in
+// evaluation mode, where they stay in their own element).
+TEST(BatchNormReluBackwardRecompute, HandlesSlicesOtherRanksOperandsAndNonFiniteInputs) {
+  manual_seed(21);
+  Tensor buffer = randn({3, 200, 5, 4}).contiguous(kiln::channels_last);
+  const std::vector<std::pair<const char*, Tensor>> inputs = {
+      {"a channel slice of a channels-last buffer", buffer.slice(1, 0, 136)},
+      {"a 3-D input", randn({4, 6, 9})},
+      {"a 2-D input", randn({8, 5})},
+  };
+  for (const auto& [what, x] : inputs)
+    for (bool training : {true, false}) {
+      SCOPED_TRACE(std::string(what) + (training ? ", training" : ", inference"));
+      RecomputeCase c = RecomputeCase::make(x, true, training);
+      expect_same_backward(c.recomputing(training, {1, 1, 1}), c.reading(training, {1, 1, 1}), kFloat32);
+      for (const auto& [threshold, fill] : std::vector<std::pair<Tensor, Tensor>>{
+               {scalar_tensor(0.3, kFloat64), scalar_tensor(-2.0, kFloat64)},
+               {scalar_tensor(-1.0, kFloat64), Tensor()},
+               {scalar_tensor(int64_t{1}, kInt64), scalar_tensor(0.25, kFloat32)}}) {
+        expect_same_backward(c.recomputing(training, {1, 1, 1}, threshold, fill),
+                             c.reading(training, {1, 1, 1}, threshold, fill), kFloat32);
+      }
+    }
+  for (bool channels_last : {false, true}) {
+    SCOPED_TRACE(channels_last ? "non-finite, channels-last" : "non-finite, planar");
+    Tensor x = randn({2, 3, 4, 4});
+    x.select(1, 0).select(1, 1).fill_(kNaN);
+    x.select(1, 1).select(1, 2).fill_(std::numeric_limits<double>::infinity());
+    x.select(1, 2).select(1, 3).fill_(-std::numeric_limits<double>::infinity());
+    RecomputeCase c = RecomputeCase::make(in_layout(x, channels_last), true, false);
+    expect_same_backward(c.recomputing(false, {1, 1, 1}), c.reading(false, {1, 1, 1}), kFloat32);
+  }
+}
+
+TEST(BatchNormReluBackwardRecompute, RejectsBadOperandsNamingItself) {
+  RecomputeCase c = RecomputeCase::make(randn({2, 3, 4, 4}), true, true);
+  auto call = [&](const Tensor& grad, const Tensor& bias, const Tensor& threshold) {
+    return call_op(op("batch_norm_relu_backward_recompute"),
+                   {grad, c.b.x, c.b.weight, c.fwd[1], c.fwd[2], bias, threshold, Tensor()},
+                   {true, std::vector<int64_t>{1, 1, 1}});
+  };
+  try {
+    call(c.grad, randn({4}), Tensor());
+    FAIL() << "a bias of the wrong shape was accepted";
+  } catch (const ShapeError& e) {
+    EXPECT_TRUE(contains(e.what(), "[kiln::batch_norm_relu_backward_recompute] bias should be a 1-D tensor of 3"))
+        << e.what();
+  }
+  EXPECT_THROW(call(c.grad, randint(0, 3, {3}), Tensor()), DTypeError) << "an integer bias";
+  EXPECT_THROW(call(c.grad, c.b.bias, zeros({1})), ShapeError) << "threshold must be 0-dim";
+  EXPECT_THROW(call(c.grad.to(kFloat64), c.b.bias, Tensor()), DTypeError);
+  EXPECT_THROW(call(randn({2, 3, 4, 5}), c.b.bias, Tensor()), ShapeError);
+  EXPECT_NO_THROW(call(c.grad, Tensor(), Tensor())) << "no bias: shift = -mean * scale";
+}
+
 // ================================ the pass ================================
 
 using Captured = kiln::testing::CapturedGraph;
@@ -502,9 +635,9 @@ TEST(FuseBatchNormRelu, FusesTheForwardAndTheBackwardOfATrainingStep) {
     ASSERT_EQ(count_op(c.graph, "native_batch_norm_backward"), 1) << c.graph;
     Graph h = fuse(c);
     EXPECT_EQ(count_op(h, "batch_norm_relu"), 1) << h;
-    EXPECT_EQ(count_op(h, "batch_norm_relu_backward"), 1) << h;
-    for (const char* gone :
-         {"native_batch_norm", "native_batch_norm_backward", "relu", "le", "where"})
+    EXPECT_EQ(count_op(h, "batch_norm_relu_backward_recompute"), 1) << "the mask is recomputed\n" << h;
+    for (const char* gone : {"native_batch_norm", "native_batch_norm_backward", "relu", "le", "where",
+                             "batch_norm_relu_backward"})
       EXPECT_EQ(count_op(h, gone), 0) << gone << "\n" << h;
     EXPECT_EQ(h.nodes.size(), c.graph.nodes.size() - 3);
   }
@@ -535,7 +668,7 @@ TEST(FuseBatchNormRelu, KeepsScalarSlotsAndRunTimeHostScalars) {
   ASSERT_EQ(wrapped, 2) << c.graph;
   Graph h = fuse(c, other, {Scalar(0.4), Scalar(0.01)});
   ASSERT_EQ(count_op(h, "batch_norm_relu"), 1) << h;
-  ASSERT_EQ(count_op(h, "batch_norm_relu_backward"), 1) << h;
+  ASSERT_EQ(count_op(h, "batch_norm_relu_backward_recompute"), 1) << h;
   for (size_t k = 0; k < h.scalars.size(); ++k) {
     EXPECT_EQ(h.nodes.at(h.scalars[k].node).target(), "batch_norm_relu") << h;
     EXPECT_EQ(h.scalars[k].attr, c.graph.scalars[k].attr);
@@ -644,7 +777,9 @@ TEST(FuseBatchNormRelu, LeavesPatternsThatDoNotHold) {
     }
     Graph h = fuse(c.captured);
     EXPECT_EQ(h.str(), before.str());
-    EXPECT_EQ(count_op(h, "batch_norm_relu") + count_op(h, "batch_norm_relu_backward"), 0);
+    EXPECT_EQ(count_op(h, "batch_norm_relu") + count_op(h, "batch_norm_relu_backward") +
+                  count_op(h, "batch_norm_relu_backward_recompute"),
+              0);
   }
 }
 
@@ -667,6 +802,54 @@ TEST(FuseBatchNormRelu, FusesTheBackwardOfAnyRelu) {
   EXPECT_EQ(count_op(h, "batch_norm_relu_backward"), 1) << h;
   EXPECT_EQ(count_op(h, "relu"), 1) << h;
   EXPECT_EQ(count_op(h, "where") + count_op(h, "le"), 0) << h;
+}
+
+// The mask is recomputed only from the operands the forward ran with: a backward with another
+// weight, in another mode, or after a write into the bias or the input reads the relu's result.
+TEST(FuseBatchNormRelu, RecomputesTheMaskOnlyFromTheForwardsOwnOperands) {
+  manual_seed(17);
+  Tensor w = rand({4}) + 0.5, w2 = rand({4}) + 0.5, b = randn({4}), rm = zeros({4}), rv = ones({4});
+  auto forward = [&](const Tensor& t, const Tensor& bias) {
+    return call_op(op("batch_norm_relu"), {t, w, bias, rm, rv}, {true, 0.1, 1e-5});
+  };
+  auto backward = [&](const Tensor& g, const Tensor& t, const Tensor& weight, const TensorList& fwd, bool train) {
+    Tensor masked = where(le(fwd[0], 0), 0, g);
+    return call_op(op("native_batch_norm_backward"), {masked, t, weight, fwd[1], fwd[2]},
+                   {train, std::vector<int64_t>{1, 1, 1}})[0];
+  };
+  struct Case {
+    const char* what;
+    std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)> fn;
+    bool recomputes;
+  };
+  const std::vector<Case> cases = {
+      {"the forward's operands", [&](const Tensor& t, const Tensor& g, const Tensor& bias) {
+         return backward(g, t, w, forward(t, bias), true);
+       }, true},
+      {"another weight", [&](const Tensor& t, const Tensor& g, const Tensor& bias) {
+         return backward(g, t, w2, forward(t, bias), true);
+       }, false},
+      {"evaluation-mode backward", [&](const Tensor& t, const Tensor& g, const Tensor& bias) {
+         return backward(g, t, w, forward(t, bias), false);
+       }, false},
+      {"the bias written in between", [&](const Tensor& t, const Tensor& g, const Tensor& bias) {
+         TensorList fwd = forward(t, bias);
+         bias.narrow(0, 0, 2).mul_(-1);  // a write into a view stays in place
+         return backward(g, t, w, fwd, true);
+       }, false},
+      {"the input written in between", [&](const Tensor& t, const Tensor& g, const Tensor& bias) {
+         TensorList fwd = forward(t, bias);
+         t.narrow(1, 0, 1).add_(1.0);
+         return backward(g, t, w, fwd, true);
+       }, false},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    Captured c = capture_graph(k.fn, randn({2, 4, 3, 3}), randn({2, 4, 3, 3}), b.clone());
+    Graph h = fuse(c);
+    EXPECT_EQ(count_op(h, "batch_norm_relu_backward_recompute"), k.recomputes ? 1 : 0) << h;
+    EXPECT_EQ(count_op(h, "batch_norm_relu_backward"), k.recomputes ? 0 : 1) << h;
+  }
 }
 
 // A relu output that is also a graph output is still produced, now by the fused node.
@@ -714,9 +897,9 @@ TEST(FuseBatchNormRelu, FusesEveryBatchNormOfADenseNetTrainingStep) {
   ASSERT_EQ(count_op(c.graph, "native_batch_norm"), n) << c.graph;
   Graph h = fuse(c);
   EXPECT_EQ(count_op(h, "batch_norm_relu"), n) << h;
-  EXPECT_EQ(count_op(h, "batch_norm_relu_backward"), n) << h;
-  for (const char* gone :
-       {"native_batch_norm", "native_batch_norm_backward", "relu", "le", "where"})
+  EXPECT_EQ(count_op(h, "batch_norm_relu_backward_recompute"), n) << h;
+  for (const char* gone : {"native_batch_norm", "native_batch_norm_backward", "relu", "le", "where",
+                           "batch_norm_relu_backward"})
     EXPECT_EQ(count_op(h, gone), 0) << gone << "\n" << h;
 }
 
@@ -761,7 +944,7 @@ void expect_compiled_training_matches_eager(const CompileOptions& options) {
   EXPECT_GT(d.now().graph_runs, 0);
   EXPECT_GT(d.now().kernel_runs, 0);
   EXPECT_TRUE(profiled(profile, "batch_norm_relu")) << "the fused forward ran\n" << profile;
-  EXPECT_TRUE(profiled(profile, "batch_norm_relu_backward")) << "the fused backward ran\n" << profile;
+  EXPECT_TRUE(profiled(profile, "batch_norm_relu_backward_recompute")) << "the fused backward ran\n" << profile;
   EXPECT_FALSE(contains(profile, "kernel[relu]")) << profile;
   EXPECT_FALSE(contains(profile, "le+where")) << profile;
   EXPECT_FALSE(contains(profile, "kernel[cat")) << "the dense blocks' concatenations share a buffer (cat_into_slices)\n"

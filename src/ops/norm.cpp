@@ -16,6 +16,8 @@
 // output 0, and native_batch_norm_backward whose incoming gradient is first masked by the relu's
 // result (where(result <= threshold, fill, grad), the relu derivative; threshold and fill are
 // 0-dim tensors, None for 0). One pass over the activations each instead of two.
+// batch_norm_relu_backward_recompute is the backward again, recomputing the relu's result from the
+// input instead of reading it, where the pass can show that the forward ran with the same operands.
 //
 // Derivatives go through fused backward table ops with their own kernels (aten's names):
 // native_batch_norm_backward, native_layer_norm_backward and native_group_norm_backward, each
@@ -243,6 +245,41 @@ const OpDef& kBatchNormReluBackward = register_op({
                  "[kiln::" + op + "] result (" + dtype_str(result.dtype()) + ") and grad_out (" +
                      dtype_str(grad.dtype()) + ") must have the input's dtype (" + dtype_str(x.dtype()) +
                      "). Convert them with .to(...).");
+      for (size_t i : {size_t{6}, size_t{7}}) {
+        const Tensor& t = c.input(i);
+        KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,
+                   "[kiln::" + op + "] " + (i == 6 ? "threshold" : "fill") + " must be a 0-dim tensor, but got shape " +
+                       shape_str(t.sizes()) + ".");
+      }
+      return metas;
+    },
+    .lowering = "extern",
+});
+
+// batch_norm_relu_backward_recompute(grad_out, input, weight?, save_mean, save_invstd, bias?,
+// threshold?, fill?, train, output_mask): batch_norm_relu_backward with the relu's result not read
+// but recomputed from the input as batch_norm_relu computed it, relu(input * scale + shift) with
+// scale = save_invstd * weight and shift = bias - save_mean * scale, rounded alike (so bit for bit
+// the forward's result). It equals batch_norm_relu_backward only for the statistics and parameters
+// the forward ran with; the kiln backend's fuse_batch_norm_relu uses it where the graph shows that
+// (one stream of activations less in each of the kernel's two passes).
+const OpDef& kBatchNormReluBackwardRecompute = register_op({
+    .name = "batch_norm_relu_backward_recompute",
+    .schema = "batch_norm_relu_backward_recompute(Tensor grad_out, Tensor input, Tensor? weight, Tensor save_mean, "
+              "Tensor save_invstd, Tensor? bias, Tensor? threshold, Tensor? fill, bool train, bool[3] output_mask) "
+              "-> (Tensor, Tensor, Tensor)",
+    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
+      const std::string op = "batch_norm_relu_backward_recompute";
+      std::vector<TensorMeta> metas = batch_norm_backward_metas(c, 1, op);
+      const Tensor& grad = c.input(0);
+      const Tensor& x = c.input(1);
+      const Tensor& bias = c.input(5);
+      check_same_device(op, {&x, &bias, &c.input(6), &c.input(7)});
+      check_floating(op, bias, "bias");
+      check_channel_vector(op, bias, "bias", x.sizes()[1]);
+      KILN_CHECK(grad.dtype() == x.dtype(), DTypeError,
+                 "[kiln::" + op + "] grad_out (" + dtype_str(grad.dtype()) + ") must have the input's dtype (" +
+                     dtype_str(x.dtype()) + "). Convert it with .to(...).");
       for (size_t i : {size_t{6}, size_t{7}}) {
         const Tensor& t = c.input(i);
         KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,

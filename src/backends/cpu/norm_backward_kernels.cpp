@@ -1,5 +1,6 @@
-// CPU kernels for native_batch_norm_backward (and batch_norm_relu_backward: the same loops reading
-// the gradient through the relu's mask), native_layer_norm_backward and native_group_norm_backward.
+// CPU kernels for native_batch_norm_backward (and batch_norm_relu_backward[_recompute]: the same
+// loops reading the gradient through the relu's mask, read or recomputed),
+// native_layer_norm_backward and native_group_norm_backward.
 //
 // layer_norm and group_norm work block by block (a row, an (n, group) block): one pass computes
 // the block's reductions (sum(dy * w), sum(dy * w * x)), the next writes dx while the block is
@@ -14,6 +15,7 @@
 // The formulas are aten's (Normalization.cpp batch_norm_backward_cpu_template,
 // layer_norm_kernel.cpp, group_norm_kernel.cpp).
 #include <cmath>
+#include <tuple>
 
 #include "backends/cpu/loops.h"
 #include "backends/cpu/norm_loops.h"
@@ -65,45 +67,62 @@ bool mask_at(const OpCall& c, size_t attr, int i) { return c.ints_attr(attr)[i] 
 
 // ---------------- batch_norm ----------------
 
-// batch_norm_relu_backward reads its gradient through the relu's mask: where(r <= threshold,
-// fill, dy), with r laid out like x (channel rows: `r_stride` apart). Every loop below takes it
-// as a template flag (Masked) and a ReluMask operand, so the plain backward pays nothing for it.
+// How a batch-norm backward finds the relu mask it reads its gradient through, where(r <= threshold,
+// fill, dy), r = relu(batch norm's output): not at all (native_batch_norm_backward), by reading the
+// relu's result r (batch_norm_relu_backward), or by recomputing r from x with the forward's
+// per-channel affine map and affine_value, bit for bit the forward's r
+// (batch_norm_relu_backward_recompute: one stream of activations less in each pass). The loops take
+// it as a template parameter and a ReluMask operand, so the plain backward pays nothing for it.
+enum class Mask { none, result, recompute };
+
 template <class T>
 struct ReluMask {
   using Acc = opmath_t<T>;
-  const T* r = nullptr;
+  const T* r = nullptr;  // Mask::result: r, laid out like x (channel rows `r_stride` apart)
   int64_t r_stride = 0;
   Acc threshold = Acc(0), fill = Acc(0);
-  // r + offset (elements), or nullptr when not Masked (the loops then never read it).
-  template <bool Masked>
+  const Acc* scale = nullptr;  // Mask::recompute: the forward's per-channel affine map
+  const Acc* shift = nullptr;
+  // r + offset (elements) for Mask::result, else nullptr (the loops then never read it).
+  template <Mask M>
   const T* at(int64_t offset) const {
-    if constexpr (Masked) return r + offset;
+    if constexpr (M == Mask::result) return r + offset;
     return nullptr;
   }
 };
 
-// dy[i] in opmath precision, masked by the relu's result when Masked (NaN in r compares false,
-// so the gradient passes, as where(le(r, 0), 0, dy) does). Both values are loaded first: a load
-// under the condition would keep the loops from vectorizing.
-template <bool Masked, class T, class Acc>
+// dy[i] in opmath precision, masked by the relu's result when M is Mask::result (NaN in r compares
+// false, so the gradient passes, as where(le(r, 0), 0, dy) does). Both values are loaded first: a
+// load under the condition would keep the loops from vectorizing.
+template <Mask M, class T, class Acc>
 inline __attribute__((always_inline)) Acc grad_at(const T* __restrict dy, const T* __restrict r, int64_t i,
                                                   Acc threshold, Acc fill) {
+  static_assert(M != Mask::recompute, "recomputed masks go through recomputed_grad");
   const Acc g = static_cast<Acc>(dy[i]);
-  if constexpr (Masked) {
+  if constexpr (M == Mask::result) {
     const Acc result = static_cast<Acc>(r[i]);
     return result <= threshold ? fill : g;
   }
   return g;
 }
 
+// dy masked by r = relu(x * scale + shift), recomputed as batch_norm_relu computed it.
+template <class T, class Acc>
+inline __attribute__((always_inline)) Acc recomputed_grad(T dy, T x, Acc scale, Acc shift, Acc threshold,
+                                                          Acc fill) {
+  const Acc g = static_cast<Acc>(dy);
+  const Acc result = static_cast<Acc>(affine_value<true>(x, scale, shift));
+  return result <= threshold ? fill : g;
+}
+
 // sum(dy) and sum(dy * (x - mean)) over n contiguous values.
-template <bool Masked, class T, class Acc = opmath_t<T>>
+template <Mask M, class T, class Acc = opmath_t<T>>
 inline void centered_sums(const T* __restrict x, const T* __restrict dy, const T* __restrict r, int64_t n, Acc mean,
                           Acc threshold, Acc fill, Acc& sum_dy, Acc& dot) {
   Acc s = 0, d = 0;
 #pragma omp simd reduction(+ : s, d)
   for (int64_t i = 0; i < n; ++i) {
-    const Acc g = grad_at<Masked>(dy, r, i, threshold, fill);
+    const Acc g = grad_at<M>(dy, r, i, threshold, fill);
     s += g;
     d += g * (static_cast<Acc>(x[i]) - mean);
   }
@@ -112,22 +131,28 @@ inline void centered_sums(const T* __restrict x, const T* __restrict dy, const T
 }
 
 // Pass 1 on channel rows, for channels [c0, c0 + kWidth) of rows [r0, r1): adds sum(dy) and
-// sum(dy * (x - mean)) into s and d. The tile's sums and means stay in registers while the rows
-// stream by (a row-at-a-time loop over all channels would load and store its sums for every
-// row, and that traffic, not memory, would bound it).
-template <int64_t kWidth, bool Masked, class T, class Acc = opmath_t<T>>
+// sum(dy * (x - mean)) into s and d. The tile's sums and means (and a recomputed mask's affine
+// map) stay in registers while the rows stream by (a row-at-a-time loop over all channels would
+// load and store its sums for every row, and that traffic, not memory, would bound it).
+template <int64_t kWidth, Mask M, class T, class Acc = opmath_t<T>>
 inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
                               int64_t c0, int64_t r0, int64_t r1, const Acc* mean, Acc* s_out, Acc* d_out) {
-  Acc s[kWidth] = {}, d[kWidth] = {}, m[kWidth];
+  Acc s[kWidth] = {}, d[kWidth] = {}, m[kWidth], sc[kWidth] = {}, sh[kWidth] = {};
   std::copy_n(mean, kWidth, m);
+  if constexpr (M == Mask::recompute) {
+    std::copy_n(relu.scale + c0, kWidth, sc);
+    std::copy_n(relu.shift + c0, kWidth, sh);
+  }
   const Acc th = relu.threshold, fill = relu.fill;
   for (int64_t r = r0; r < r1; ++r) {
     const T* __restrict x = xp + r * x_stride;
     const T* __restrict g = gp + r * g_stride;
-    const T* __restrict rr = relu.template at<Masked>(r * relu.r_stride + c0);
+    const T* __restrict rr = relu.template at<M>(r * relu.r_stride + c0);
 #pragma omp simd
     for (int64_t c = 0; c < kWidth; ++c) {
-      const Acc gv = grad_at<Masked>(g, rr, c, th, fill);
+      Acc gv;
+      if constexpr (M == Mask::recompute) gv = recomputed_grad(g[c], x[c], sc[c], sh[c], th, fill);
+      else gv = grad_at<M>(g, rr, c, th, fill);
       s[c] += gv;
       d[c] += gv * (static_cast<Acc>(x[c]) - m[c]);
     }
@@ -142,11 +167,13 @@ inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_
 // rows are split across threads; a block is walked one tile of channels at a time (registers
 // hold a tile's sums: channel_tile_sums), summed in opmath precision and added into the thread's
 // partial sums in double.
-template <bool Masked, class T, class Acc = opmath_t<T>>
+template <Mask M, class T, class Acc = opmath_t<T>>
 void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
                        int64_t rows, int64_t channels, const std::vector<Acc>& mean, std::vector<double>& sum_dy,
                        std::vector<double>& dot) {
-  constexpr int64_t kTile = 512 / sizeof(Acc);  // 8 vector registers of sums, 8 of differences, 8 of means
+  // 8 vector registers of sums, 8 of differences, 8 of means (and 4 + 4 of the affine map, on half
+  // as many channels, when the mask is recomputed).
+  constexpr int64_t kTile = (M == Mask::recompute ? 256 : 512) / sizeof(Acc);
   constexpr int64_t kBlock = 256;                // rows summed in opmath precision before double
   std::vector<double> sums = sum_rows(
       (rows + kBlock - 1) / kBlock, kBlock * channels, 2 * channels, [&](double* __restrict out, int64_t b) {
@@ -157,13 +184,13 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
         const int64_t r0 = b * kBlock, r1 = std::min(rows, r0 + kBlock);
         int64_t c0 = 0;
         for (; c0 + kTile <= channels; c0 += kTile)
-          channel_tile_sums<kTile, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+          channel_tile_sums<kTile, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
                                            s + c0, d + c0);
         for (; c0 + 16 <= channels; c0 += 16)
-          channel_tile_sums<16, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+          channel_tile_sums<16, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
                                         s + c0, d + c0);
         for (; c0 < channels; ++c0)
-          channel_tile_sums<1, Masked>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
+          channel_tile_sums<1, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
                                        s + c0, d + c0);
 #pragma omp simd
         for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
@@ -175,7 +202,7 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
 // Pass 2 on channel rows: dx = dy * a + (x * b + c), per channel. Three per-channel operands
 // instead of four keep the loop at streaming speed (their loads compete with the data's); the
 // rounding of x * b next to c is the forward's (x * scale + shift).
-template <bool Masked, class T, class Acc = opmath_t<T>>
+template <Mask M, class T, class Acc = opmath_t<T>>
 void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
                              T* dx, int64_t dx_stride, int64_t rows, int64_t channels, const std::vector<Acc>& a,
                              const std::vector<Acc>& b, const std::vector<Acc>& c) {
@@ -184,22 +211,27 @@ void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t
     const Acc* __restrict pa = a.data();
     const Acc* __restrict pb = b.data();
     const Acc* __restrict pc = c.data();
+    const Acc* __restrict fs = relu.scale;
+    const Acc* __restrict fh = relu.shift;
     const Acc th = relu.threshold, fill = relu.fill;
     for (int64_t r = begin; r < end; ++r) {
       const T* __restrict xr = xp + r * x_stride;
       const T* __restrict gr = gp + r * g_stride;
-      const T* __restrict rr = relu.template at<Masked>(r * relu.r_stride);
+      const T* __restrict rr = relu.template at<M>(r * relu.r_stride);
       T* __restrict o = dx + r * dx_stride;
 #pragma omp simd
       for (int64_t k = 0; k < channels; ++k) {
-        const Acc g = grad_at<Masked>(gr, rr, k, th, fill);
+        Acc g;
+        if constexpr (M == Mask::recompute) g = recomputed_grad(gr[k], xr[k], fs[k], fh[k], th, fill);
+        else g = grad_at<M>(gr, rr, k, th, fill);
         o[k] = static_cast<T>(g * pa[k] + (static_cast<Acc>(xr[k]) * pb[k] + pc[k]));
       }
     }
   });
 }
 
-// The operands of a batch-norm backward (native_batch_norm_backward, batch_norm_relu_backward).
+// The operands of a batch-norm backward (native_batch_norm_backward, batch_norm_relu_backward,
+// batch_norm_relu_backward_recompute).
 struct BatchNormBackwardCall {
   const OpCall& call;
   const Tensor& grad;
@@ -207,9 +239,10 @@ struct BatchNormBackwardCall {
   const Tensor& weight;
   const Tensor& mean;
   const Tensor& invstd;
-  const Tensor* relu_result = nullptr;  // batch_norm_relu_backward: the relu's output, threshold, fill
-  const Tensor* threshold = nullptr;
+  const Tensor* relu_result = nullptr;  // Mask::result: the relu's output
+  const Tensor* threshold = nullptr;    // both relu masks
   const Tensor* fill = nullptr;
+  const Tensor* bias = nullptr;  // Mask::recompute: the forward's bias (may be undefined)
 };
 
 // The value of an optional 0-dim operand converted to T (0 when undefined), in opmath precision.
@@ -220,8 +253,11 @@ opmath_t<T> scalar_operand(const Tensor* t) {
 }
 
 // x and grad_output (and a relu's result) are read in x's layout (planar or channel rows, see
-// norm_loops.h; an operand in the other layout is copied), and grad_input is written in it.
-template <class T, bool Masked>
+// norm_loops.h; an operand in the other layout is copied), and grad_input is written in it. A
+// recomputed mask runs in the channel-rows loops; planar x (not what the compiler's channels-last
+// convolution networks produce) gets the relu's result materialized by the forward's own loop
+// first and goes the Mask::result way.
+template <class T, Mask M>
 void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor> outs) {
   using Acc = opmath_t<T>;
   const DType dt = dtype_of_v<T>;
@@ -229,23 +265,49 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
   Tensor& dx_out = outs[0];
   const auto dx_row_stride = channel_row_stride(dx_out);
   const ChannelView xv = channel_view(op.x, dx_row_stride && !dx_out.is_contiguous());
+  const int64_t channels = xv.t.sizes()[1];
+  const std::vector<Acc> weight = param_values<Acc>(op.weight, channels, Acc(1));
+  const std::vector<Acc> mean = param_values<Acc>(op.mean, channels, Acc(0));
+  const std::vector<Acc> invstd = param_values<Acc>(op.invstd, channels, Acc(1));
+  std::vector<Acc> forward_scale, forward_shift;
+  if constexpr (M == Mask::recompute) {
+    std::tie(forward_scale, forward_shift) =
+        batch_norm_affine(mean, invstd, weight, param_values<Acc>(*op.bias, channels, Acc(0)));
+    if (!xv.rows) {
+      const int64_t n = xv.t.sizes()[0], plane = n * channels == 0 ? 0 : xv.t.numel() / (n * channels);
+      Tensor result = detail::make_empty(xv.t.sizes().vec(), dt, xv.t.device());
+      affine_planar<true>(xv.t.data_ptr<T>(), result.data_ptr<T>(), n, channels, plane, forward_scale, forward_shift);
+      BatchNormBackwardCall with_result = op;
+      with_result.relu_result = &result;
+      batch_norm_backward_typed<T, Mask::result>(with_result, outs);
+      return;
+    }
+  }
   const ChannelView gv = channel_view_as(as_dtype(op.grad, dt), xv.rows);
   ChannelView rv;
   ReluMask<T> relu;
-  if constexpr (Masked) {
-    rv = channel_view_as(as_dtype(*op.relu_result, dt), xv.rows);
-    relu = ReluMask<T>{rv.t.data_ptr<T>(), rv.row_stride, scalar_operand<T>(op.threshold), scalar_operand<T>(op.fill)};
+  if constexpr (M != Mask::none) {
+    relu.threshold = scalar_operand<T>(op.threshold);
+    relu.fill = scalar_operand<T>(op.fill);
   }
+  if constexpr (M == Mask::result) {
+    rv = channel_view_as(as_dtype(*op.relu_result, dt), xv.rows);
+    relu.r = rv.t.data_ptr<T>();
+    relu.r_stride = rv.row_stride;
+  }
+  if constexpr (M == Mask::recompute) {
+    relu.scale = forward_scale.data();
+    relu.shift = forward_shift.data();
+  }
+  // The planar loops never see a recomputed mask (it went the Mask::result way above).
+  constexpr Mask PM = M == Mask::recompute ? Mask::none : M;
   const Tensor& x = xv.t;
   const Tensor& dy = gv.t;
   const bool train = call.bool_attr(0);
   const bool need_input = mask_at(call, 1, 0), need_weight = mask_at(call, 1, 1), need_bias = mask_at(call, 1, 2);
-  const int64_t n = x.sizes()[0], channels = x.sizes()[1];
+  const int64_t n = x.sizes()[0];
   const int64_t plane = n * channels == 0 ? 0 : x.numel() / (n * channels);
   const int64_t rows = n * channels, count = n * plane;
-  const std::vector<Acc> weight = param_values<Acc>(op.weight, channels, Acc(1));
-  const std::vector<Acc> mean = param_values<Acc>(op.mean, channels, Acc(0));
-  const std::vector<Acc> invstd = param_values<Acc>(op.invstd, channels, Acc(1));
   const T* xp = x.data_ptr<T>();
   const T* gp = dy.data_ptr<T>();
   const Acc th = relu.threshold, fill = relu.fill;
@@ -257,18 +319,18 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
   const int64_t columns = channels * plane;
   if ((train || need_weight || need_bias) && rows > 0 && plane > 0) {
     if (xv.rows) {
-      channel_rows_sums<Masked>(xp, xv.row_stride, gp, gv.row_stride, relu, count, channels, mean, sum_dy, dot);
+      channel_rows_sums<M>(xp, xv.row_stride, gp, gv.row_stride, relu, count, channels, mean, sum_dy, dot);
     } else if (small) {
       const std::vector<Acc> column_mean = expand_to_columns(mean, plane);
       std::vector<double> sums = sum_rows(n, columns, 2 * columns, [&](double* __restrict s, int64_t i) {
         const T* __restrict xr = xp + i * columns;
         const T* __restrict gr = gp + i * columns;
-        const T* __restrict rr = relu.template at<Masked>(i * columns);
+        const T* __restrict rr = relu.template at<PM>(i * columns);
         const Acc* __restrict m = column_mean.data();
         double* __restrict d = s + columns;
 #pragma omp simd
         for (int64_t k = 0; k < columns; ++k) {
-          const Acc g = grad_at<Masked>(gr, rr, k, th, fill);
+          const Acc g = grad_at<PM>(gr, rr, k, th, fill);
           s[k] += static_cast<double>(g);
           d[k] += static_cast<double>(g * (static_cast<Acc>(xr[k]) - m[k]));
         }
@@ -282,7 +344,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
       std::vector<double> sums = sum_rows(rows, plane, 2 * channels, [&](double* __restrict s, int64_t r) {
         const int64_t c = r % channels;
         Acc sd, d;
-        centered_sums<Masked>(xp + r * plane, gp + r * plane, relu.template at<Masked>(r * plane), plane, mean[c], th,
+        centered_sums<PM>(xp + r * plane, gp + r * plane, relu.template at<PM>(r * plane), plane, mean[c], th,
                               fill, sd, d);
         s[c] += sd;
         s[channels + c] += d;
@@ -319,7 +381,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
       c[ch] = static_cast<Acc>((static_cast<double>(mean[ch]) * kc - static_cast<double>(shift[ch])) * sc);
     }
     if (count > 0)
-      channel_rows_grad_input<Masked>(xp, xv.row_stride, gp, gv.row_stride, relu, y.data_ptr<T>(),
+      channel_rows_grad_input<M>(xp, xv.row_stride, gp, gv.row_stride, relu, y.data_ptr<T>(),
                                       direct ? *dx_row_stride : channels, count, channels, a, b, c);
     if (!direct) dx_out.copy_(y);
   } else if (need_input) {
@@ -332,7 +394,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
           for (int64_t i = b; i < e; ++i) {
             const T* __restrict xr = xp + i * columns;
             const T* __restrict gr = gp + i * columns;
-            const T* __restrict rr = relu.template at<Masked>(i * columns);
+            const T* __restrict rr = relu.template at<PM>(i * columns);
             T* __restrict o = dx + i * columns;
             const Acc* __restrict m = cm.data();
             const Acc* __restrict kk = ck.data();
@@ -340,7 +402,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
             const Acc* __restrict sc = csc.data();
 #pragma omp simd
             for (int64_t j = 0; j < columns; ++j) {
-              const Acc g = grad_at<Masked>(gr, rr, j, th, fill);
+              const Acc g = grad_at<PM>(gr, rr, j, th, fill);
               o[j] = static_cast<T>((g - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
             }
           }
@@ -352,18 +414,18 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
           const int64_t c = r % channels;
           const T* __restrict xr = xp + r * plane;
           const T* __restrict gr = gp + r * plane;
-          const T* __restrict rr = relu.template at<Masked>(r * plane);
+          const T* __restrict rr = relu.template at<PM>(r * plane);
           T* __restrict o = dx + r * plane;
           const Acc m = mean[c], kc = k[c], sh = shift[c], sc = scale[c];
           if (train) {
 #pragma omp simd
             for (int64_t j = 0; j < plane; ++j) {
-              const Acc g = grad_at<Masked>(gr, rr, j, th, fill);
+              const Acc g = grad_at<PM>(gr, rr, j, th, fill);
               o[j] = static_cast<T>((g - sh - (static_cast<Acc>(xr[j]) - m) * kc) * sc);
             }
           } else {
 #pragma omp simd
-            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(grad_at<Masked>(gr, rr, j, th, fill) * sc);
+            for (int64_t j = 0; j < plane; ++j) o[j] = static_cast<T>(grad_at<PM>(gr, rr, j, th, fill) * sc);
           }
         }
       });
@@ -381,7 +443,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
 void batch_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const BatchNormBackwardCall op{call, call.input(0), call.input(1), call.input(2), call.input(3), call.input(4)};
   KILN_DISPATCH_FLOATING(call.input(1).dtype(), "native_batch_norm_backward",
-                         [&] { batch_norm_backward_typed<scalar_t, false>(op, outs); });
+                         [&] { batch_norm_backward_typed<scalar_t, Mask::none>(op, outs); });
 }
 
 // batch_norm_relu_backward(grad_out, result, input, weight?, save_mean, save_invstd, threshold?,
@@ -390,7 +452,16 @@ void batch_norm_relu_backward_kernel(const OpCall& call, std::span<Tensor> outs)
   const BatchNormBackwardCall op{call,          call.input(0), call.input(2),  call.input(3),  call.input(4),
                                  call.input(5), &call.input(1), &call.input(6), &call.input(7)};
   KILN_DISPATCH_FLOATING(call.input(2).dtype(), "batch_norm_relu_backward",
-                         [&] { batch_norm_backward_typed<scalar_t, true>(op, outs); });
+                         [&] { batch_norm_backward_typed<scalar_t, Mask::result>(op, outs); });
+}
+
+// batch_norm_relu_backward_recompute(grad_out, input, weight?, save_mean, save_invstd, bias?,
+// threshold?, fill?, train, output_mask).
+void batch_norm_relu_backward_recompute_kernel(const OpCall& call, std::span<Tensor> outs) {
+  const BatchNormBackwardCall op{call,          call.input(0), call.input(1),  call.input(2),  call.input(3),
+                                 call.input(4), nullptr,       &call.input(6), &call.input(7), &call.input(5)};
+  KILN_DISPATCH_FLOATING(call.input(1).dtype(), "batch_norm_relu_backward_recompute",
+                         [&] { batch_norm_backward_typed<scalar_t, Mask::recompute>(op, outs); });
 }
 
 // ---------------- layer_norm ----------------
@@ -565,6 +636,7 @@ void group_norm_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 [[maybe_unused]] const bool registered = [] {
   register_kernel("native_batch_norm_backward", DeviceType::cpu, batch_norm_backward_kernel);
   register_kernel("batch_norm_relu_backward", DeviceType::cpu, batch_norm_relu_backward_kernel);
+  register_kernel("batch_norm_relu_backward_recompute", DeviceType::cpu, batch_norm_relu_backward_recompute_kernel);
   register_kernel("native_layer_norm_backward", DeviceType::cpu, layer_norm_backward_kernel);
   register_kernel("native_group_norm_backward", DeviceType::cpu, group_norm_backward_kernel);
   return true;

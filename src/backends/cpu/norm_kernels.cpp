@@ -61,22 +61,6 @@ inline Acc row_sq_dev(const T* x, int64_t n, Acc mean) {
   return s;
 }
 
-// x * scale + shift rounded to T, then relu'd when Relu (after the rounding, as a separate relu
-// would; NaN stays NaN).
-template <bool Relu, class T, class Acc>
-inline T affine_value(T x, Acc scale, Acc shift) {
-  const T y = static_cast<T>(static_cast<Acc>(x) * scale + shift);
-  if constexpr (Relu) return static_cast<Acc>(y) < Acc(0) ? T(0) : y;
-  return y;
-}
-
-// y = x * scale + shift (relu'd when Relu) over n contiguous values.
-template <bool Relu = false, class T, class Acc = opmath_t<T>>
-inline void affine_row(const T* __restrict x, T* __restrict y, int64_t n, Acc scale, Acc shift) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = affine_value<Relu>(x[i], scale, shift);
-}
-
 // Runs body(y) with a contiguous output, copying into `out` afterwards when it is not.
 template <class Body>
 void with_contiguous_output(Tensor& out, Body&& body) {
@@ -165,51 +149,6 @@ void channel_stats(const T* in, int64_t n, int64_t channels, int64_t plane, std:
   }
 }
 
-// y = x * scale[c] + shift[c] (relu'd when Relu) over `rows` rows of `channels` values (channel rows).
-template <bool Relu, class T, class Acc = opmath_t<T>>
-void affine_channel_rows(const T* in, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t channels,
-                         const std::vector<Acc>& scale, const std::vector<Acc>& shift) {
-  parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels)), [&](int64_t b, int64_t e) {
-    const Acc* __restrict sc = scale.data();
-    const Acc* __restrict sh = shift.data();
-    for (int64_t r = b; r < e; ++r) {
-      const T* __restrict x = in + r * in_stride;
-      T* __restrict y = out + r * out_stride;
-#pragma omp simd
-      for (int64_t c = 0; c < channels; ++c) y[c] = affine_value<Relu>(x[c], sc[c], sh[c]);
-    }
-  });
-}
-
-// The planar (NCHW) output pass: one affine map per column of a sample for small planes, per
-// (n, c) run otherwise.
-template <bool Relu, class T, class Acc = opmath_t<T>>
-void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane, const std::vector<Acc>& scale,
-                   const std::vector<Acc>& shift) {
-  if (plane < kSmallPlane) {
-    const int64_t columns = channels * plane;
-    const std::vector<Acc> column_scale = expand_to_columns(scale, plane);
-    const std::vector<Acc> column_shift = expand_to_columns(shift, plane);
-    parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        const T* __restrict x = in + i * columns;
-        T* __restrict out = o + i * columns;
-        const Acc* __restrict sc = column_scale.data();
-        const Acc* __restrict sh = column_shift.data();
-#pragma omp simd
-        for (int64_t k = 0; k < columns; ++k) out[k] = affine_value<Relu>(x[k], sc[k], sh[k]);
-      }
-    });
-    return;
-  }
-  parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const int64_t c = r % channels;
-      affine_row<Relu>(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
-    }
-  });
-}
-
 // Reads the input in its own layout (planar or channel rows, see norm_loops.h) and writes the
 // output in the same one: directly when the output has it, else through a temporary. Relu:
 // batch_norm_relu.
@@ -260,11 +199,7 @@ void batch_norm_typed(const OpCall& call, std::span<Tensor> outs) {
 
   const std::vector<Acc> weight = param_values<Acc>(call.input(1), channels, Acc(1));
   const std::vector<Acc> bias = param_values<Acc>(call.input(2), channels, Acc(0));
-  std::vector<Acc> scale(static_cast<size_t>(channels)), shift(static_cast<size_t>(channels));
-  for (int64_t c = 0; c < channels; ++c) {
-    scale[c] = invstd[c] * weight[c];
-    shift[c] = bias[c] - mean[c] * scale[c];
-  }
+  const auto [scale, shift] = batch_norm_affine(mean, invstd, weight, bias);
   if (xv.rows) {
     const bool direct = out_row_stride && (*out_row_stride >= channels || count <= 1);
     Tensor y = direct ? out

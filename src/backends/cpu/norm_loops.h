@@ -10,14 +10,23 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "backends/cpu/loops.h"
 #include "core/tensor_factory.h"
 
 namespace kiln::cpu {
+
+// Whether the affine maps below round once (fma): where the CPU has fused multiply-add.
+#if defined(__FMA__) || defined(__aarch64__)
+#define KILN_NORM_FMA 1
+#else
+#define KILN_NORM_FMA 0
+#endif
 
 // Below this plane size batch_norm works on "columns": the C * plane values of one sample, which
 // all samples share. Sums run down the columns (vectorized across them) and per-channel values
@@ -191,6 +200,93 @@ void channel_rows_stats(const T* in, int64_t rows, int64_t channels, int64_t row
     mean[c] = mu[c];
     var[c] = m2[c] / counts[0];
   }
+}
+
+// x * scale + shift rounded to T, then relu'd when Relu (after the rounding, as a separate relu
+// would; NaN stays NaN). One rounding (fma) where the CPU has fused multiply-add, spelled out
+// rather than left to the compiler's contraction: batch_norm_relu_backward_recompute recomputes
+// batch_norm_relu's result with this function and must round exactly as the forward did.
+template <bool Relu, class T, class Acc>
+inline T affine_value(T x, Acc scale, Acc shift) {
+#if KILN_NORM_FMA
+  const T y = static_cast<T>(std::fma(static_cast<Acc>(x), scale, shift));
+#else
+  const T y = static_cast<T>(static_cast<Acc>(x) * scale + shift);
+#endif
+  if constexpr (Relu) return static_cast<Acc>(y) < Acc(0) ? T(0) : y;
+  return y;
+}
+
+// y = x * scale + shift (relu'd when Relu) over n contiguous values.
+template <bool Relu = false, class T, class Acc = opmath_t<T>>
+inline void affine_row(const T* __restrict x, T* __restrict y, int64_t n, Acc scale, Acc shift) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = affine_value<Relu>(x[i], scale, shift);
+}
+
+// Batch norm's per-channel affine map, y = x * scale + shift with scale = invstd * weight and
+// shift = bias - mean * scale (rounded once, as affine_value rounds). The forward and the backward
+// that recomputes its relu mask both derive it here from the same saved values.
+template <class Acc>
+std::pair<std::vector<Acc>, std::vector<Acc>> batch_norm_affine(const std::vector<Acc>& mean,
+                                                                const std::vector<Acc>& invstd,
+                                                                const std::vector<Acc>& weight,
+                                                                const std::vector<Acc>& bias) {
+  std::vector<Acc> scale(mean.size()), shift(mean.size());
+  for (size_t c = 0; c < mean.size(); ++c) {
+    scale[c] = invstd[c] * weight[c];
+#if KILN_NORM_FMA
+    shift[c] = std::fma(-mean[c], scale[c], bias[c]);
+#else
+    shift[c] = bias[c] - mean[c] * scale[c];
+#endif
+  }
+  return {std::move(scale), std::move(shift)};
+}
+
+// y = x * scale[c] + shift[c] (relu'd when Relu) over `rows` rows of `channels` values (channel rows).
+template <bool Relu, class T, class Acc = opmath_t<T>>
+void affine_channel_rows(const T* in, int64_t in_stride, T* out, int64_t out_stride, int64_t rows, int64_t channels,
+                         const std::vector<Acc>& scale, const std::vector<Acc>& shift) {
+  parallel_for(rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels)), [&](int64_t b, int64_t e) {
+    const Acc* __restrict sc = scale.data();
+    const Acc* __restrict sh = shift.data();
+    for (int64_t r = b; r < e; ++r) {
+      const T* __restrict x = in + r * in_stride;
+      T* __restrict y = out + r * out_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) y[c] = affine_value<Relu>(x[c], sc[c], sh[c]);
+    }
+  });
+}
+
+// The planar (NCHW) output pass: one affine map per column of a sample for small planes, per
+// (n, c) run otherwise.
+template <bool Relu, class T, class Acc = opmath_t<T>>
+void affine_planar(const T* in, T* o, int64_t n, int64_t channels, int64_t plane, const std::vector<Acc>& scale,
+                   const std::vector<Acc>& shift) {
+  if (plane < kSmallPlane) {
+    const int64_t columns = channels * plane;
+    const std::vector<Acc> column_scale = expand_to_columns(scale, plane);
+    const std::vector<Acc> column_shift = expand_to_columns(shift, plane);
+    parallel_for(n, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, columns)), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        const T* __restrict x = in + i * columns;
+        T* __restrict out = o + i * columns;
+        const Acc* __restrict sc = column_scale.data();
+        const Acc* __restrict sh = column_shift.data();
+#pragma omp simd
+        for (int64_t k = 0; k < columns; ++k) out[k] = affine_value<Relu>(x[k], sc[k], sh[k]);
+      }
+    });
+    return;
+  }
+  parallel_for(n * channels, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, plane)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t c = r % channels;
+      affine_row<Relu>(in + r * plane, o + r * plane, plane, scale[c], shift[c]);
+    }
+  });
 }
 
 }  // namespace kiln::cpu

@@ -88,7 +88,9 @@ void fuse_gemm_epilogue(Graph& graph);
 // becomes batch_norm_relu producing the relu's value (inference batch norms are left to
 // decompose(), whose pointwise ops fuse with their neighbours); where(le(r, t), v, grad) read
 // only as the grad of a native_batch_norm_backward, r a relu's output and t, v 0-dim, becomes
-// batch_norm_relu_backward(grad, r, ..., t, v) (the mask applied as the kernel reads grad).
+// batch_norm_relu_backward(grad, r, ..., t, v) (the mask applied as the kernel reads grad), or
+// batch_norm_relu_backward_recompute(grad, x, ..., bias, t, v) when r is a batch_norm_relu's result
+// on the backward's own operands (the mask recomputed from x instead of read).
 // Nothing involved may be written in place. Run after functionalize() and fuse_conv_bn().
 void fuse_batch_norm_relu(Graph& graph);
 
@@ -167,6 +169,8 @@ bool mutates_inputs(const Graph& graph, const Node& n);
 // Per value: 1 when some node writes its memory (an in-place output, or an input the op mutates,
 // OpDef::mutated_inputs), directly or through an alias (a shared storage group, or a view).
 std::vector<char> written_memory(const Graph& graph);
+// written_memory counting only the writes of nodes [first, last).
+std::vector<char> written_memory(const Graph& graph, size_t first, size_t last);
 
 }  // namespace internal
 

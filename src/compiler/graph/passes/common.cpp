@@ -1,4 +1,5 @@
 // Helpers that several passes share (declared in passes.h, namespace internal).
+#include <algorithm>
 #include <numeric>
 #include <unordered_map>
 #include <vector>
@@ -55,22 +56,25 @@ bool mutates_inputs(const Graph& g, const Node& n) {
   return n.op->mutates(OpCall(n.op, inputs, n.attrs));
 }
 
-std::vector<char> written_memory(const Graph& g) {
+std::vector<char> written_memory(const Graph& g, size_t first, size_t last) {
   AliasGroups groups(g);
   std::vector<char> written(g.values.size(), 0);  // by group root
-  for (const Node& n : g.nodes) {
+  for (size_t i = first; i < std::min(last, g.nodes.size()); ++i) {
+    const Node& n = g.nodes[i];
     if (n.inplace)
       for (int v : n.outputs)
         if (valid(g, v)) written[groups.find(v)] = 1;
     if (mutates_inputs(g, n))
-      for (int i : n.op->mutated_inputs)
-        if (static_cast<size_t>(i) < n.inputs.size() && valid(g, n.inputs[i]))
-          written[groups.find(n.inputs[i])] = 1;
+      for (int k : n.op->mutated_inputs)
+        if (static_cast<size_t>(k) < n.inputs.size() && valid(g, n.inputs[k]))
+          written[groups.find(n.inputs[k])] = 1;
   }
   std::vector<char> out(g.values.size(), 0);
   for (size_t v = 0; v < out.size(); ++v) out[v] = written[groups.find(static_cast<int>(v))];
   return out;
 }
+
+std::vector<char> written_memory(const Graph& g) { return written_memory(g, 0, g.nodes.size()); }
 
 const OpDef& registered_op(std::string_view name) {
   const OpDef* d = OpTable::instance().find(name);

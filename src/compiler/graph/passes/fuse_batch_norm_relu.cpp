@@ -4,6 +4,11 @@
 // removes one full pass over the activations. The relu backward's threshold and fill are 0-dim
 // graph values (host scalars the body wrapped, passed at run time, so their values are not known
 // here): the fused node reads them as inputs instead of assuming 0.
+//
+// When the relu is a batch_norm_relu of this graph that ran on the backward's own input, weight and
+// saved statistics (nothing written in between), the fused backward is
+// batch_norm_relu_backward_recompute: it recomputes the relu's result from the input, bit for bit,
+// instead of reading it, so each of its two passes streams one tensor less.
 #include <vector>
 
 #include "compiler/graph/passes.h"
@@ -22,6 +27,7 @@ bool is(const Node& n, const char* name, size_t inputs, size_t outputs) {
 void fuse_batch_norm_relu(Graph& g) {
   const OpDef& batch_norm_relu = internal::registered_op("batch_norm_relu");
   const OpDef& batch_norm_relu_backward = internal::registered_op("batch_norm_relu_backward");
+  const OpDef& batch_norm_relu_backward_recompute = internal::registered_op("batch_norm_relu_backward_recompute");
   const std::vector<int> uses = g.use_counts();
   const std::vector<char> written = internal::written_memory(g);
   std::vector<int> producer(g.values.size(), -1);  // value -> the node creating it
@@ -61,6 +67,26 @@ void fuse_batch_norm_relu(Graph& g) {
     erase[c] = true;
   }
 
+  // Whether batch_norm_relu node f's result can be recomputed inside the native_batch_norm_backward
+  // node b: b differentiates f (same input, weight, saved statistics and mode) and no node between
+  // them writes f's operands, so f's affine map is the one b can derive.
+  auto recomputes_mask = [&](int f, size_t b) {
+    const Node& fwd = g.nodes[static_cast<size_t>(f)];
+    const Node& bwd = g.nodes[b];
+    if (fwd.op != &batch_norm_relu || fwd.inputs.size() != 5 || fwd.outputs.size() != 3) return false;
+    if (!batch_norm_relu_backward_recompute.has_kernel(g.values[bwd.inputs[1]].device.type)) return false;
+    if (bwd.inputs[1] != fwd.inputs[0] || bwd.inputs[2] != fwd.inputs[1] || bwd.inputs[3] != fwd.outputs[1] ||
+        bwd.inputs[4] != fwd.outputs[2])
+      return false;
+    if (fwd.attrs.empty() || !std::holds_alternative<bool>(fwd.attrs[0]) ||
+        !std::holds_alternative<bool>(bwd.attrs[0]) || std::get<bool>(fwd.attrs[0]) != std::get<bool>(bwd.attrs[0]))
+      return false;
+    const std::vector<char> between = internal::written_memory(g, static_cast<size_t>(f) + 1, b);
+    for (int v : {fwd.inputs[0], fwd.inputs[1], fwd.inputs[2], fwd.outputs[1], fwd.outputs[2]})
+      if (internal::valid(g, v) && between[v]) return false;
+    return true;
+  };
+
   // where(le(r, threshold), fill, grad) -> native_batch_norm_backward, r a relu's output: the
   // fused node takes the backward's place and reads grad, r, threshold and fill there (none of
   // them is written in place, so reading them later reads the same values).
@@ -93,9 +119,16 @@ void fuse_batch_norm_relu(Graph& g) {
     if (!batch_norm_relu_backward.has_kernel(g.values[x].device.type)) continue;
     if (written[grad] || written[r] || written[threshold] || written[fill] || written[condition])
       continue;
-    bwd.op = &batch_norm_relu_backward;
-    bwd.inputs = {grad, r, x, bwd.inputs[2], bwd.inputs[3], bwd.inputs[4], threshold, fill};
-    bwd.name = namer("batch_norm_relu_backward");
+    if (recomputes_mask(producer[r], k)) {
+      bwd.op = &batch_norm_relu_backward_recompute;
+      bwd.inputs = {grad, x, bwd.inputs[2], bwd.inputs[3], bwd.inputs[4], g.nodes[producer[r]].inputs[2], threshold,
+                    fill};
+      bwd.name = namer("batch_norm_relu_backward_recompute");
+    } else {
+      bwd.op = &batch_norm_relu_backward;
+      bwd.inputs = {grad, r, x, bwd.inputs[2], bwd.inputs[3], bwd.inputs[4], threshold, fill};
+      bwd.name = namer("batch_norm_relu_backward");
+    }
     erase[w] = true;
     erase[l] = true;
   }
