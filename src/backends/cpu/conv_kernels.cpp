@@ -22,7 +22,7 @@
 // 1x1/stride-1, plain NHWC for channels-last), the gradient is reordered into the blocked layout
 // once and shared by both primitives when they agree on it, and the bias gradient comes out of
 // backward-weights. 1x1/stride-1 float32 weight gradients are threaded GEMMs instead, in both
-// layouts. float64 and fallbacks run col2im/im2col + GEMM; float16 computes through float32.
+// layouts, and so are their channels-last input gradients. float64 and fallbacks run col2im/im2col + GEMM; float16 computes through float32.
 //
 // Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
 // (blocked layouts only, reordered from and to the user's NCHW or NHWC). Inside a
@@ -1120,16 +1120,20 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   // oneDNN in the layout the forward ran in (NCHW where it has no fast NHWC kernel). 1x1/stride-1
   // float32 weight gradients: threaded GEMMs here, in either layout (oneDNN's backward-weights is
   // slower there: NCHW GEMM convolution parallelizes poorly, NHWC jit_1x1 measured 2x slower on
-  // DenseNet-121's shapes); the rest through a oneDNN plan.
+  // DenseNet-121's shapes); so are their NHWC input gradients, dx (pixels x C) = dy (pixels x O) w
+  // (O x C) (oneDNN's NHWC jit_1x1 backward-data measured up to 1.3x slower on DenseNet-121's
+  // first block). The rest runs through a oneDNN plan.
   Layout layout;
   std::shared_ptr<const BackwardPlan> plan;
-  bool use_onednn = false, own_dw = false, plan_dw = false;
+  bool use_onednn = false, own_dw = false, plan_dw = false, own_dx = false, plan_dx = false;
   if ((t == DType::float32 || t == DType::bfloat16) && onednn_enabled() && (need_dx || need_dw)) {
     auto try_layout = [&](Layout l) {
       own_dw = t == DType::float32 && need_dw && plain_layout(s);
       plan_dw = need_dw && !own_dw;
-      plan = need_dx || plan_dw ? find_backward_plan(s, t, l, need_dx, plan_dw) : nullptr;
-      return plan != nullptr || !(need_dx || plan_dw);
+      own_dx = t == DType::float32 && need_dx && plain_layout(s) && l.channels_last;
+      plan_dx = need_dx && !own_dx;
+      plan = plan_dx || plan_dw ? find_backward_plan(s, t, l, plan_dx, plan_dw) : nullptr;
+      return plan != nullptr || !(plan_dx || plan_dw);
     };
     const Layout preferred = preferred_layout(input, weight);
     if (try_layout(preferred)) {
@@ -1146,6 +1150,11 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor w = need_dx ? weight.contiguous(layout.weights()) : Tensor();
   OutputBuffer dx(outs[0], activations), dw(outs[1], layout.weights()), db(outs[2], contiguous_format);
   if (use_onednn) {
+    if (own_dx) {
+      const int64_t pixels = s.n * s.h * s.w;
+      gemm<float>(false, false, pixels, s.c, s.o, dy.data_ptr<float>(), s.o, w.data_ptr<float>(), s.c, 0.0f,
+                  static_cast<float*>(dx.data()), s.c);
+    }
     if (own_dw) {
       auto* dw_data = static_cast<float*>(dw.data());
       if (layout.channels_last)
@@ -1156,15 +1165,15 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
     // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
     // timed faster for this configuration.
     if (plan && t == DType::float32 && conv_autotune_active())
-      plan = autotuned_backward_plan(s, t, layout, need_dx, plan_dw, std::move(plan),
-                                     plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
+      plan = autotuned_backward_plan(s, t, layout, plan_dx, plan_dw, std::move(plan),
+                                     plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,
                                      dy.impl().data());
     const bool onednn_bias = need_db && plan && plan->bias;
     Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
                               : Tensor();
     if (plan)
-      run_backward_plan(*plan, plan_dw ? x.impl().data() : nullptr, need_dx ? w.impl().data() : nullptr,
-                        dy.impl().data(), need_dx ? dx.data() : nullptr, plan_dw ? dw.data() : nullptr,
+      run_backward_plan(*plan, plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,
+                        dy.impl().data(), plan_dx ? dx.data() : nullptr, plan_dw ? dw.data() : nullptr,
                         db32.defined() ? db32.data_ptr<float>() : nullptr);
     if (db32.defined() && !db32.same(db.buf)) db.buf.copy_(db32);
     if (need_db && !onednn_bias) {
