@@ -1121,8 +1121,8 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   // float32 weight gradients: threaded GEMMs here, in either layout (oneDNN's backward-weights is
   // slower there: NCHW GEMM convolution parallelizes poorly, NHWC jit_1x1 measured 2x slower on
   // DenseNet-121's shapes); so are their NHWC input gradients, dx (pixels x C) = dy (pixels x O) w
-  // (O x C) (oneDNN's NHWC jit_1x1 backward-data measured up to 1.3x slower on DenseNet-121's
-  // first block). The rest runs through a oneDNN plan.
+  // (O x C) (oneDNN's NHWC jit_1x1 backward-data measured 2-15% slower on DenseNet-121's
+  // shapes, A/B interleaved). The rest runs through a oneDNN plan.
   Layout layout;
   std::shared_ptr<const BackwardPlan> plan;
   bool use_onednn = false, own_dw = false, plan_dw = false, own_dx = false, plan_dx = false;
