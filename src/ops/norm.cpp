@@ -184,6 +184,17 @@ const OpDef& kNativeBatchNorm = register_op({
     .writes_mutated_inputs = [](const OpCall& c) { return c.bool_attr(0); },  // training only
 });
 
+// The relu-mask operands of batch_norm_relu_backward[_recompute], inputs 6 and 7: threshold and
+// fill, 0-dim tensors or None.
+void check_mask_scalars(const std::string& op, const OpCall& c) {
+  for (size_t i : {size_t{6}, size_t{7}}) {
+    const Tensor& t = c.input(i);
+    KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,
+               "[kiln::" + op + "] " + (i == 6 ? "threshold" : "fill") + " must be a 0-dim tensor, but got shape " +
+                   shape_str(t.sizes()) + ".");
+  }
+}
+
 // native_batch_norm_backward(grad_out, input, weight?, save_mean, save_invstd, train, output_mask).
 // Training differentiates through the batch statistics; evaluation (train=false, save_* holding
 // the running mean and 1 / sqrt(running_var + eps)) is a per-channel affine map.
@@ -245,12 +256,7 @@ const OpDef& kBatchNormReluBackward = register_op({
                  "[kiln::" + op + "] result (" + dtype_str(result.dtype()) + ") and grad_out (" +
                      dtype_str(grad.dtype()) + ") must have the input's dtype (" + dtype_str(x.dtype()) +
                      "). Convert them with .to(...).");
-      for (size_t i : {size_t{6}, size_t{7}}) {
-        const Tensor& t = c.input(i);
-        KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,
-                   "[kiln::" + op + "] " + (i == 6 ? "threshold" : "fill") + " must be a 0-dim tensor, but got shape " +
-                       shape_str(t.sizes()) + ".");
-      }
+      check_mask_scalars(op, c);
       return metas;
     },
     .lowering = "extern",
@@ -280,12 +286,7 @@ const OpDef& kBatchNormReluBackwardRecompute = register_op({
       KILN_CHECK(grad.dtype() == x.dtype(), DTypeError,
                  "[kiln::" + op + "] grad_out (" + dtype_str(grad.dtype()) + ") must have the input's dtype (" +
                      dtype_str(x.dtype()) + "). Convert it with .to(...).");
-      for (size_t i : {size_t{6}, size_t{7}}) {
-        const Tensor& t = c.input(i);
-        KILN_CHECK(!t.defined() || t.dim() == 0, ShapeError,
-                   "[kiln::" + op + "] " + (i == 6 ? "threshold" : "fill") + " must be a 0-dim tensor, but got shape " +
-                       shape_str(t.sizes()) + ".");
-      }
+      check_mask_scalars(op, c);
       return metas;
     },
     .lowering = "extern",
