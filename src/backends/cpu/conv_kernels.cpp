@@ -22,7 +22,8 @@
 // 1x1/stride-1, plain NHWC for channels-last), the gradient is reordered into the blocked layout
 // once and shared by both primitives when they agree on it, and the bias gradient comes out of
 // backward-weights. 1x1/stride-1 float32 weight gradients are threaded GEMMs instead, in both
-// layouts, and so are their channels-last input gradients. float64 and fallbacks run col2im/im2col + GEMM; float16 computes through float32.
+// layouts, and so are their channels-last input gradients. float64 and fallbacks run
+// col2im/im2col + GEMM; float16 computes through float32.
 //
 // Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
 // (blocked layouts only, reordered from and to the user's NCHW or NHWC). Inside a

@@ -185,13 +185,13 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
         int64_t c0 = 0;
         for (; c0 + kTile <= channels; c0 += kTile)
           channel_tile_sums<kTile, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                           s + c0, d + c0);
+                                      s + c0, d + c0);
         for (; c0 + 16 <= channels; c0 += 16)
           channel_tile_sums<16, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                        s + c0, d + c0);
+                                   s + c0, d + c0);
         for (; c0 < channels; ++c0)
           channel_tile_sums<1, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                       s + c0, d + c0);
+                                  s + c0, d + c0);
 #pragma omp simd
         for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
       });
