@@ -1,13 +1,16 @@
 // Convolution autotuning on the CPU (compile()'s max_autotune modes, DESIGN §2.5).
 //
-// While a ConvAutotuneScope is alive on a thread, a float32 convolution that oneDNN can also run
-// with Winograd F(4,3) (3x3, stride 1, no dilation, one group) times its direct plan against the
-// Winograd plan, reorders to and from the tensors' layout included, the first time it meets that
-// configuration, layout and direction (forward, backward-data, backward-weights); the faster one
-// is cached for the process and used by every later call inside a scope. Outside a scope
+// While a ConvAutotuneScope is alive on a thread, a float32 3x3 convolution (stride 1, no
+// dilation, one group) times its direct plan against the Winograd F(4x4, 3x3) algorithms that can
+// run it: oneDNN's Winograd plan (reorders to and from the tensors' layout included) and, for
+// channels-last activations without bias, Kiln's own (winograd_nhwc.h: forward and
+// backward-data). It does so the first time it meets that configuration, layout and direction
+// (forward, backward-data, backward-weights); the fastest is cached for the process and used by
+// every later call inside a scope (an alternative must beat direct by 5%). Outside a scope
 // convolutions always run the direct plan. KILN_CONV_AUTOTUNE (read when a scope is created): 0
-// makes scopes inert, to bisect a wrong result; "winograd" still times and records decisions but
-// runs Winograd wherever oneDNN has it, whatever won (to test Winograd's numerics).
+// makes scopes inert, to bisect a wrong result; "winograd" (or "winograd_nhwc") still times and
+// records decisions but runs oneDNN's (or Kiln's) Winograd wherever it is available, whatever won
+// (to test its numerics).
 #pragma once
 
 #include <array>
@@ -17,7 +20,8 @@
 
 namespace kiln::cpu {
 
-enum class ConvAlgorithm { direct, winograd };
+// direct and winograd are oneDNN's; winograd_nhwc is Kiln's own (winograd_nhwc.h).
+enum class ConvAlgorithm { direct, winograd, winograd_nhwc };
 enum class ConvDirection { forward, backward_data, backward_weights };
 
 const char* name(ConvAlgorithm a);
@@ -32,8 +36,9 @@ class ConvAutotuneScope {
   ConvAutotuneScope& operator=(const ConvAutotuneScope&) = delete;
 
  private:
-  bool active_;          // false when KILN_CONV_AUTOTUNE=0
-  bool force_winograd_;  // KILN_CONV_AUTOTUNE=winograd
+  bool active_;               // false when KILN_CONV_AUTOTUNE=0
+  bool force_winograd_;       // KILN_CONV_AUTOTUNE=winograd
+  bool force_winograd_nhwc_;  // KILN_CONV_AUTOTUNE=winograd_nhwc
 };
 
 // Whether a (non-inert) ConvAutotuneScope is alive on this thread.
@@ -46,13 +51,15 @@ struct ConvAutotuneDecision {
   std::array<int64_t, 4> weight{};  // O, C/groups, kH, kW
   bool channels_last = false;       // activations ran NHWC
   ConvDirection direction = ConvDirection::forward;
-  double direct_ms = 0, winograd_ms = 0;  // the fastest of the timed runs
+  // The fastest of the timed runs; negative for an algorithm that cannot run the configuration.
+  double direct_ms = 0, winograd_ms = -1, winograd_nhwc_ms = -1;
   ConvAlgorithm chosen = ConvAlgorithm::direct;
 
-  std::string str() const;  // "<config> backward_data: direct 2.84 ms, winograd 1.62 ms -> winograd"
+  // "<config> backward_data: direct 2.84 ms, winograd 2.16 ms, winograd_nhwc 1.62 ms -> winograd_nhwc"
+  std::string str() const;
 };
 
-// Every timed decision of this process so far (configurations Winograd can't run are not timed
+// Every timed decision of this process so far (configurations no Winograd can run are not timed
 // and not listed), in no particular order.
 std::vector<ConvAutotuneDecision> conv_autotune_decisions();
 

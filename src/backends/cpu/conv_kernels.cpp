@@ -57,6 +57,7 @@
 
 #include "backends/cpu/conv_autotune.h"
 #include "backends/cpu/loops.h"
+#include "backends/cpu/winograd_nhwc.h"
 #include "compiler/capture/runtime.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -405,9 +406,27 @@ Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
                                     out.device());
 }
 
+// Whether Kiln's Winograd runs this configuration in this layout (forward and backward-data).
+bool winograd_nhwc_runs(const ConvShape& s, Layout layout) {
+  return layout.channels_last &&
+         winograd_nhwc_applies(s.kh, s.kw, s.stride, s.dilation, s.groups, s.pad, s.bias, s.oh, s.ow);
+}
+
+void run_winograd_nhwc_forward(const ConvShape& s, Layout layout, const void* x, const void* w, void* y) {
+  winograd_nhwc_forward(static_cast<const float*>(x), s.n, s.h, s.w, s.c, static_cast<const float*>(w),
+                        layout.weight_channels_last, s.o, s.pad, static_cast<float*>(y), s.oh, s.ow);
+}
+
+void run_winograd_nhwc_backward_data(const ConvShape& s, Layout layout, const void* dy, const void* w, void* dx) {
+  winograd_nhwc_backward_data(static_cast<const float*>(dy), s.n, s.oh, s.ow, s.o, static_cast<const float*>(w),
+                              layout.weight_channels_last, s.c, s.pad, static_cast<float*>(dx), s.h, s.w);
+}
+
+// max_autotune's forward choice (below, with the backward's): a plan to run, or nullptr when
+// Kiln's Winograd (winograd_nhwc) won.
 std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, Layout layout,
                                                std::shared_ptr<const ConvPlan> direct, const void* x, const void* w,
-                                               const void* bias);  // below, with the backward's
+                                               const void* bias);
 
 void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   Tensor& out = outs[0];
@@ -440,10 +459,11 @@ void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
   if (plan) {
     Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
     const void* b_data = b.defined() ? b.impl().data() : nullptr;
-    // max_autotune: direct or Winograd, whichever timed faster for this configuration.
+    // max_autotune: direct or a Winograd, whichever timed fastest for this configuration.
     if (t == DType::float32 && conv_autotune_active())
       plan = autotuned_plan(s, t, layout, std::move(plan), x.impl().data(), w.impl().data(), b_data);
-    run_plan(*plan, x.impl().data(), w.impl().data(), b_data, y.impl().data());
+    if (plan) run_plan(*plan, x.impl().data(), w.impl().data(), b_data, y.impl().data());
+    else run_winograd_nhwc_forward(s, layout, x.impl().data(), w.impl().data(), y.impl().data());
   } else if (t == DType::float64) {
     Tensor b = bias.defined() ? bias.contiguous() : Tensor();
     conv_im2col<double>(s, x.data_ptr<double>(), w.data_ptr<double>(), b.defined() ? b.data_ptr<double>() : nullptr,
@@ -742,7 +762,8 @@ void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, cons
 // ---------------- autotuning (max_autotune): direct vs Winograd ----------------
 
 thread_local int t_autotune_depth = 0;
-thread_local int t_force_winograd_depth = 0;  // KILN_CONV_AUTOTUNE=winograd
+thread_local int t_force_winograd_depth = 0;       // KILN_CONV_AUTOTUNE=winograd
+thread_local int t_force_winograd_nhwc_depth = 0;  // KILN_CONV_AUTOTUNE=winograd_nhwc
 
 struct DecisionKey {
   ConvKey conv;
@@ -784,33 +805,31 @@ std::string describe(const ConvShape& s, DType dtype, Layout layout) {
                      s.bias ? ", bias" : "");
 }
 
-// Milliseconds of `run(algorithm)` for each algorithm, the fastest of five runs after two warm-up
-// runs, alternating so that load on the machine hits both alike. The fastest, not the median: on
-// a loaded machine a run that loses its cores takes scheduler quanta (measured 16-56 ms for
-// 0.05-3 ms convolutions), and only the undisturbed runs measure the kernels.
-std::pair<double, double> time_direct_and_winograd(const std::function<void(ConvAlgorithm)>& run) {
+// Milliseconds of `run(algorithm)` for each of `algorithms`, the fastest of five runs after two
+// warm-up runs, alternating so that load on the machine hits all alike. The fastest, not the
+// median: on a loaded machine a run that loses its cores takes scheduler quanta (measured 16-56 ms
+// for 0.05-3 ms convolutions), and only the undisturbed runs measure the kernels.
+std::vector<double> time_algorithms(const std::vector<ConvAlgorithm>& algorithms,
+                                    const std::function<void(ConvAlgorithm)>& run) {
   constexpr int kWarmup = 2, kRuns = 5;
-  for (int i = 0; i < kWarmup; ++i) {
-    run(ConvAlgorithm::direct);
-    run(ConvAlgorithm::winograd);
-  }
-  std::vector<double> ms[2];
+  for (int i = 0; i < kWarmup; ++i)
+    for (ConvAlgorithm a : algorithms) run(a);
+  std::vector<double> best(algorithms.size(), std::numeric_limits<double>::infinity());
   for (int i = 0; i < kRuns; ++i)
-    for (ConvAlgorithm a : {ConvAlgorithm::direct, ConvAlgorithm::winograd}) {
+    for (size_t k = 0; k < algorithms.size(); ++k) {
       const auto t0 = std::chrono::steady_clock::now();
-      run(a);
-      ms[static_cast<int>(a)].push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      run(algorithms[k]);
+      best[k] = std::min(best[k], std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
-  return {*std::min_element(ms[0].begin(), ms[0].end()), *std::min_element(ms[1].begin(), ms[1].end())};
+  return best;
 }
 
 // The algorithm for this configuration, layout and direction: the cached decision, else timed
-// now (`winograd_available` says whether there is anything to time; `run` runs one algorithm on
-// scratch outputs). Winograd must win by 5%: within noise, the direct plan (eager's numerics)
-// stays.
+// now. `alternatives` lists the Winograd algorithms that can run it (nothing to time when empty);
+// `run` runs one algorithm on scratch outputs. An alternative must beat direct by 5%: within
+// noise, the direct plan (eager's numerics) stays.
 ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, DType dtype, Layout layout,
-                                  const std::function<bool()>& winograd_available,
+                                  const std::function<std::vector<ConvAlgorithm>()>& alternatives,
                                   const std::function<void(ConvAlgorithm)>& run) {
   DecisionCache& cache = decision_cache();
   const DecisionKey key{make_key(s, dtype, layout), direction};
@@ -828,10 +847,23 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
     d.weight = {s.o, s.c / s.groups, s.kh, s.kw};
     d.channels_last = layout.channels_last;
     d.direction = direction;
-    const bool timed = winograd_available();
+    std::vector<ConvAlgorithm> algorithms = alternatives();
+    const bool timed = !algorithms.empty();
     if (timed) {
-      std::tie(d.direct_ms, d.winograd_ms) = time_direct_and_winograd(run);
-      d.chosen = d.winograd_ms < 0.95 * d.direct_ms ? ConvAlgorithm::winograd : ConvAlgorithm::direct;
+      algorithms.insert(algorithms.begin(), ConvAlgorithm::direct);
+      const std::vector<double> ms = time_algorithms(algorithms, run);
+      double best = std::numeric_limits<double>::infinity();
+      for (size_t k = 0; k < algorithms.size(); ++k) {
+        switch (algorithms[k]) {
+          case ConvAlgorithm::direct: d.direct_ms = ms[k]; break;
+          case ConvAlgorithm::winograd: d.winograd_ms = ms[k]; break;
+          case ConvAlgorithm::winograd_nhwc: d.winograd_nhwc_ms = ms[k]; break;
+        }
+        if (k > 0 && ms[k] < 0.95 * ms[0] && ms[k] < best) {
+          best = ms[k];
+          d.chosen = algorithms[k];
+        }
+      }
       if (compiler::logs().perf_hints)
         compiler::detail::log_stream() << "[kiln.compile] conv autotune: " << d.str() << "\n";
     }
@@ -840,7 +872,10 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
     entry->timed = timed;
   });
   if (!entry->timed) return ConvAlgorithm::direct;
-  return t_force_winograd_depth > 0 ? ConvAlgorithm::winograd : entry->decision.chosen;
+  const ConvAutotuneDecision& d = entry->decision;
+  if (t_force_winograd_nhwc_depth > 0 && d.winograd_nhwc_ms >= 0) return ConvAlgorithm::winograd_nhwc;
+  if (t_force_winograd_depth > 0 && d.winograd_ms >= 0) return ConvAlgorithm::winograd;
+  return d.chosen;
 }
 
 // The forward plan autotuning picks for a float32 call with direct plan `direct` (x, w, bias: the
@@ -852,11 +887,18 @@ std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, 
   ScratchBuffer out;  // never the caller's output
   const ConvAlgorithm a = autotuned_algorithm(
       ConvDirection::forward, s, dtype, layout,
-      [&] { return (winograd = find_plan(s, dtype, layout, ConvAlgorithm::winograd)) != nullptr; },
+      [&] {
+        std::vector<ConvAlgorithm> alternatives;
+        if ((winograd = find_plan(s, dtype, layout, ConvAlgorithm::winograd))) alternatives.push_back(ConvAlgorithm::winograd);
+        if (winograd_nhwc_runs(s, layout)) alternatives.push_back(ConvAlgorithm::winograd_nhwc);
+        return alternatives;
+      },
       [&](ConvAlgorithm algorithm) {
-        const ConvPlan& p = algorithm == ConvAlgorithm::winograd ? *winograd : *direct;
-        run_plan(p, x, w, bias, out.get(p.dst_user.get_size()));
+        void* y = out.get(direct->dst_user.get_size());
+        if (algorithm == ConvAlgorithm::winograd_nhwc) return run_winograd_nhwc_forward(s, layout, x, w, y);
+        run_plan(algorithm == ConvAlgorithm::winograd ? *winograd : *direct, x, w, bias, y);
       });
+  if (a == ConvAlgorithm::winograd_nhwc) return nullptr;
   if (a != ConvAlgorithm::winograd) return direct;
   if (!winograd) winograd = find_plan(s, dtype, layout, ConvAlgorithm::winograd);
   return winograd ? winograd : direct;
@@ -865,11 +907,13 @@ std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, 
 // The backward plan autotuning picks for a float32 call that needs backward-data (need_data)
 // and/or oneDNN's backward-weights (need_weights; s.bias: with the bias gradient): each direction
 // timed on its own. x, w, dy: the call's operands in the plan's layout (x only with need_weights,
-// w only with need_data).
+// w only with need_data). When Kiln's Winograd wins backward-data, *data_by_winograd_nhwc is set
+// and the plan returned leaves the input gradient out (nullptr when it has nothing else to do).
 std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, DType dtype, Layout layout,
                                                             bool need_data, bool need_weights,
                                                             std::shared_ptr<const BackwardPlan> direct, const void* x,
-                                                            const void* w, const void* dy) {
+                                                            const void* w, const void* dy, bool* data_by_winograd_nhwc) {
+  *data_by_winograd_nhwc = false;
   ConvAlgorithm data_algorithm = ConvAlgorithm::direct, weights_algorithm = ConvAlgorithm::direct;
   ScratchBuffer out, out_bias;  // never the caller's outputs
   if (need_data) {
@@ -879,14 +923,24 @@ std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, 
     data_algorithm = autotuned_algorithm(
         ConvDirection::backward_data, data_shape, dtype, layout,
         [&] {
+          std::vector<ConvAlgorithm> alternatives;
           plans[0] = find_backward_plan(data_shape, dtype, layout, true, false);
+          if (!plans[0]) return alternatives;
           plans[1] = find_backward_plan(data_shape, dtype, layout, true, false, ConvAlgorithm::winograd);
-          return plans[0] && plans[1];
+          if (plans[1]) alternatives.push_back(ConvAlgorithm::winograd);
+          if (winograd_nhwc_runs(data_shape, layout)) alternatives.push_back(ConvAlgorithm::winograd_nhwc);
+          return alternatives;
         },
         [&](ConvAlgorithm algorithm) {
-          const BackwardPlan& p = *plans[static_cast<int>(algorithm)];
-          run_backward_plan(p, nullptr, w, dy, out.get(p.src_user.get_size()), nullptr, nullptr);
+          void* dx = out.get(plans[0]->src_user.get_size());
+          if (algorithm == ConvAlgorithm::winograd_nhwc) return run_winograd_nhwc_backward_data(s, layout, dy, w, dx);
+          run_backward_plan(*plans[static_cast<int>(algorithm)], nullptr, w, dy, dx, nullptr, nullptr);
         });
+    if (data_algorithm == ConvAlgorithm::winograd_nhwc) {
+      *data_by_winograd_nhwc = true;
+      need_data = false;
+      data_algorithm = ConvAlgorithm::direct;
+    }
   }
   if (need_weights) {
     std::shared_ptr<const BackwardPlan> plans[2];
@@ -895,7 +949,7 @@ std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, 
         [&] {
           plans[0] = find_backward_plan(s, dtype, layout, false, true);
           plans[1] = find_backward_plan(s, dtype, layout, false, true, ConvAlgorithm::direct, ConvAlgorithm::winograd);
-          return plans[0] && plans[1];
+          return plans[0] && plans[1] ? std::vector<ConvAlgorithm>{ConvAlgorithm::winograd} : std::vector<ConvAlgorithm>{};
         },
         [&](ConvAlgorithm algorithm) {
           const BackwardPlan& p = *plans[static_cast<int>(algorithm)];
@@ -903,9 +957,13 @@ std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, 
                             p.bias ? static_cast<float*>(out_bias.get(p.bias_desc.get_size())) : nullptr);
         });
   }
-  if (data_algorithm == ConvAlgorithm::direct && weights_algorithm == ConvAlgorithm::direct) return direct;
+  if (!need_data && !need_weights) return nullptr;
+  if (!*data_by_winograd_nhwc && data_algorithm == ConvAlgorithm::direct && weights_algorithm == ConvAlgorithm::direct)
+    return direct;
   auto tuned = find_backward_plan(s, dtype, layout, need_data, need_weights, data_algorithm, weights_algorithm);
-  return tuned ? tuned : direct;
+  if (tuned || !*data_by_winograd_nhwc) return tuned ? tuned : direct;
+  *data_by_winograd_nhwc = false;  // no plan without backward-data: the direct plan does it all
+  return direct;
 }
 
 // ---------------- backward: col2im/im2col + GEMM ----------------
@@ -1165,10 +1223,16 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
     }
     // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
     // timed faster for this configuration.
-    if (plan && t == DType::float32 && conv_autotune_active())
+    if (plan && t == DType::float32 && conv_autotune_active()) {
+      bool dx_by_winograd_nhwc = false;
       plan = autotuned_backward_plan(s, t, layout, plan_dx, plan_dw, std::move(plan),
                                      plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,
-                                     dy.impl().data());
+                                     dy.impl().data(), &dx_by_winograd_nhwc);
+      if (dx_by_winograd_nhwc) {
+        run_winograd_nhwc_backward_data(s, layout, dy.impl().data(), w.impl().data(), dx.data());
+        plan_dx = false;
+      }
+    }
     const bool onednn_bias = need_db && plan && plan->bias;
     Tensor db32 = onednn_bias ? (t == DType::float32 && db.buf.is_contiguous() ? db.buf : empty({s.o}, kFloat32))
                               : Tensor();
@@ -1217,7 +1281,14 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 }  // namespace
 
-const char* name(ConvAlgorithm a) { return a == ConvAlgorithm::winograd ? "winograd" : "direct"; }
+const char* name(ConvAlgorithm a) {
+  switch (a) {
+    case ConvAlgorithm::direct: return "direct";
+    case ConvAlgorithm::winograd: return "winograd";
+    case ConvAlgorithm::winograd_nhwc: return "winograd_nhwc";
+  }
+  return "?";
+}
 
 const char* name(ConvDirection d) {
   switch (d) {
@@ -1232,20 +1303,25 @@ ConvAutotuneScope::ConvAutotuneScope() {
   const char* v = std::getenv("KILN_CONV_AUTOTUNE");  // read per scope, so tests can flip it
   active_ = v == nullptr || std::string_view(v) != "0";
   force_winograd_ = v != nullptr && std::string_view(v) == "winograd";
+  force_winograd_nhwc_ = v != nullptr && std::string_view(v) == "winograd_nhwc";
   if (active_) ++t_autotune_depth;
   if (force_winograd_) ++t_force_winograd_depth;
+  if (force_winograd_nhwc_) ++t_force_winograd_nhwc_depth;
 }
 
 ConvAutotuneScope::~ConvAutotuneScope() {
   if (active_) --t_autotune_depth;
   if (force_winograd_) --t_force_winograd_depth;
+  if (force_winograd_nhwc_) --t_force_winograd_nhwc_depth;
 }
 
 bool conv_autotune_active() { return t_autotune_depth > 0; }
 
 std::string ConvAutotuneDecision::str() const {
-  return fmt::format("{} {}: direct {:.3f} ms, winograd {:.3f} ms -> {}", config, name(direction), direct_ms,
-                     winograd_ms, name(chosen));
+  std::string timings = fmt::format("direct {:.3f} ms", direct_ms);
+  if (winograd_ms >= 0) timings += fmt::format(", winograd {:.3f} ms", winograd_ms);
+  if (winograd_nhwc_ms >= 0) timings += fmt::format(", winograd_nhwc {:.3f} ms", winograd_nhwc_ms);
+  return fmt::format("{} {}: {} -> {}", config, name(direction), timings, name(chosen));
 }
 
 std::vector<ConvAutotuneDecision> conv_autotune_decisions() {

@@ -1,0 +1,222 @@
+// Kiln's Winograd F(4x4, 3x3) convolution on channels-last float32 data (winograd_nhwc.h).
+//
+// The transform matrices are Lavin & Gray's for F(4, 3) (interpolation points 0, 1, -1, 2, -2
+// and infinity):
+//   B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]
+//   G   = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
+//   A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+// and a 4x4 output tile is A^T [(G g G^T) .* (B^T d B)] A, summed over input channels; the
+// elementwise product summed over channels is one GEMM per transform point p (36 of them):
+// M[p] (tiles x out channels) = V[p] (tiles x in channels) U[p] (in channels x out channels).
+#include "backends/cpu/winograd_nhwc.h"
+
+#include <oneapi/dnnl/dnnl.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backends/cpu/loops.h"
+#include "kiln/error.h"
+
+namespace kiln::cpu {
+
+namespace {
+
+constexpr int64_t kPoints = 36;
+constexpr int64_t kTileBlock = 64;  // tiles per block: 36 x 64 x 128 floats of V = 1.2 MB at 128 channels
+
+// r = B^T d for six vectors of n values (d[k] and r[k] n values each, any stride between them).
+inline void input_transform_1d(const float* const d[6], float* const r[6], int64_t n) {
+  const float *__restrict d0 = d[0], *__restrict d1 = d[1], *__restrict d2 = d[2], *__restrict d3 = d[3],
+              *__restrict d4 = d[4], *__restrict d5 = d[5];
+  float *__restrict r0 = r[0], *__restrict r1 = r[1], *__restrict r2 = r[2], *__restrict r3 = r[3],
+        *__restrict r4 = r[4], *__restrict r5 = r[5];
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) {
+    const float a0 = d0[c], a1 = d1[c], a2 = d2[c], a3 = d3[c], a4 = d4[c], a5 = d5[c];
+    r0[c] = 4 * a0 - 5 * a2 + a4;
+    r1[c] = -4 * (a1 + a2) + a3 + a4;
+    r2[c] = 4 * (a1 - a2) - a3 + a4;
+    r3[c] = 2 * (a3 - a1) - a2 + a4;
+    r4[c] = 2 * (a1 - a3) - a2 + a4;
+    r5[c] = 4 * a1 - 5 * a3 + a5;
+  }
+}
+
+// r = A^T m for six vectors of n values (four results).
+inline void output_transform_1d(const float* const m[6], float* const r[4], int64_t n) {
+  const float *__restrict m0 = m[0], *__restrict m1 = m[1], *__restrict m2 = m[2], *__restrict m3 = m[3],
+              *__restrict m4 = m[4], *__restrict m5 = m[5];
+  float *__restrict r0 = r[0], *__restrict r1 = r[1], *__restrict r2 = r[2], *__restrict r3 = r[3];
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) {
+    const float a0 = m0[c], a1 = m1[c], a2 = m2[c], a3 = m3[c], a4 = m4[c], a5 = m5[c];
+    const float s12 = a1 + a2, d12 = a1 - a2, s34 = a3 + a4, d34 = a3 - a4;
+    r0[c] = a0 + s12 + s34;
+    r1[c] = d12 + 2 * d34;
+    r2[c] = s12 + 4 * s34;
+    r3[c] = d12 + 8 * d34 + a5;
+  }
+}
+
+// u = G g for three values (six results).
+inline void kernel_transform_1d(const float g[3], float u[6]) {
+  u[0] = g[0] * 0.25f;
+  u[1] = -(g[0] + g[1] + g[2]) * (1.0f / 6);
+  u[2] = -(g[0] - g[1] + g[2]) * (1.0f / 6);
+  u[3] = g[0] * (1.0f / 24) + g[1] * (1.0f / 12) + g[2] * (1.0f / 6);
+  u[4] = g[0] * (1.0f / 24) - g[1] * (1.0f / 12) + g[2] * (1.0f / 6);
+  u[5] = g[2];
+}
+
+// U[p][ci][co] = (G g G^T)[p] for the kernel g = weight(co, ci, 0..2, 0..2). One input channel
+// at a time is transformed into a row per point, then copied: stores straight into U's 36 rows
+// (each ci * co floats apart) measured 1 ms for a 32x128 kernel set, the copies 0.02 ms.
+template <class Weight>
+std::vector<float> transform_kernels(int64_t out_channels, int64_t in_channels, Weight&& weight) {
+  std::vector<float> u(static_cast<size_t>(kPoints * in_channels * out_channels));
+  parallel_for(in_channels, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, out_channels)), [&](int64_t b, int64_t e) {
+    std::vector<float> rows(static_cast<size_t>(kPoints * out_channels));
+    for (int64_t ci = b; ci < e; ++ci) {
+      for (int64_t co = 0; co < out_channels; ++co) {
+        float g[3][3], t[6][3];
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 3; ++j) g[i][j] = weight(co, ci, i, j);
+        for (int j = 0; j < 3; ++j) {  // t = G g, column by column
+          const float column[3] = {g[0][j], g[1][j], g[2][j]};
+          float r[6];
+          kernel_transform_1d(column, r);
+          for (int i = 0; i < 6; ++i) t[i][j] = r[i];
+        }
+        for (int i = 0; i < 6; ++i) {  // (t G^T) row by row
+          float r[6];
+          kernel_transform_1d(t[i], r);
+          for (int j = 0; j < 6; ++j) rows[static_cast<size_t>((i * 6 + j) * out_channels + co)] = r[j];
+        }
+      }
+      for (int64_t p = 0; p < kPoints; ++p)
+        std::copy_n(rows.data() + p * out_channels, out_channels, u.data() + (p * in_channels + ci) * out_channels);
+    }
+  });
+  return u;
+}
+
+// Per-thread scratch, kept across calls (a fresh megabyte per call would fault in its pages).
+struct Scratch {
+  std::vector<float> v, m, d, t, sink;
+};
+Scratch& thread_scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+// y (n, oh, ow, co) = sum over ci of the F(4x4, 3x3) convolution of x (n, h, w, ci), padded by
+// pad, with the transformed kernels u.
+void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* u, int64_t co,
+                   const int64_t pad[2], float* y, int64_t oh, int64_t ow) {
+  const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
+  const int64_t blocks = (tiles + kTileBlock - 1) / kTileBlock;
+  parallel_for(blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    Scratch& s = thread_scratch();
+    s.v.resize(static_cast<size_t>(kPoints * kTileBlock * ci));
+    s.m.resize(static_cast<size_t>(kPoints * kTileBlock * co));
+    s.d.resize(static_cast<size_t>(kPoints * ci));
+    s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+    s.sink.resize(static_cast<size_t>(4 * co));
+    float* v = s.v.data();
+    float* m = s.m.data();
+    float* d = s.d.data();
+    float* t = s.t.data();
+    for (int64_t block = block_begin; block < block_end; ++block) {
+      const int64_t first = block * kTileBlock, count = std::min(kTileBlock, tiles - first);
+      // Input transform: V[p][tile] = (B^T d B)[p], d the tile's 6x6 input pixels (zero outside).
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t tile = first + k, img = tile / (tiles_h * tiles_w);
+        const int64_t y0 = tile / tiles_w % tiles_h * 4 - pad[0], x0 = tile % tiles_w * 4 - pad[1];
+        for (int64_t i = 0; i < 6; ++i)
+          for (int64_t j = 0; j < 6; ++j) {
+            float* dst = d + (i * 6 + j) * ci;
+            const int64_t yy = y0 + i, xx = x0 + j;
+            if (yy < 0 || yy >= h || xx < 0 || xx >= w) std::fill_n(dst, ci, 0.0f);
+            else std::memcpy(dst, x + ((img * h + yy) * w + xx) * ci, static_cast<size_t>(ci) * sizeof(float));
+          }
+        for (int64_t j = 0; j < 6; ++j) {  // columns: t = B^T d
+          const float* in[6];
+          float* out[6];
+          for (int64_t i = 0; i < 6; ++i) {
+            in[i] = d + (i * 6 + j) * ci;
+            out[i] = t + (i * 6 + j) * ci;
+          }
+          input_transform_1d(in, out, ci);
+        }
+        for (int64_t i = 0; i < 6; ++i) {  // rows: V = t B, straight into the GEMM operands
+          const float* in[6];
+          float* out[6];
+          for (int64_t j = 0; j < 6; ++j) {
+            in[j] = t + (i * 6 + j) * ci;
+            out[j] = v + ((i * 6 + j) * kTileBlock + k) * ci;
+          }
+          input_transform_1d(in, out, ci);
+        }
+      }
+      // M[p] = V[p] U[p]: single-threaded inside this thread's block.
+      for (int64_t p = 0; p < kPoints; ++p) {
+        const dnnl_status_t st = dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * kTileBlock * ci, ci,
+                                            u + p * ci * co, co, 0.0f, m + p * kTileBlock * co, co);
+        KILN_CHECK(st == dnnl_success, Error, "[kiln::conv2d] oneDNN's sgemm failed in the Winograd convolution.");
+      }
+      // Output transform: the tile's 4x4 outputs = A^T M A, clipped at the output's edge.
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t tile = first + k, img = tile / (tiles_h * tiles_w);
+        const int64_t ty = tile / tiles_w % tiles_h * 4, tx = tile % tiles_w * 4;
+        for (int64_t j = 0; j < 6; ++j) {  // columns: t = A^T M
+          const float* in[6];
+          float* out[4];
+          for (int64_t i = 0; i < 6; ++i) in[i] = m + ((i * 6 + j) * kTileBlock + k) * co;
+          for (int64_t i = 0; i < 4; ++i) out[i] = t + (i * 6 + j) * co;
+          output_transform_1d(in, out, co);
+        }
+        const int64_t cols = std::min<int64_t>(4, ow - tx);
+        for (int64_t i = 0; i < 4 && ty + i < oh; ++i) {  // rows: y = t A
+          const float* in[6];
+          float* out[4];
+          float* row = y + ((img * oh + ty + i) * ow + tx) * co;
+          for (int64_t j = 0; j < 6; ++j) in[j] = t + (i * 6 + j) * co;
+          for (int64_t j = 0; j < 4; ++j) out[j] = j < cols ? row + j * co : s.sink.data() + j * co;  // past the edge
+          output_transform_1d(in, out, co);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool winograd_nhwc_applies(int64_t kh, int64_t kw, const int64_t stride[2], const int64_t dilation[2], int64_t groups,
+                           const int64_t pad[2], bool bias, int64_t oh, int64_t ow) {
+  return kh == 3 && kw == 3 && stride[0] == 1 && stride[1] == 1 && dilation[0] == 1 && dilation[1] == 1 &&
+         groups == 1 && pad[0] >= 0 && pad[0] <= 2 && pad[1] >= 0 && pad[1] <= 2 && !bias && oh > 0 && ow > 0;
+}
+
+void winograd_nhwc_forward(const float* x, int64_t n, int64_t h, int64_t w, int64_t c, const float* weight,
+                           bool weight_ohwi, int64_t o, const int64_t pad[2], float* y, int64_t oh, int64_t ow) {
+  const std::vector<float> u = transform_kernels(o, c, [&](int64_t co, int64_t ci, int i, int j) {
+    return weight_ohwi ? weight[((co * 3 + i) * 3 + j) * c + ci] : weight[((co * c + ci) * 3 + i) * 3 + j];
+  });
+  winograd_conv(x, n, h, w, c, u.data(), o, pad, y, oh, ow);
+}
+
+void winograd_nhwc_backward_data(const float* dy, int64_t n, int64_t oh, int64_t ow, int64_t o, const float* weight,
+                                 bool weight_ohwi, int64_t c, const int64_t pad[2], float* dx, int64_t h, int64_t w) {
+  // dx = conv(dy, the kernel rotated 180 degrees with in/out channels swapped), padded by 2 - pad.
+  const std::vector<float> u = transform_kernels(c, o, [&](int64_t co, int64_t ci, int i, int j) {
+    const int64_t ri = 2 - i, rj = 2 - j;  // input channel ci of this convolution is output channel ci of the forward
+    return weight_ohwi ? weight[((ci * 3 + ri) * 3 + rj) * c + co] : weight[((ci * c + co) * 3 + ri) * 3 + rj];
+  });
+  const int64_t data_pad[2] = {2 - pad[0], 2 - pad[1]};
+  winograd_conv(dy, n, oh, ow, o, u.data(), c, data_pad, dx, h, w);
+}
+
+}  // namespace kiln::cpu
