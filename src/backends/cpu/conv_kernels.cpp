@@ -406,7 +406,7 @@ Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
                                     out.device());
 }
 
-// Whether Kiln's Winograd runs this configuration in this layout (forward and backward-data).
+// Whether Kiln's Winograd runs this configuration in this layout (any direction).
 bool winograd_nhwc_runs(const ConvShape& s, Layout layout) {
   return layout.channels_last &&
          winograd_nhwc_applies(s.kh, s.kw, s.stride, s.dilation, s.groups, s.pad, s.bias, s.oh, s.ow);
@@ -420,6 +420,11 @@ void run_winograd_nhwc_forward(const ConvShape& s, Layout layout, const void* x,
 void run_winograd_nhwc_backward_data(const ConvShape& s, Layout layout, const void* dy, const void* w, void* dx) {
   winograd_nhwc_backward_data(static_cast<const float*>(dy), s.n, s.oh, s.ow, s.o, static_cast<const float*>(w),
                               layout.weight_channels_last, s.c, s.pad, static_cast<float*>(dx), s.h, s.w);
+}
+
+void run_winograd_nhwc_backward_weights(const ConvShape& s, Layout layout, const void* x, const void* dy, void* dw) {
+  winograd_nhwc_backward_weights(static_cast<const float*>(x), s.n, s.h, s.w, s.c, static_cast<const float*>(dy), s.o,
+                                 s.oh, s.ow, s.pad, static_cast<float*>(dw), layout.weight_channels_last);
 }
 
 // max_autotune's forward choice (below, with the backward's): a plan to run, or nullptr when
@@ -907,13 +912,16 @@ std::shared_ptr<const ConvPlan> autotuned_plan(const ConvShape& s, DType dtype, 
 // The backward plan autotuning picks for a float32 call that needs backward-data (need_data)
 // and/or oneDNN's backward-weights (need_weights; s.bias: with the bias gradient): each direction
 // timed on its own. x, w, dy: the call's operands in the plan's layout (x only with need_weights,
-// w only with need_data). When Kiln's Winograd wins backward-data, *data_by_winograd_nhwc is set
-// and the plan returned leaves the input gradient out (nullptr when it has nothing else to do).
+// w only with need_data). When Kiln's Winograd wins backward-data (backward-weights),
+// *data_by_winograd_nhwc (*weights_by_winograd_nhwc) is set and the plan returned leaves that
+// gradient out (nullptr when it has nothing else to do).
 std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, DType dtype, Layout layout,
                                                             bool need_data, bool need_weights,
                                                             std::shared_ptr<const BackwardPlan> direct, const void* x,
-                                                            const void* w, const void* dy, bool* data_by_winograd_nhwc) {
+                                                            const void* w, const void* dy, bool* data_by_winograd_nhwc,
+                                                            bool* weights_by_winograd_nhwc) {
   *data_by_winograd_nhwc = false;
+  *weights_by_winograd_nhwc = false;
   ConvAlgorithm data_algorithm = ConvAlgorithm::direct, weights_algorithm = ConvAlgorithm::direct;
   ScratchBuffer out, out_bias;  // never the caller's outputs
   if (need_data) {
@@ -947,22 +955,33 @@ std::shared_ptr<const BackwardPlan> autotuned_backward_plan(const ConvShape& s, 
     weights_algorithm = autotuned_algorithm(
         ConvDirection::backward_weights, s, dtype, layout,
         [&] {
+          std::vector<ConvAlgorithm> alternatives;
           plans[0] = find_backward_plan(s, dtype, layout, false, true);
+          if (!plans[0]) return alternatives;
           plans[1] = find_backward_plan(s, dtype, layout, false, true, ConvAlgorithm::direct, ConvAlgorithm::winograd);
-          return plans[0] && plans[1] ? std::vector<ConvAlgorithm>{ConvAlgorithm::winograd} : std::vector<ConvAlgorithm>{};
+          if (plans[1]) alternatives.push_back(ConvAlgorithm::winograd);
+          if (winograd_nhwc_runs(s, layout)) alternatives.push_back(ConvAlgorithm::winograd_nhwc);
+          return alternatives;
         },
         [&](ConvAlgorithm algorithm) {
+          void* dw = out.get(plans[0]->weights_user.get_size());
+          if (algorithm == ConvAlgorithm::winograd_nhwc) return run_winograd_nhwc_backward_weights(s, layout, x, dy, dw);
           const BackwardPlan& p = *plans[static_cast<int>(algorithm)];
-          run_backward_plan(p, x, nullptr, dy, nullptr, out.get(p.weights_user.get_size()),
+          run_backward_plan(p, x, nullptr, dy, nullptr, dw,
                             p.bias ? static_cast<float*>(out_bias.get(p.bias_desc.get_size())) : nullptr);
         });
+    if (weights_algorithm == ConvAlgorithm::winograd_nhwc) {
+      *weights_by_winograd_nhwc = true;
+      need_weights = false;
+      weights_algorithm = ConvAlgorithm::direct;
+    }
   }
   if (!need_data && !need_weights) return nullptr;
-  if (!*data_by_winograd_nhwc && data_algorithm == ConvAlgorithm::direct && weights_algorithm == ConvAlgorithm::direct)
-    return direct;
+  const bool own = *data_by_winograd_nhwc || *weights_by_winograd_nhwc;
+  if (!own && data_algorithm == ConvAlgorithm::direct && weights_algorithm == ConvAlgorithm::direct) return direct;
   auto tuned = find_backward_plan(s, dtype, layout, need_data, need_weights, data_algorithm, weights_algorithm);
-  if (tuned || !*data_by_winograd_nhwc) return tuned ? tuned : direct;
-  *data_by_winograd_nhwc = false;  // no plan without backward-data: the direct plan does it all
+  if (tuned || !own) return tuned ? tuned : direct;
+  *data_by_winograd_nhwc = *weights_by_winograd_nhwc = false;  // no such plan: the direct one does it all
   return direct;
 }
 
@@ -1224,13 +1243,17 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
     // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
     // timed faster for this configuration.
     if (plan && t == DType::float32 && conv_autotune_active()) {
-      bool dx_by_winograd_nhwc = false;
+      bool dx_by_winograd_nhwc = false, dw_by_winograd_nhwc = false;
       plan = autotuned_backward_plan(s, t, layout, plan_dx, plan_dw, std::move(plan),
                                      plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,
-                                     dy.impl().data(), &dx_by_winograd_nhwc);
+                                     dy.impl().data(), &dx_by_winograd_nhwc, &dw_by_winograd_nhwc);
       if (dx_by_winograd_nhwc) {
         run_winograd_nhwc_backward_data(s, layout, dy.impl().data(), w.impl().data(), dx.data());
         plan_dx = false;
+      }
+      if (dw_by_winograd_nhwc) {
+        run_winograd_nhwc_backward_weights(s, layout, x.impl().data(), dy.impl().data(), dw.data());
+        plan_dw = false;
       }
     }
     const bool onednn_bias = need_db && plan && plan->bias;

@@ -61,6 +61,31 @@ inline void output_transform_1d(const float* const m[6], float* const r[4], int6
   }
 }
 
+// r = A v for four vectors of n values (six results): the adjoint of the output transform.
+inline void output_gradient_transform_1d(const float* const v[4], float* const r[6], int64_t n) {
+  const float *__restrict v0 = v[0], *__restrict v1 = v[1], *__restrict v2 = v[2], *__restrict v3 = v[3];
+  float *__restrict r0 = r[0], *__restrict r1 = r[1], *__restrict r2 = r[2], *__restrict r3 = r[3],
+        *__restrict r4 = r[4], *__restrict r5 = r[5];
+#pragma omp simd
+  for (int64_t c = 0; c < n; ++c) {
+    const float a0 = v0[c], a1 = v1[c], a2 = v2[c], a3 = v3[c];
+    const float s02 = a0 + a2, s13 = a1 + a3, q02 = a0 + 4 * a2, q13 = 2 * a1 + 8 * a3;
+    r0[c] = a0;
+    r1[c] = s02 + s13;
+    r2[c] = s02 - s13;
+    r3[c] = q02 + q13;
+    r4[c] = q02 - q13;
+    r5[c] = a3;
+  }
+}
+
+// r = G^T u for six values (three results): the adjoint of the kernel transform.
+inline void kernel_gradient_transform_1d(const double u[6], double r[3]) {
+  r[0] = u[0] / 4 - (u[1] + u[2]) / 6 + (u[3] + u[4]) / 24;
+  r[1] = (u[2] - u[1]) / 6 + (u[3] - u[4]) / 12;
+  r[2] = (u[3] + u[4] - u[1] - u[2]) / 6 + u[5];
+}
+
 // u = G g for three values (six results).
 inline void kernel_transform_1d(const float g[3], float u[6]) {
   u[0] = g[0] * 0.25f;
@@ -103,6 +128,39 @@ std::vector<float> transform_kernels(int64_t out_channels, int64_t in_channels, 
   return u;
 }
 
+// V[p] (row k of the block's p-th tiles x ci operand, `v` pointing at row k of point 0) = (B^T d B)[p],
+// d the tile's 6x6 input pixels (zero outside the input). d and t: 36 * ci floats of scratch.
+void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int64_t tiles_h, int64_t tiles_w,
+                          const int64_t pad[2], int64_t tile, float* v, float* d, float* t) {
+  const int64_t img = tile / (tiles_h * tiles_w);
+  const int64_t y0 = tile / tiles_w % tiles_h * 4 - pad[0], x0 = tile % tiles_w * 4 - pad[1];
+  for (int64_t i = 0; i < 6; ++i)
+    for (int64_t j = 0; j < 6; ++j) {
+      float* dst = d + (i * 6 + j) * ci;
+      const int64_t yy = y0 + i, xx = x0 + j;
+      if (yy < 0 || yy >= h || xx < 0 || xx >= w) std::fill_n(dst, ci, 0.0f);
+      else std::memcpy(dst, x + ((img * h + yy) * w + xx) * ci, static_cast<size_t>(ci) * sizeof(float));
+    }
+  for (int64_t j = 0; j < 6; ++j) {  // columns: t = B^T d
+    const float* in[6];
+    float* out[6];
+    for (int64_t i = 0; i < 6; ++i) {
+      in[i] = d + (i * 6 + j) * ci;
+      out[i] = t + (i * 6 + j) * ci;
+    }
+    input_transform_1d(in, out, ci);
+  }
+  for (int64_t i = 0; i < 6; ++i) {  // rows: V = t B, straight into the GEMM operands
+    const float* in[6];
+    float* out[6];
+    for (int64_t j = 0; j < 6; ++j) {
+      in[j] = t + (i * 6 + j) * ci;
+      out[j] = v + (i * 6 + j) * kTileBlock * ci;
+    }
+    input_transform_1d(in, out, ci);
+  }
+}
+
 // Per-thread scratch, kept across calls (a fresh megabyte per call would fault in its pages).
 struct Scratch {
   std::vector<float> v, m, d, t, sink;
@@ -131,36 +189,8 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
     float* t = s.t.data();
     for (int64_t block = block_begin; block < block_end; ++block) {
       const int64_t first = block * kTileBlock, count = std::min(kTileBlock, tiles - first);
-      // Input transform: V[p][tile] = (B^T d B)[p], d the tile's 6x6 input pixels (zero outside).
-      for (int64_t k = 0; k < count; ++k) {
-        const int64_t tile = first + k, img = tile / (tiles_h * tiles_w);
-        const int64_t y0 = tile / tiles_w % tiles_h * 4 - pad[0], x0 = tile % tiles_w * 4 - pad[1];
-        for (int64_t i = 0; i < 6; ++i)
-          for (int64_t j = 0; j < 6; ++j) {
-            float* dst = d + (i * 6 + j) * ci;
-            const int64_t yy = y0 + i, xx = x0 + j;
-            if (yy < 0 || yy >= h || xx < 0 || xx >= w) std::fill_n(dst, ci, 0.0f);
-            else std::memcpy(dst, x + ((img * h + yy) * w + xx) * ci, static_cast<size_t>(ci) * sizeof(float));
-          }
-        for (int64_t j = 0; j < 6; ++j) {  // columns: t = B^T d
-          const float* in[6];
-          float* out[6];
-          for (int64_t i = 0; i < 6; ++i) {
-            in[i] = d + (i * 6 + j) * ci;
-            out[i] = t + (i * 6 + j) * ci;
-          }
-          input_transform_1d(in, out, ci);
-        }
-        for (int64_t i = 0; i < 6; ++i) {  // rows: V = t B, straight into the GEMM operands
-          const float* in[6];
-          float* out[6];
-          for (int64_t j = 0; j < 6; ++j) {
-            in[j] = t + (i * 6 + j) * ci;
-            out[j] = v + ((i * 6 + j) * kTileBlock + k) * ci;
-          }
-          input_transform_1d(in, out, ci);
-        }
-      }
+      for (int64_t k = 0; k < count; ++k)
+        transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, first + k, v + k * ci, d, t);
       // M[p] = V[p] U[p]: single-threaded inside this thread's block.
       for (int64_t p = 0; p < kPoints; ++p) {
         const dnnl_status_t st = dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * kTileBlock * ci, ci,
@@ -192,6 +222,104 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
   });
 }
 
+// dW (co, ci, 3, 3) of the F(4x4, 3x3) convolution of x (n, h, w, ci) padded by pad, for the output
+// gradient dy (n, oh, ow, co): dU[p] = sum over tiles of V[p]^T (ci x tiles) Yg[p] (tiles x co),
+// Yg the output gradient's tiles through A (zero past the output's edge, where the forward
+// computed values nobody read), then dW = G^T dU G (in double). Each thread sums its blocks of
+// tiles into its own dU; the threads' sums are added first.
+void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* dy, int64_t co,
+                          const int64_t pad[2], int64_t oh, int64_t ow, float* dw, bool dw_ohwi) {
+  const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
+  const int64_t blocks = (tiles + kTileBlock - 1) / kTileBlock;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = std::max<int64_t>(1, std::min(threads, blocks));
+  const int64_t u_size = kPoints * ci * co;
+  // The caller's buffer, reused (a fresh one faults in its pages), and named through a pointer: a
+  // thread_local named inside the parallel loops would be each worker's own.
+  thread_local std::vector<float> partial_buffer;
+  partial_buffer.assign(static_cast<size_t>(parts * u_size), 0.0f);
+  float* const partial = partial_buffer.data();
+  parallel_for(parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    Scratch& s = thread_scratch();
+    s.v.resize(static_cast<size_t>(kPoints * kTileBlock * ci));
+    s.m.resize(static_cast<size_t>(kPoints * kTileBlock * co));
+    s.d.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+    s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+    float* v = s.v.data();
+    float* yg = s.m.data();
+    float* d = s.d.data();
+    float* t = s.t.data();
+    for (int64_t part = part_begin; part < part_end; ++part) {
+      float* du = partial + part * u_size;
+      for (int64_t block = blocks * part / parts; block < blocks * (part + 1) / parts; ++block) {
+        const int64_t first = block * kTileBlock, count = std::min(kTileBlock, tiles - first);
+        for (int64_t k = 0; k < count; ++k) {
+          const int64_t tile = first + k, img = tile / (tiles_h * tiles_w);
+          const int64_t ty = tile / tiles_w % tiles_h * 4, tx = tile % tiles_w * 4;
+          transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, tile, v + k * ci, d, t);
+          for (int64_t i = 0; i < 4; ++i)  // the tile's 4x4 output gradients, zero past the edge
+            for (int64_t j = 0; j < 4; ++j) {
+              float* dst = d + (i * 4 + j) * co;
+              if (ty + i >= oh || tx + j >= ow) std::fill_n(dst, co, 0.0f);
+              else std::memcpy(dst, dy + ((img * oh + ty + i) * ow + tx + j) * co, static_cast<size_t>(co) * sizeof(float));
+            }
+          for (int64_t j = 0; j < 4; ++j) {  // columns: t (6x4) = A g
+            const float* in[4];
+            float* out[6];
+            for (int64_t i = 0; i < 4; ++i) in[i] = d + (i * 4 + j) * co;
+            for (int64_t i = 0; i < 6; ++i) out[i] = t + (i * 4 + j) * co;
+            output_gradient_transform_1d(in, out, co);
+          }
+          for (int64_t i = 0; i < 6; ++i) {  // rows: Yg (6x6) = t A^T
+            const float* in[4];
+            float* out[6];
+            for (int64_t j = 0; j < 4; ++j) in[j] = t + (i * 4 + j) * co;
+            for (int64_t j = 0; j < 6; ++j) out[j] = yg + ((i * 6 + j) * kTileBlock + k) * co;
+            output_gradient_transform_1d(in, out, co);
+          }
+        }
+        for (int64_t p = 0; p < kPoints; ++p) {
+          const dnnl_status_t st = dnnl_sgemm('T', 'N', ci, co, count, 1.0f, v + p * kTileBlock * ci, ci,
+                                              yg + p * kTileBlock * co, co, 1.0f, du + p * ci * co, co);
+          KILN_CHECK(st == dnnl_success, Error,
+                     "[kiln::convolution_backward] oneDNN's sgemm failed in the Winograd weight gradient.");
+        }
+      }
+    }
+  });
+  for (int64_t part = 1; part < parts; ++part) {
+    const float* __restrict src = partial + part * u_size;
+    float* __restrict dst = partial;
+#pragma omp simd
+    for (int64_t i = 0; i < u_size; ++i) dst[i] += src[i];
+  }
+  parallel_for(ci, std::max<int64_t>(1, 256 / std::max<int64_t>(1, co)), [&](int64_t b, int64_t e) {
+    std::vector<double> u(static_cast<size_t>(kPoints * co));
+    for (int64_t c = b; c < e; ++c) {
+      for (int64_t p = 0; p < kPoints; ++p)  // dU[p][c][.], contiguous over output channels
+        std::copy_n(partial + (p * ci + c) * co, co, u.data() + p * co);
+      for (int64_t o = 0; o < co; ++o) {
+        double r[6][3], g[3][3];
+        for (int i = 0; i < 6; ++i) {  // rows: dU G
+          const double row[6] = {u[static_cast<size_t>((i * 6 + 0) * co + o)], u[static_cast<size_t>((i * 6 + 1) * co + o)],
+                                 u[static_cast<size_t>((i * 6 + 2) * co + o)], u[static_cast<size_t>((i * 6 + 3) * co + o)],
+                                 u[static_cast<size_t>((i * 6 + 4) * co + o)], u[static_cast<size_t>((i * 6 + 5) * co + o)]};
+          kernel_gradient_transform_1d(row, r[i]);
+        }
+        for (int j = 0; j < 3; ++j) {  // columns: G^T (dU G)
+          const double column[6] = {r[0][j], r[1][j], r[2][j], r[3][j], r[4][j], r[5][j]};
+          double out[3];
+          kernel_gradient_transform_1d(column, out);
+          for (int i = 0; i < 3; ++i) g[i][j] = out[i];
+        }
+        for (int i = 0; i < 3; ++i)
+          for (int j = 0; j < 3; ++j)
+            dw[dw_ohwi ? ((o * 3 + i) * 3 + j) * ci + c : ((o * ci + c) * 3 + i) * 3 + j] = static_cast<float>(g[i][j]);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 bool winograd_nhwc_applies(int64_t kh, int64_t kw, const int64_t stride[2], const int64_t dilation[2], int64_t groups,
@@ -217,6 +345,11 @@ void winograd_nhwc_backward_data(const float* dy, int64_t n, int64_t oh, int64_t
   });
   const int64_t data_pad[2] = {2 - pad[0], 2 - pad[1]};
   winograd_conv(dy, n, oh, ow, o, u.data(), c, data_pad, dx, h, w);
+}
+
+void winograd_nhwc_backward_weights(const float* x, int64_t n, int64_t h, int64_t w, int64_t c, const float* dy,
+                                    int64_t o, int64_t oh, int64_t ow, const int64_t pad[2], float* dw, bool dw_ohwi) {
+  winograd_weight_grad(x, n, h, w, c, dy, o, pad, oh, ow, dw, dw_ohwi);
 }
 
 }  // namespace kiln::cpu

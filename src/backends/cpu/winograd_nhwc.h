@@ -12,6 +12,8 @@
 //
 // Backward-data of a stride-1 3x3 convolution is the same computation on the output gradient with
 // the kernel rotated 180 degrees, its input and output channels swapped, and padding 2 - pad.
+// Backward-weights runs the transforms' adjoints: per point, the transformed input's tiles times
+// the output gradient's tiles through A (one GEMM over the tiles), then G^T dU G.
 #pragma once
 
 #include <cstdint>
@@ -31,5 +33,10 @@ void winograd_nhwc_forward(const float* x, int64_t n, int64_t h, int64_t w, int6
 // dx (n, h, w, c) = the input gradient of that convolution for dy (n, oh, ow, o); dense NHWC.
 void winograd_nhwc_backward_data(const float* dy, int64_t n, int64_t oh, int64_t ow, int64_t o, const float* weight,
                                  bool weight_ohwi, int64_t c, const int64_t pad[2], float* dx, int64_t h, int64_t w);
+
+// dw (o, c, 3, 3) row-major, or (o, 3, 3, c) when dw_ohwi = the weight gradient of that
+// convolution for input x (n, h, w, c) and output gradient dy (n, oh, ow, o); dense NHWC.
+void winograd_nhwc_backward_weights(const float* x, int64_t n, int64_t h, int64_t w, int64_t c, const float* dy,
+                                    int64_t o, int64_t oh, int64_t ow, const int64_t pad[2], float* dw, bool dw_ohwi);
 
 }  // namespace kiln::cpu
