@@ -102,7 +102,7 @@ inline void kernel_transform_1d(const float g[3], float u[6]) {
 template <class Weight>
 std::vector<float> transform_kernels(int64_t out_channels, int64_t in_channels, Weight&& weight) {
   std::vector<float> u(static_cast<size_t>(kPoints * in_channels * out_channels));
-  parallel_for(in_channels, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, out_channels)), [&](int64_t b, int64_t e) {
+  parallel_for(in_channels, std::max<int64_t>(1, 512 / std::max<int64_t>(1, out_channels)), [&](int64_t b, int64_t e) {
     std::vector<float> rows(static_cast<size_t>(kPoints * out_channels));
     for (int64_t ci = b; ci < e; ++ci) {
       for (int64_t co = 0; co < out_channels; ++co) {
@@ -131,7 +131,7 @@ std::vector<float> transform_kernels(int64_t out_channels, int64_t in_channels, 
 // V[p] (row k of the block's p-th tiles x ci operand, `v` pointing at row k of point 0) = (B^T d B)[p],
 // d the tile's 6x6 input pixels (zero outside the input). d and t: 36 * ci floats of scratch.
 void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int64_t tiles_h, int64_t tiles_w,
-                          const int64_t pad[2], int64_t tile, float* v, float* d, float* t) {
+                          const int64_t pad[2], int64_t tile, int64_t tile_block, float* v, float* d, float* t) {
   const int64_t img = tile / (tiles_h * tiles_w);
   const int64_t y0 = tile / tiles_w % tiles_h * 4 - pad[0], x0 = tile % tiles_w * 4 - pad[1];
   for (int64_t i = 0; i < 6; ++i)
@@ -155,10 +155,17 @@ void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int6
     float* out[6];
     for (int64_t j = 0; j < 6; ++j) {
       in[j] = t + (i * 6 + j) * ci;
-      out[j] = v + (i * 6 + j) * kTileBlock * ci;
+      out[j] = v + (i * 6 + j) * tile_block * ci;
     }
     input_transform_1d(in, out, ci);
   }
+}
+
+// Tiles per block: kTileBlock, or fewer so that every thread gets a block of a small problem
+// (DenseNet's 8x8 layers have 64 tiles).
+int64_t tile_block_for(int64_t tiles) {
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  return std::clamp<int64_t>((tiles + threads - 1) / threads, 1, kTileBlock);
 }
 
 // Per-thread scratch, kept across calls (a fresh megabyte per call would fault in its pages).
@@ -175,11 +182,12 @@ Scratch& thread_scratch() {
 void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* u, int64_t co,
                    const int64_t pad[2], float* y, int64_t oh, int64_t ow) {
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
-  const int64_t blocks = (tiles + kTileBlock - 1) / kTileBlock;
+  const int64_t tile_block = tile_block_for(tiles);
+  const int64_t blocks = (tiles + tile_block - 1) / tile_block;
   parallel_for(blocks, 1, [&](int64_t block_begin, int64_t block_end) {
     Scratch& s = thread_scratch();
-    s.v.resize(static_cast<size_t>(kPoints * kTileBlock * ci));
-    s.m.resize(static_cast<size_t>(kPoints * kTileBlock * co));
+    s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
+    s.m.resize(static_cast<size_t>(kPoints * tile_block * co));
     s.d.resize(static_cast<size_t>(kPoints * ci));
     s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
     s.sink.resize(static_cast<size_t>(4 * co));
@@ -188,13 +196,13 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
     float* d = s.d.data();
     float* t = s.t.data();
     for (int64_t block = block_begin; block < block_end; ++block) {
-      const int64_t first = block * kTileBlock, count = std::min(kTileBlock, tiles - first);
+      const int64_t first = block * tile_block, count = std::min(tile_block, tiles - first);
       for (int64_t k = 0; k < count; ++k)
-        transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, first + k, v + k * ci, d, t);
+        transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, first + k, tile_block, v + k * ci, d, t);
       // M[p] = V[p] U[p]: single-threaded inside this thread's block.
       for (int64_t p = 0; p < kPoints; ++p) {
-        const dnnl_status_t st = dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * kTileBlock * ci, ci,
-                                            u + p * ci * co, co, 0.0f, m + p * kTileBlock * co, co);
+        const dnnl_status_t st = dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * tile_block * ci, ci,
+                                            u + p * ci * co, co, 0.0f, m + p * tile_block * co, co);
         KILN_CHECK(st == dnnl_success, Error, "[kiln::conv2d] oneDNN's sgemm failed in the Winograd convolution.");
       }
       // Output transform: the tile's 4x4 outputs = A^T M A, clipped at the output's edge.
@@ -204,7 +212,7 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
         for (int64_t j = 0; j < 6; ++j) {  // columns: t = A^T M
           const float* in[6];
           float* out[4];
-          for (int64_t i = 0; i < 6; ++i) in[i] = m + ((i * 6 + j) * kTileBlock + k) * co;
+          for (int64_t i = 0; i < 6; ++i) in[i] = m + ((i * 6 + j) * tile_block + k) * co;
           for (int64_t i = 0; i < 4; ++i) out[i] = t + (i * 6 + j) * co;
           output_transform_1d(in, out, co);
         }
@@ -230,7 +238,8 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
 void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* dy, int64_t co,
                           const int64_t pad[2], int64_t oh, int64_t ow, float* dw, bool dw_ohwi) {
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
-  const int64_t blocks = (tiles + kTileBlock - 1) / kTileBlock;
+  const int64_t tile_block = tile_block_for(tiles);
+  const int64_t blocks = (tiles + tile_block - 1) / tile_block;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min(threads, blocks));
   const int64_t u_size = kPoints * ci * co;
@@ -241,8 +250,8 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
   float* const partial = partial_buffer.data();
   parallel_for(parts, 1, [&](int64_t part_begin, int64_t part_end) {
     Scratch& s = thread_scratch();
-    s.v.resize(static_cast<size_t>(kPoints * kTileBlock * ci));
-    s.m.resize(static_cast<size_t>(kPoints * kTileBlock * co));
+    s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
+    s.m.resize(static_cast<size_t>(kPoints * tile_block * co));
     s.d.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
     s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
     float* v = s.v.data();
@@ -252,11 +261,11 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
     for (int64_t part = part_begin; part < part_end; ++part) {
       float* du = partial + part * u_size;
       for (int64_t block = blocks * part / parts; block < blocks * (part + 1) / parts; ++block) {
-        const int64_t first = block * kTileBlock, count = std::min(kTileBlock, tiles - first);
+        const int64_t first = block * tile_block, count = std::min(tile_block, tiles - first);
         for (int64_t k = 0; k < count; ++k) {
           const int64_t tile = first + k, img = tile / (tiles_h * tiles_w);
           const int64_t ty = tile / tiles_w % tiles_h * 4, tx = tile % tiles_w * 4;
-          transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, tile, v + k * ci, d, t);
+          transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, tile, tile_block, v + k * ci, d, t);
           for (int64_t i = 0; i < 4; ++i)  // the tile's 4x4 output gradients, zero past the edge
             for (int64_t j = 0; j < 4; ++j) {
               float* dst = d + (i * 4 + j) * co;
@@ -274,13 +283,13 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
             const float* in[4];
             float* out[6];
             for (int64_t j = 0; j < 4; ++j) in[j] = t + (i * 4 + j) * co;
-            for (int64_t j = 0; j < 6; ++j) out[j] = yg + ((i * 6 + j) * kTileBlock + k) * co;
+            for (int64_t j = 0; j < 6; ++j) out[j] = yg + ((i * 6 + j) * tile_block + k) * co;
             output_gradient_transform_1d(in, out, co);
           }
         }
         for (int64_t p = 0; p < kPoints; ++p) {
-          const dnnl_status_t st = dnnl_sgemm('T', 'N', ci, co, count, 1.0f, v + p * kTileBlock * ci, ci,
-                                              yg + p * kTileBlock * co, co, 1.0f, du + p * ci * co, co);
+          const dnnl_status_t st = dnnl_sgemm('T', 'N', ci, co, count, 1.0f, v + p * tile_block * ci, ci,
+                                              yg + p * tile_block * co, co, 1.0f, du + p * ci * co, co);
           KILN_CHECK(st == dnnl_success, Error,
                      "[kiln::convolution_backward] oneDNN's sgemm failed in the Winograd weight gradient.");
         }
