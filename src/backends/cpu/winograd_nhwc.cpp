@@ -134,18 +134,27 @@ void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int6
                           const int64_t pad[2], int64_t tile, int64_t tile_block, float* v, float* d, float* t) {
   const int64_t img = tile / (tiles_h * tiles_w);
   const int64_t y0 = tile / tiles_w % tiles_h * 4 - pad[0], x0 = tile % tiles_w * 4 - pad[1];
-  for (int64_t i = 0; i < 6; ++i)
-    for (int64_t j = 0; j < 6; ++j) {
-      float* dst = d + (i * 6 + j) * ci;
-      const int64_t yy = y0 + i, xx = x0 + j;
-      if (yy < 0 || yy >= h || xx < 0 || xx >= w) std::fill_n(dst, ci, 0.0f);
-      else std::memcpy(dst, x + ((img * h + yy) * w + xx) * ci, static_cast<size_t>(ci) * sizeof(float));
-    }
+  // The tile's pixels: read in place when all 36 are inside the input, else copied with zeros for
+  // the outside ones (the copies measured 16% of a 32x32 layer's time when every tile took them).
+  const float* pixel[36];
+  if (y0 >= 0 && y0 + 6 <= h && x0 >= 0 && x0 + 6 <= w) {
+    for (int64_t i = 0; i < 6; ++i)
+      for (int64_t j = 0; j < 6; ++j) pixel[i * 6 + j] = x + ((img * h + y0 + i) * w + x0 + j) * ci;
+  } else {
+    for (int64_t i = 0; i < 6; ++i)
+      for (int64_t j = 0; j < 6; ++j) {
+        float* dst = d + (i * 6 + j) * ci;
+        const int64_t yy = y0 + i, xx = x0 + j;
+        if (yy < 0 || yy >= h || xx < 0 || xx >= w) std::fill_n(dst, ci, 0.0f);
+        else std::memcpy(dst, x + ((img * h + yy) * w + xx) * ci, static_cast<size_t>(ci) * sizeof(float));
+        pixel[i * 6 + j] = dst;
+      }
+  }
   for (int64_t j = 0; j < 6; ++j) {  // columns: t = B^T d
     const float* in[6];
     float* out[6];
     for (int64_t i = 0; i < 6; ++i) {
-      in[i] = d + (i * 6 + j) * ci;
+      in[i] = pixel[i * 6 + j];
       out[i] = t + (i * 6 + j) * ci;
     }
     input_transform_1d(in, out, ci);
