@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -193,6 +194,7 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
   const int64_t tile_block = tile_block_for(tiles);
   const int64_t blocks = (tiles + tile_block - 1) / tile_block;
+  std::atomic<bool> failed{false};  // reported after the parallel loop: no exception may leave it
   parallel_for(blocks, 1, [&](int64_t block_begin, int64_t block_end) {
     Scratch& s = thread_scratch();
     s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
@@ -210,9 +212,9 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
         transform_input_tile(x, h, w, ci, tiles_h, tiles_w, pad, first + k, tile_block, v + k * ci, d, t);
       // M[p] = V[p] U[p]: single-threaded inside this thread's block.
       for (int64_t p = 0; p < kPoints; ++p) {
-        const dnnl_status_t st = dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * tile_block * ci, ci,
-                                            u + p * ci * co, co, 0.0f, m + p * tile_block * co, co);
-        KILN_CHECK(st == dnnl_success, Error, "[kiln::conv2d] oneDNN's sgemm failed in the Winograd convolution.");
+        if (dnnl_sgemm('N', 'N', count, co, ci, 1.0f, v + p * tile_block * ci, ci, u + p * ci * co, co, 0.0f,
+                       m + p * tile_block * co, co) != dnnl_success)
+          failed.store(true, std::memory_order_relaxed);
       }
       // Output transform: the tile's 4x4 outputs = A^T M A, clipped at the output's edge.
       for (int64_t k = 0; k < count; ++k) {
@@ -237,6 +239,7 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
       }
     }
   });
+  KILN_CHECK(!failed, Error, "[kiln::conv2d] oneDNN's sgemm failed in the Winograd convolution.");
 }
 
 // dW (co, ci, 3, 3) of the F(4x4, 3x3) convolution of x (n, h, w, ci) padded by pad, for the output
@@ -257,6 +260,7 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
   thread_local std::vector<float> partial_buffer;
   partial_buffer.assign(static_cast<size_t>(parts * u_size), 0.0f);
   float* const partial = partial_buffer.data();
+  std::atomic<bool> failed{false};  // reported after the parallel loop: no exception may leave it
   parallel_for(parts, 1, [&](int64_t part_begin, int64_t part_end) {
     Scratch& s = thread_scratch();
     s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
@@ -297,14 +301,14 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
           }
         }
         for (int64_t p = 0; p < kPoints; ++p) {
-          const dnnl_status_t st = dnnl_sgemm('T', 'N', ci, co, count, 1.0f, v + p * tile_block * ci, ci,
-                                              yg + p * tile_block * co, co, 1.0f, du + p * ci * co, co);
-          KILN_CHECK(st == dnnl_success, Error,
-                     "[kiln::convolution_backward] oneDNN's sgemm failed in the Winograd weight gradient.");
+          if (dnnl_sgemm('T', 'N', ci, co, count, 1.0f, v + p * tile_block * ci, ci, yg + p * tile_block * co, co, 1.0f,
+                         du + p * ci * co, co) != dnnl_success)
+            failed.store(true, std::memory_order_relaxed);
         }
       }
     }
   });
+  KILN_CHECK(!failed, Error, "[kiln::convolution_backward] oneDNN's sgemm failed in the Winograd weight gradient.");
   for (int64_t part = 1; part < parts; ++part) {
     const float* __restrict src = partial + part * u_size;
     float* __restrict dst = partial;
