@@ -26,10 +26,11 @@
 // col2im/im2col + GEMM; float16 computes through float32.
 //
 // Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
-// (blocked layouts only, reordered from and to the user's NCHW or NHWC). Inside a
-// ConvAutotuneScope a float32 call whose configuration oneDNN also runs with Winograd times both
-// variants once per configuration, layout and direction on scratch outputs and keeps the faster;
-// conv2d_relu and conv2d_bn share conv2d's forward choice. Outside a scope only direct plans run.
+// (blocked layouts only, reordered from and to the user's NCHW or NHWC), and channels-last 3x3
+// convolutions can also run Kiln's own Winograd (winograd_nhwc.h, no plan: called directly). Inside
+// a ConvAutotuneScope a float32 call whose configuration has a Winograd times the candidates once
+// per configuration, layout and direction on scratch outputs and keeps the fastest; conv2d_relu
+// and conv2d_bn share conv2d's forward choice. Outside a scope only direct plans run.
 //
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
