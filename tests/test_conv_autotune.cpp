@@ -260,6 +260,7 @@ TEST_F(ConvAutotune, KilnWinogradMatchesFloat64) {
       {{2, 3, 5, 6}, {17, 3, 3, 3}, 2, true},
       {{1, 32, 13, 3}, {128, 32, 3, 3}, 1, true},
       {{1, 2, 2, 1}, {1, 2, 3, 3}, 1, false},  // one output channel, one column
+      {{2, 1024, 9, 7}, {8, 1024, 3, 3}, 1, false},  // wide: blocks of 14 tiles keep its scratch near 2 MB
   };
   for (const Case& c : cases) {
     const std::string what = "input " + shape_str(c.x) + ", weight " + shape_str(c.w) + ", padding " +

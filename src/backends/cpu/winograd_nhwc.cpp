@@ -172,10 +172,13 @@ void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int6
 }
 
 // Tiles per block: kTileBlock, or fewer so that every thread gets a block of a small problem
-// (DenseNet's 8x8 layers have 64 tiles).
-int64_t tile_block_for(int64_t tiles) {
+// (DenseNet's 8x8 layers have 64 tiles), and so that a block's transformed operands (36 points x
+// tiles x channels, kept per thread across calls) stay within about 2 MB for wide layers.
+int64_t tile_block_for(int64_t tiles, int64_t channels) {
+  constexpr int64_t kBlockBytes = 2 << 20;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  return std::clamp<int64_t>((tiles + threads - 1) / threads, 1, kTileBlock);
+  const int64_t by_size = std::max<int64_t>(4, kBlockBytes / (kPoints * std::max<int64_t>(1, channels) * 4));
+  return std::clamp<int64_t>((tiles + threads - 1) / threads, 1, std::min(kTileBlock, by_size));
 }
 
 // Per-thread scratch, kept across calls (a fresh megabyte per call would fault in its pages).
@@ -192,7 +195,7 @@ Scratch& thread_scratch() {
 void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* u, int64_t co,
                    const int64_t pad[2], float* y, int64_t oh, int64_t ow) {
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
-  const int64_t tile_block = tile_block_for(tiles);
+  const int64_t tile_block = tile_block_for(tiles, std::max(ci, co));
   const int64_t blocks = (tiles + tile_block - 1) / tile_block;
   std::atomic<bool> failed{false};  // reported after the parallel loop: no exception may leave it
   parallel_for(blocks, 1, [&](int64_t block_begin, int64_t block_end) {
@@ -250,7 +253,7 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
 void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, const float* dy, int64_t co,
                           const int64_t pad[2], int64_t oh, int64_t ow, float* dw, bool dw_ohwi) {
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
-  const int64_t tile_block = tile_block_for(tiles);
+  const int64_t tile_block = tile_block_for(tiles, std::max(ci, co));
   const int64_t blocks = (tiles + tile_block - 1) / tile_block;
   const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min(threads, blocks));
