@@ -4,7 +4,9 @@
 // the original graph, called with the same Arguments (scalar slots included).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -1212,3 +1214,154 @@ TEST(WrittenMemory, BatchNormWritesItsRunningStatisticsOnlyInTraining) {
     EXPECT_EQ(written[bn->inputs[0]], 0) << "the input is only read";
   }
 }
+
+// ============================== pool_before_pointwise_conv ==============================
+
+namespace pool_conv_tests {
+
+using Captured = kiln::testing::CapturedGraph;
+using kiln::testing::capture_graph;
+
+// functionalize, then the pass, on a copy of the captured graph, checked against the graph as
+// captured (float32: the rewritten sums round differently).
+Graph check_captured(const Captured& c, int expect_rewritten, std::optional<Tol> tol = std::nullopt) {
+  int rewritten = -1;
+  Graph h = check_pass(
+      c.graph,
+      [&](Graph& g) {
+        passes::functionalize(g);
+        rewritten = passes::pool_before_pointwise_conv(g);
+      },
+      c.tensors, c.scalars, tol);
+  EXPECT_EQ(rewritten, expect_rewritten) << h;
+  return h;
+}
+
+// The node producing value v.
+const Node* producer_of(const Graph& g, int v) {
+  for (const Node& n : g)
+    if (!n.inplace && std::find(n.outputs.begin(), n.outputs.end(), v) != n.outputs.end()) return &n;
+  return nullptr;
+}
+
+// Every conv2d reading an avg_pool2d, none read by one.
+void expect_pooled_first(const Graph& h) {
+  for (const Node& n : h) {
+    if (n.target() == "avg_pool2d") {
+      const Node* p = producer_of(h, n.inputs[0]);
+      EXPECT_TRUE(p == nullptr || p->target() != "conv2d") << "a pooling still reads a convolution\n" << h;
+    }
+  }
+}
+
+TEST(PoolBeforePointwiseConv, AFlatTransitionConvolvesThePooledPixels) {
+  Tensor w = kiln::randn({6, 8, 1, 1}) * 0.3;
+  auto transition = [&](const Tensor& x) { return kiln::avg_pool2d(kiln::conv2d(kiln::relu(x), w), {2, 2}); };
+  for (bool channels_last : {false, true}) {
+    SCOPED_TRACE(channels_last ? "channels-last" : "row-major");
+    Tensor x = kiln::randn({2, 8, 6, 10});
+    if (channels_last) x = x.contiguous(kiln::channels_last);
+    Graph h = check_captured(capture_graph(transition, x), 1);
+    expect_pooled_first(h);
+    const Node* conv = producer_of(h, h.outputs[0]);
+    ASSERT_NE(conv, nullptr);
+    EXPECT_EQ(conv->target(), "conv2d") << h;
+    EXPECT_EQ(h.values[conv->inputs[0]].sizes, (std::vector<int64_t>{2, 8, 3, 5})) << "the convolution reads pooled pixels";
+  }
+}
+
+// The backward pair follows: gradients of x and w through convolution_backward on the pooled
+// operand, then avg_pool2d_backward of the input gradient; values equal the original order's.
+TEST(PoolBeforePointwiseConv, TheBackwardPairFollowsTheForward) {
+  Tensor w = (kiln::randn({4, 6, 1, 1}) * 0.3).requires_grad_();
+  auto step = [&](const Tensor& x) {
+    Tensor xr = x.detach().requires_grad_();
+    Tensor y = kiln::avg_pool2d(kiln::conv2d(xr, w), {2, 2}, {2, 2});
+    kiln::TensorList g = kiln::autograd::grad({(y * y).sum()}, {xr, w});
+    return std::vector<Tensor>{y, g[0], g[1]};
+  };
+  Captured c = capture_graph(step, kiln::randn({2, 6, 8, 4}));
+  ASSERT_EQ(count_op(c.graph, "avg_pool2d_backward"), 1) << c.graph;
+  Graph h = check_captured(c, 1);
+  expect_pooled_first(h);
+  ASSERT_EQ(count_op(h, "convolution_backward"), 1) << h;
+  for (const Node& n : h) {
+    if (n.target() == "convolution_backward") {
+      EXPECT_EQ(h.values[n.inputs[1]].sizes, (std::vector<int64_t>{2, 6, 4, 2})) << "reads the pooled input\n" << h;
+    }
+    if (n.target() == "avg_pool2d_backward") {
+      const Node* p = producer_of(h, n.inputs[0]);
+      ASSERT_NE(p, nullptr);
+      EXPECT_EQ(p->target(), "convolution_backward") << "unpools the input gradient\n" << h;
+    }
+  }
+}
+
+// A weight-only backward (the input needs no gradient) keeps its pair; the forward still moves.
+TEST(PoolBeforePointwiseConv, AWeightOnlyBackwardKeepsItsPair) {
+  Tensor w = (kiln::randn({4, 6, 1, 1}) * 0.3).requires_grad_();
+  auto step = [&](const Tensor& x) {
+    Tensor y = kiln::avg_pool2d(kiln::conv2d(x, w), {2, 2});
+    return std::vector<Tensor>{y, kiln::autograd::grad({y.sum()}, {w})[0]};
+  };
+  Graph h = check_captured(capture_graph(step, kiln::randn({2, 6, 4, 4})), 1);
+  for (const Node& n : h)
+    if (n.target() == "convolution_backward") {
+      const Node* p = producer_of(h, n.inputs[0]);
+      ASSERT_NE(p, nullptr);
+      EXPECT_EQ(p->target(), "avg_pool2d_backward") << "the pair is left as it was\n" << h;
+    }
+}
+
+TEST(PoolBeforePointwiseConv, LeavesWhatIsNotTheSameLinearMap) {
+  Tensor w = kiln::randn({4, 6, 1, 1}), w3 = kiln::randn({4, 6, 3, 3}), b = kiln::randn({4});
+  Tensor x = kiln::randn({2, 6, 6, 6});
+  struct Case {
+    const char* what;
+    std::function<std::vector<Tensor>(const Tensor&)> fn;
+  };
+  const std::vector<Case> cases = {
+      {"a bias", [&](const Tensor& t) { return std::vector<Tensor>{kiln::avg_pool2d(kiln::conv2d(t, w, b), {2, 2})}; }},
+      {"a 3x3 kernel",
+       [&](const Tensor& t) { return std::vector<Tensor>{kiln::avg_pool2d(kiln::conv2d(t, w3, {}, {1, 1}, {1, 1}), {2, 2})}; }},
+      {"a strided convolution",
+       [&](const Tensor& t) { return std::vector<Tensor>{kiln::avg_pool2d(kiln::conv2d(t, w, {}, {2, 2}), {2, 2})}; }},
+      {"pooling padding",
+       [&](const Tensor& t) { return std::vector<Tensor>{kiln::avg_pool2d(kiln::conv2d(t, w), {2, 2}, {2, 2}, {1, 1})}; }},
+      {"ceil mode (partial windows)",
+       [&](const Tensor& t) {
+         return std::vector<Tensor>{kiln::avg_pool2d(kiln::conv2d(t, w), {4, 4}, {4, 4}, {0, 0}, true)};
+       }},
+      {"the convolution's result also returned",
+       [&](const Tensor& t) {
+         Tensor y = kiln::conv2d(t, w);
+         return std::vector<Tensor>{kiln::avg_pool2d(y, {2, 2}), y};
+       }},
+      {"a max pooling", [&](const Tensor& t) { return std::vector<Tensor>{kiln::max_pool2d(kiln::conv2d(t, w), {2, 2})}; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Captured captured = capture_graph(c.fn, x);
+    Graph before = captured.graph;
+    passes::functionalize(before);
+    Graph h = check_captured(captured, 0);
+    EXPECT_EQ(h.str(), before.str());
+  }
+}
+
+// A DenseNet training step: every transition's pair moves (forward and backward), the step
+// computes what it did (loose: the reordered sums shift activations at the relu threshold).
+TEST(PoolBeforePointwiseConv, DenseNetTransitionsMoveInTheTrainingStep) {
+  Captured c = capture_dense_net_training_step({2, 2, 2}, 7);
+  Graph h = check_captured(c, 2, Tol{1e-2, 5e-3});
+  expect_pooled_first(h);
+  int unpooled_gradients = 0;
+  for (const Node& n : h)
+    if (n.target() == "avg_pool2d_backward") {
+      const Node* p = producer_of(h, n.inputs[0]);
+      unpooled_gradients += p != nullptr && p->target() == "convolution_backward";
+    }
+  EXPECT_EQ(unpooled_gradients, 2) << h;
+}
+
+}  // namespace pool_conv_tests

@@ -234,6 +234,7 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
 CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
   passes::functionalize(graph);
+  passes::pool_before_pointwise_conv(graph);
   passes::fuse_conv_bn(graph);
   passes::fuse_batch_norm_relu(graph);
   passes::fuse_gemm_epilogue(graph);

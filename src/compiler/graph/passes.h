@@ -94,6 +94,16 @@ void fuse_gemm_epilogue(Graph& graph);
 // Nothing involved may be written in place. Run after functionalize() and fuse_conv_bn().
 void fuse_batch_norm_relu(Graph& graph);
 
+// Average pooling moved before a 1x1 convolution (no bias, stride 1, no padding) whose result only
+// the pooling reads (no padding, no ceil mode, no divisor override: every window full):
+// avg_pool2d(conv2d(x, w)) becomes conv2d(avg_pool2d(x), w), the same linear map on fewer pixels
+// (DenseNet's transitions: 4x fewer convolution FLOPs). The matching backward pair in the same
+// graph (avg_pool2d_backward read only by convolution_backward of the same x and w, asking for the
+// input gradient) becomes convolution_backward on the pooled operand followed by
+// avg_pool2d_backward of its input gradient. Equal up to rounding. Returns how many pairs moved.
+// Run after functionalize().
+int pool_before_pointwise_conv(Graph& graph);
+
 // Layout optimization for convolution networks: the first convolution reading a row-major 4-D
 // float32/bfloat16 CPU activation reads a channels-last copy of it instead (a `copy` node), and
 // refresh_layouts() carries channels-last through every op whose meta keeps it; repeated until
