@@ -179,6 +179,18 @@ bool mutates_inputs(const Graph& graph, const Node& n);
 // Per value: 1 when some node writes its memory (an in-place output, or an input the op mutates,
 // OpDef::mutated_inputs), directly or through an alias (a shared storage group, or a view).
 std::vector<char> written_memory(const Graph& graph);
+// Per value: the node creating it (-1 for placeholders, constants and in-place targets), and the
+// node reading it when `uses` (Graph::use_counts()) says it has exactly one use (-1 otherwise).
+struct Dataflow {
+  std::vector<int> producer;
+  std::vector<int> consumer;
+};
+Dataflow dataflow(const Graph& graph, const std::vector<int>& uses);
+
+// A new value like `like` (dtype, device) with `sizes`; its strides are zeros until
+// refresh_layouts() derives them (and its alias group).
+int new_value(Graph& graph, const ValueInfo& like, std::vector<int64_t> sizes, const std::string& name);
+
 // written_memory counting only the writes of nodes [first, last).
 std::vector<char> written_memory(const Graph& graph, size_t first, size_t last);
 

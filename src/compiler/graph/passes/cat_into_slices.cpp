@@ -84,17 +84,6 @@ Node make_node(const OpDef& op, std::vector<int> inputs, std::vector<Attr> attrs
   return n;
 }
 
-// A new value shaped like `like` with other sizes; refresh_layouts() fills in strides and groups.
-int new_value(Graph& g, const ValueInfo& like, std::vector<int64_t> sizes, const std::string& name) {
-  ValueInfo info;
-  info.sizes = std::move(sizes);
-  info.strides.assign(info.sizes.size(), 0);
-  info.dtype = like.dtype;
-  info.device = like.device;
-  info.name = name;
-  return g.add_value(std::move(info));
-}
-
 // Whether the scheduler would store the cat's result: a cat read only by pointwise ops fuses into
 // their kernel (it reads its inputs in place, which beats copying them into a buffer first); any
 // other reader (a convolution, batch norm, a reduction, a graph output) needs it in memory.
@@ -191,9 +180,9 @@ int cat_into_slices(Graph& g) {
         inverse[order[d]] = static_cast<int64_t>(d);
       }
       Node e = make_node(empty, {}, {physical, lead.dtype, lead.device}, namer("empty"));
-      e.outputs = {new_value(g, lead, physical, e.name)};
+      e.outputs = {internal::new_value(g, lead, physical, e.name)};
       Node p = make_node(permute, {e.outputs[0]}, {inverse}, namer("permute"));
-      p.outputs = {new_value(g, lead, lead.sizes, p.name)};
+      p.outputs = {internal::new_value(g, lead, lead.sizes, p.name)};
       buffer[k] = p.outputs[0];
       out.push_back(std::move(e));
       out.push_back(std::move(p));
@@ -208,7 +197,7 @@ int cat_into_slices(Graph& g) {
         std::vector<int64_t> sizes = g.values[buffer[k]].sizes;
         sizes[dim] = width;
         Node s = make_node(slice, {buffer[k]}, {dim, start, start + width, int64_t{1}}, namer("slice"));
-        s.outputs = {new_value(g, g.values[x], sizes, s.name)};
+        s.outputs = {internal::new_value(g, g.values[x], sizes, s.name)};
         Node c = make_node(copy, {x}, {g.values[x].dtype, g.values[x].device}, namer("copy"));
         c.outputs = {s.outputs[0]};
         c.inplace = true;

@@ -76,6 +76,28 @@ std::vector<char> written_memory(const Graph& g, size_t first, size_t last) {
 
 std::vector<char> written_memory(const Graph& g) { return written_memory(g, 0, g.nodes.size()); }
 
+Dataflow dataflow(const Graph& g, const std::vector<int>& uses) {
+  Dataflow d{std::vector<int>(g.values.size(), -1), std::vector<int>(g.values.size(), -1)};
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
+    if (!n.inplace)
+      for (int v : n.outputs) d.producer[v] = static_cast<int>(i);
+    for (int v : n.inputs)
+      if (v >= 0 && uses[v] == 1) d.consumer[v] = static_cast<int>(i);
+  }
+  return d;
+}
+
+int new_value(Graph& g, const ValueInfo& like, std::vector<int64_t> sizes, const std::string& name) {
+  ValueInfo info;
+  info.sizes = std::move(sizes);
+  info.strides.assign(info.sizes.size(), 0);
+  info.dtype = like.dtype;
+  info.device = like.device;
+  info.name = name;
+  return g.add_value(std::move(info));
+}
+
 const OpDef& registered_op(std::string_view name) {
   const OpDef* d = OpTable::instance().find(name);
   KILN_CHECK(d != nullptr, CompileError, "[kiln::compile] op '" + std::string(name) + "' is not registered.");

@@ -30,16 +30,7 @@ void fuse_batch_norm_relu(Graph& g) {
   const OpDef& batch_norm_relu_backward_recompute = internal::registered_op("batch_norm_relu_backward_recompute");
   const std::vector<int> uses = g.use_counts();
   const std::vector<char> written = internal::written_memory(g);
-  std::vector<int> producer(g.values.size(), -1);  // value -> the node creating it
-  std::vector<int> consumer(g.values.size(),
-                            -1);  // value -> the node reading it, when it has one use
-  for (size_t i = 0; i < g.nodes.size(); ++i) {
-    const Node& n = g.nodes[i];
-    if (!n.inplace)
-      for (int v : n.outputs) producer[v] = static_cast<int>(i);
-    for (int v : n.inputs)
-      if (v >= 0 && uses[v] == 1) consumer[v] = static_cast<int>(i);
-  }
+  auto [producer, consumer] = internal::dataflow(g, uses);
   internal::NodeNamer namer(g);
   std::vector<bool> erase(g.nodes.size(), false);
   auto same_tensor_type = [&](int a, int b) {

@@ -52,17 +52,6 @@ bool full_window_pool(const Node& n) {
          std::holds_alternative<std::monostate>(n.attrs[5]);
 }
 
-// A new value like `like` with other sizes (refresh_layouts() fills in strides and alias groups).
-int new_value(Graph& g, const ValueInfo& like, std::vector<int64_t> sizes, const std::string& name) {
-  ValueInfo info;
-  info.sizes = std::move(sizes);
-  info.strides.assign(info.sizes.size(), 0);
-  info.dtype = like.dtype;
-  info.device = like.device;
-  info.name = name;
-  return g.add_value(std::move(info));
-}
-
 }  // namespace
 
 int pool_before_pointwise_conv(Graph& g) {
@@ -72,14 +61,7 @@ int pool_before_pointwise_conv(Graph& g) {
   const OpDef& convolution_backward = internal::registered_op("convolution_backward");
   const std::vector<int> uses = g.use_counts();
   const std::vector<char> written = internal::written_memory(g);
-  std::vector<int> producer(g.values.size(), -1), consumer(g.values.size(), -1);  // consumer: of a single use
-  for (size_t i = 0; i < g.nodes.size(); ++i) {
-    const Node& n = g.nodes[i];
-    if (!n.inplace)
-      for (int v : n.outputs) producer[v] = static_cast<int>(i);
-    for (int v : n.inputs)
-      if (v >= 0 && uses[v] == 1) consumer[v] = static_cast<int>(i);
-  }
+  const std::vector<int> consumer = internal::dataflow(g, uses).consumer;
   std::vector<bool> scalar_slot(g.nodes.size(), false);  // nodes with run-time attrs stay as they are
   for (const ScalarSlot& s : g.scalars)
     if (s.node >= 0) scalar_slot[static_cast<size_t>(s.node)] = true;
@@ -137,7 +119,7 @@ int pool_before_pointwise_conv(Graph& g) {
     std::vector<int64_t> pooled = xi.sizes;
     pooled[2] = g.values[p].sizes[2];
     pooled[3] = g.values[p].sizes[3];
-    const int px = new_value(g, xi, pooled, namer("avg_pool2d"));
+    const int px = internal::new_value(g, xi, pooled, namer("avg_pool2d"));
     Node& pool_node = g.nodes[ci];
     pool_node.op = &avg_pool2d;
     pool_node.inputs = {x};
@@ -158,7 +140,7 @@ int pool_before_pointwise_conv(Graph& g) {
       Node& conv_backward = g.nodes[static_cast<size_t>(ki)];
       const int gp = pool_backward.inputs[0];
       const std::vector<int> grads = conv_backward.outputs;  // (gx, gw, gb)
-      const int gpx = new_value(g, g.values[grads[0]], pooled, namer("convolution_backward"));
+      const int gpx = internal::new_value(g, g.values[grads[0]], pooled, namer("convolution_backward"));
       std::vector<Attr> unpool_attrs{xi.sizes};
       unpool_attrs.insert(unpool_attrs.end(), pool_attrs.begin(), pool_attrs.end());
       pool_backward.op = &convolution_backward;
