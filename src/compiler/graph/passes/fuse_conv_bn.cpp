@@ -2,8 +2,6 @@
 // relu becomes one conv2d_bn node, whose kernel folds the batch norm into the weights and bias
 // and runs the relu as a oneDNN post-op. The rewrite applies only where the intermediate values
 // are read by nothing else (a training graph whose backward reads them keeps its nodes).
-#include <map>
-
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
@@ -11,14 +9,7 @@ namespace kiln::compiler::passes {
 void fuse_conv_bn(Graph& g) {
   const OpDef& conv2d_bn = internal::registered_op("conv2d_bn");
   std::vector<int> uses = g.use_counts();
-  std::map<int, int> producer;  // value -> node
-  for (size_t i = 0; i < g.nodes.size(); ++i)
-    for (int v : g.nodes[i].outputs)
-      if (!g.nodes[i].inplace) producer[v] = static_cast<int>(i);
-  std::vector<int> consumer(g.values.size(), -1);  // the node reading a value, when it has one use
-  for (size_t i = 0; i < g.nodes.size(); ++i)
-    for (int v : g.nodes[i].inputs)
-      if (v >= 0 && uses[v] == 1) consumer[v] = static_cast<int>(i);
+  const auto [producer, consumer] = internal::dataflow(g, uses);
   // Values written in place anywhere: folding must not move a read across such a write.
   std::vector<bool> written(g.values.size(), false);
   for (const Node& n : g.nodes) {
@@ -37,10 +28,10 @@ void fuse_conv_bn(Graph& g) {
     if (uses[bn.outputs[1]] != 0 || uses[bn.outputs[2]] != 0) continue;
     if (bn.inputs[3] < 0 || bn.inputs[4] < 0) continue;
     const int x = bn.inputs[0];
-    auto p = producer.find(x);
-    if (p == producer.end() || uses[x] != 1 || written[x]) continue;
-    const Node& conv = g.nodes[p->second];
-    if (conv.op->name != "conv2d" || conv.inputs.size() != 3 || erase[p->second]) continue;
+    const int p = producer[x];
+    if (p < 0 || uses[x] != 1 || written[x]) continue;
+    const Node& conv = g.nodes[p];
+    if (conv.op->name != "conv2d" || conv.inputs.size() != 3 || erase[p]) continue;
     const ValueInfo& xi = g.values[x];
     if (xi.dtype != DType::float32 || !xi.device.is_cpu()) continue;
     bool params_ok = true;
@@ -66,7 +57,7 @@ void fuse_conv_bn(Graph& g) {
       if (s.node != static_cast<int>(b)) continue;
       s = s.attr == 2 ? ScalarSlot{static_cast<int>(b), 4} : ScalarSlot{-1, -1};
     }
-    erase[p->second] = true;
+    erase[p] = true;
     bn = std::move(fused);
     if (relu >= 0) {
       g.replace_all_uses(g.nodes[relu].outputs[0], y);
