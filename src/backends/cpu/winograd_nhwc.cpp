@@ -182,11 +182,19 @@ int64_t tile_block_for(int64_t tiles, int64_t channels) {
 }
 
 // Per-thread scratch, kept across calls (a fresh megabyte per call would fault in its pages).
+// v: a block's transformed input (36 x tile_block x ci); m: its transformed outputs or output
+// gradients (36 x tile_block x co); d, t: one tile's pixels and half-transformed values (36 x the
+// wider channel count); sink: where outputs past the output's edge go (4 x co).
 struct Scratch {
   std::vector<float> v, m, d, t, sink;
 };
-Scratch& thread_scratch() {
+Scratch& thread_scratch(int64_t tile_block, int64_t ci, int64_t co) {
   thread_local Scratch s;
+  s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
+  s.m.resize(static_cast<size_t>(kPoints * tile_block * co));
+  s.d.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+  s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+  s.sink.resize(static_cast<size_t>(4 * co));
   return s;
 }
 
@@ -199,12 +207,7 @@ void winograd_conv(const float* x, int64_t n, int64_t h, int64_t w, int64_t ci, 
   const int64_t blocks = (tiles + tile_block - 1) / tile_block;
   std::atomic<bool> failed{false};  // reported after the parallel loop: no exception may leave it
   parallel_for(blocks, 1, [&](int64_t block_begin, int64_t block_end) {
-    Scratch& s = thread_scratch();
-    s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
-    s.m.resize(static_cast<size_t>(kPoints * tile_block * co));
-    s.d.resize(static_cast<size_t>(kPoints * ci));
-    s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
-    s.sink.resize(static_cast<size_t>(4 * co));
+    Scratch& s = thread_scratch(tile_block, ci, co);
     float* v = s.v.data();
     float* m = s.m.data();
     float* d = s.d.data();
@@ -265,11 +268,7 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
   float* const partial = partial_buffer.data();
   std::atomic<bool> failed{false};  // reported after the parallel loop: no exception may leave it
   parallel_for(parts, 1, [&](int64_t part_begin, int64_t part_end) {
-    Scratch& s = thread_scratch();
-    s.v.resize(static_cast<size_t>(kPoints * tile_block * ci));
-    s.m.resize(static_cast<size_t>(kPoints * tile_block * co));
-    s.d.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
-    s.t.resize(static_cast<size_t>(kPoints * std::max(ci, co)));
+    Scratch& s = thread_scratch(tile_block, ci, co);
     float* v = s.v.data();
     float* yg = s.m.data();
     float* d = s.d.data();
