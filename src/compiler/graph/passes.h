@@ -191,8 +191,20 @@ Dataflow dataflow(const Graph& graph, const std::vector<int>& uses);
 // refresh_layouts() derives them (and its alias group).
 int new_value(Graph& graph, const ValueInfo& like, std::vector<int64_t> sizes, const std::string& name);
 
-// written_memory counting only the writes of nodes [first, last).
-std::vector<char> written_memory(const Graph& graph, size_t first, size_t last);
+// The nodes that write each value's memory (as written_memory counts them), indexed once so that a
+// pass can ask about many node ranges without rescanning the graph.
+class WriteIndex {
+ public:
+  explicit WriteIndex(const Graph& graph);
+  // Whether any node writes v's memory.
+  bool written(int v) const;
+  // Whether a node in [first, last) writes v's memory.
+  bool written_between(int v, size_t first, size_t last) const;
+
+ private:
+  std::vector<int> group_;                 // value -> its alias group's root
+  std::vector<std::vector<int>> writers_;  // root -> the nodes writing the group, ascending
+};
 
 }  // namespace internal
 

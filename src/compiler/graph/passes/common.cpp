@@ -56,25 +56,38 @@ bool mutates_inputs(const Graph& g, const Node& n) {
   return n.op->mutates(OpCall(n.op, inputs, n.attrs));
 }
 
-std::vector<char> written_memory(const Graph& g, size_t first, size_t last) {
+WriteIndex::WriteIndex(const Graph& g) : group_(g.values.size()), writers_(g.values.size()) {
   AliasGroups groups(g);
-  std::vector<char> written(g.values.size(), 0);  // by group root
-  for (size_t i = first; i < std::min(last, g.nodes.size()); ++i) {
+  for (size_t v = 0; v < g.values.size(); ++v) group_[v] = groups.find(static_cast<int>(v));
+  auto add = [&](int v, size_t node) {
+    std::vector<int>& w = writers_[static_cast<size_t>(group_[static_cast<size_t>(v)])];
+    if (w.empty() || w.back() != static_cast<int>(node)) w.push_back(static_cast<int>(node));
+  };
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
     const Node& n = g.nodes[i];
     if (n.inplace)
       for (int v : n.outputs)
-        if (valid(g, v)) written[groups.find(v)] = 1;
+        if (valid(g, v)) add(v, i);
     if (mutates_inputs(g, n))
       for (int k : n.op->mutated_inputs)
-        if (static_cast<size_t>(k) < n.inputs.size() && valid(g, n.inputs[k]))
-          written[groups.find(n.inputs[k])] = 1;
+        if (static_cast<size_t>(k) < n.inputs.size() && valid(g, n.inputs[k])) add(n.inputs[k], i);
   }
-  std::vector<char> out(g.values.size(), 0);
-  for (size_t v = 0; v < out.size(); ++v) out[v] = written[groups.find(static_cast<int>(v))];
-  return out;
 }
 
-std::vector<char> written_memory(const Graph& g) { return written_memory(g, 0, g.nodes.size()); }
+bool WriteIndex::written(int v) const { return !writers_[static_cast<size_t>(group_[static_cast<size_t>(v)])].empty(); }
+
+bool WriteIndex::written_between(int v, size_t first, size_t last) const {
+  const std::vector<int>& w = writers_[static_cast<size_t>(group_[static_cast<size_t>(v)])];
+  auto it = std::lower_bound(w.begin(), w.end(), static_cast<int>(first));
+  return it != w.end() && static_cast<size_t>(*it) < last;
+}
+
+std::vector<char> written_memory(const Graph& g) {
+  const WriteIndex index(g);
+  std::vector<char> out(g.values.size(), 0);
+  for (size_t v = 0; v < out.size(); ++v) out[v] = index.written(static_cast<int>(v));
+  return out;
+}
 
 Dataflow dataflow(const Graph& g, const std::vector<int>& uses) {
   Dataflow d{std::vector<int>(g.values.size(), -1), std::vector<int>(g.values.size(), -1)};

@@ -29,7 +29,7 @@ void fuse_batch_norm_relu(Graph& g) {
   const OpDef& batch_norm_relu_backward = internal::registered_op("batch_norm_relu_backward");
   const OpDef& batch_norm_relu_backward_recompute = internal::registered_op("batch_norm_relu_backward_recompute");
   const std::vector<int> uses = g.use_counts();
-  const std::vector<char> written = internal::written_memory(g);
+  const internal::WriteIndex writes(g);
   auto [producer, consumer] = internal::dataflow(g, uses);
   internal::NodeNamer namer(g);
   std::vector<bool> erase(g.nodes.size(), false);
@@ -47,7 +47,7 @@ void fuse_batch_norm_relu(Graph& g) {
     if (!std::holds_alternative<bool>(bn.attrs[0]) || !std::get<bool>(bn.attrs[0])) continue;
     const int y = bn.outputs[0];
     const int c = consumer[y];
-    if (c < 0 || written[y] || !is(g.nodes[c], "relu", 1, 1)) continue;
+    if (c < 0 || writes.written(y) || !is(g.nodes[c], "relu", 1, 1)) continue;
     if (!batch_norm_relu.has_kernel(g.values[y].device.type)) continue;
     const int relu_out = g.nodes[c].outputs[0];
     if (!same_tensor_type(y, relu_out)) continue;
@@ -72,9 +72,8 @@ void fuse_batch_norm_relu(Graph& g) {
     if (fwd.attrs.empty() || !std::holds_alternative<bool>(fwd.attrs[0]) ||
         !std::holds_alternative<bool>(bwd.attrs[0]) || std::get<bool>(fwd.attrs[0]) != std::get<bool>(bwd.attrs[0]))
       return false;
-    const std::vector<char> between = internal::written_memory(g, static_cast<size_t>(f) + 1, b);
     for (int v : {fwd.inputs[0], fwd.inputs[1], fwd.inputs[2], fwd.outputs[1], fwd.outputs[2]})
-      if (internal::valid(g, v) && between[v]) return false;
+      if (internal::valid(g, v) && writes.written_between(v, static_cast<size_t>(f) + 1, b)) return false;
     return true;
   };
 
@@ -85,7 +84,7 @@ void fuse_batch_norm_relu(Graph& g) {
     Node& bwd = g.nodes[k];
     if (!is(bwd, "native_batch_norm_backward", 5, 3) || bwd.attrs.size() != 2) continue;
     const int masked = bwd.inputs[0];
-    if (masked < 0 || uses[masked] != 1 || written[masked] || producer[masked] < 0) continue;
+    if (masked < 0 || uses[masked] != 1 || writes.written(masked) || producer[masked] < 0) continue;
     const int w = producer[masked];
     const Node& where = g.nodes[w];
     if (erase[w] || !is(where, "where", 3, 1)) continue;
@@ -108,7 +107,8 @@ void fuse_batch_norm_relu(Graph& g) {
       continue;
     if (!g.values[threshold].sizes.empty() || !g.values[fill].sizes.empty()) continue;
     if (!batch_norm_relu_backward.has_kernel(g.values[x].device.type)) continue;
-    if (written[grad] || written[r] || written[threshold] || written[fill] || written[condition])
+    if (writes.written(grad) || writes.written(r) || writes.written(threshold) || writes.written(fill) ||
+        writes.written(condition))
       continue;
     if (recomputes_mask(producer[r], k)) {
       bwd.op = &batch_norm_relu_backward_recompute;

@@ -60,7 +60,7 @@ int pool_before_pointwise_conv(Graph& g) {
   const OpDef& conv2d = internal::registered_op("conv2d");
   const OpDef& convolution_backward = internal::registered_op("convolution_backward");
   const std::vector<int> uses = g.use_counts();
-  const std::vector<char> written = internal::written_memory(g);
+  const internal::WriteIndex writes(g);
   const std::vector<int> consumer = internal::dataflow(g, uses).consumer;
   std::vector<bool> scalar_slot(g.nodes.size(), false);  // nodes with run-time attrs stay as they are
   for (const ScalarSlot& s : g.scalars)
@@ -76,9 +76,9 @@ int pool_before_pointwise_conv(Graph& g) {
     if (pi < 0 || touched[static_cast<size_t>(pi)] || scalar_slot[static_cast<size_t>(pi)] ||
         !full_window_pool(g.nodes[static_cast<size_t>(pi)]))
       continue;
-    if (written[y]) continue;
+    if (writes.written(y)) continue;
     const int x = g.nodes[ci].inputs[0], w = g.nodes[ci].inputs[1];
-    if (internal::written_memory(g, ci, static_cast<size_t>(pi))[w]) continue;  // the weight is read later now
+    if (writes.written_between(w, ci, static_cast<size_t>(pi))) continue;  // the weight is read later now
     const std::vector<Attr> conv_attrs = g.nodes[ci].attrs;
     const std::vector<Attr> pool_attrs = g.nodes[static_cast<size_t>(pi)].attrs;
     const int p = g.nodes[static_cast<size_t>(pi)].outputs[0];
@@ -97,7 +97,8 @@ int pool_before_pointwise_conv(Graph& g) {
       if (!std::equal(pool_attrs.begin(), pool_attrs.end(), n.attrs.begin() + 1)) continue;
       const int gy = n.outputs[0];
       const int k = consumer[gy];
-      if (k < 0 || touched[static_cast<size_t>(k)] || scalar_slot[static_cast<size_t>(k)] || written[gy]) continue;
+      if (k < 0 || touched[static_cast<size_t>(k)] || scalar_slot[static_cast<size_t>(k)] || writes.written(gy))
+        continue;
       const Node& cb = g.nodes[static_cast<size_t>(k)];
       if (cb.inplace || cb.op != &convolution_backward || cb.inputs.size() != 3 || cb.inputs[0] != gy ||
           cb.inputs[1] != x || cb.inputs[2] != w || cb.attrs.size() != 5 || cb.outputs.size() != 3)
@@ -106,8 +107,8 @@ int pool_before_pointwise_conv(Graph& g) {
       if (!std::holds_alternative<std::vector<int64_t>>(cb.attrs[4]) ||
           std::get<std::vector<int64_t>>(cb.attrs[4]).size() != 3 || std::get<std::vector<int64_t>>(cb.attrs[4])[0] == 0)
         continue;
-      const std::vector<char> between = internal::written_memory(g, ci, static_cast<size_t>(k));
-      if (between[x] || between[w]) continue;
+      if (writes.written_between(x, ci, static_cast<size_t>(k)) || writes.written_between(w, ci, static_cast<size_t>(k)))
+        continue;
       bi = static_cast<int>(j);
       ki = k;
     }
