@@ -3,6 +3,7 @@
 
 #include "kiln/autograd.h"
 #include "kiln/compiler.h"
+#include "kiln/cuda.h"
 #include "kiln/device.h"
 #include "kiln/dtype.h"
 #include "kiln/error.h"

@@ -12,6 +12,8 @@
 
 #ifdef KILN_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "backends/cuda/caching_allocator.h"
 #endif
 
 namespace kiln {
@@ -153,8 +155,18 @@ std::shared_ptr<Storage> allocate_storage(int64_t nbytes, Device device) {
     storage->data = p;
     return storage;
   }
+#ifdef KILN_WITH_CUDA
+  void* context = nullptr;
+  storage->data = cuda::detail::allocate(nbytes, device.index, &context);
+  if (context) {
+    storage->free_fn = cuda::detail::free_block;
+    storage->free_context = context;
+  }
+  return storage;
+#else
   throw DeviceError("[kiln::empty] cannot allocate on " + device.str() +
-                    ": this build of Kiln has no CUDA allocator yet. Use the CPU.");
+                    ": this build of Kiln has no CUDA support. Rebuild with the CUDA toolkit installed, or use the CPU.");
+#endif
 }
 
 std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {

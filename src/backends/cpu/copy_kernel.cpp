@@ -47,6 +47,14 @@ void copy_typed(const StridedLoop<2>& loop) {
 void copy_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& src = call.input(0);
   Tensor& dst = outs[0];
+  if (!src.is_cpu()) {
+    // A download: copy dispatches on the output's device, and only the GPU's kernel can read
+    // GPU memory.
+    const Kernel& from_device = call.op->kernels[static_cast<int>(src.device().type)];
+    KILN_CHECK(static_cast<bool>(from_device), DeviceError,
+               "[kiln::copy] has no kernel for " + src.device().str() + ". This build of Kiln has no CUDA support.");
+    return from_device(call, outs);
+  }
   StridedLoop<2> loop(dst.sizes(), {&dst, &src});
   KILN_DISPATCH_ALL(dst.dtype(), "copy", [&] {
     using To = scalar_t;

@@ -313,7 +313,8 @@ void rename_into_place(const std::string& from, const std::string& to) {
 // Moves the freshly linked .so into place, then its checksum: each durable (fsync) before an
 // atomic rename, so a reader sees either no entry or a whole one. A crash between the two
 // renames leaves a .so without a checksum, which the next load rejects and rebuilds.
-void install_entry(const std::string& built_so, const std::string& vdir, const std::string& key) {
+void install_entry(const std::string& built_so, const std::string& vdir, const std::string& key,
+                   const char* suffix = ".so") {
   std::string hex;
   {
     Fd so(::open(built_so.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
@@ -325,7 +326,7 @@ void install_entry(const std::string& built_so, const std::string& vdir, const s
     KILN_CHECK(!hex.empty() && ::fsync(so.fd) == 0, CompileError,
                "[kiln::compile] cannot read back " + built_so + ": " + errno_text(errno) + ".");
   }
-  rename_into_place(built_so, vdir + "/" + key + ".so");
+  rename_into_place(built_so, vdir + "/" + key + suffix);
 
   std::string tmp = vdir + "/." + key + ".sha256.XXXXXX";
   Fd sum(::mkostemp(tmp.data(), O_CLOEXEC));  // 0600
@@ -483,6 +484,60 @@ std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
   build_entry(req, cxx, flags, vdir, key);
   ++g_builds;
   return load(so_path, label);
+}
+
+std::string load_or_build_blob(const BlobRequest& req, const std::function<std::string()>& build) {
+  Sha256 sha;
+  sha.field("format", "kiln-blob-cache-1");
+  sha.field("kiln", KILN_VERSION);
+  for (const auto& [name, value] : req.key_fields) sha.field(name, value);
+  std::string key = sha.hex();
+  std::string vdir = cache_dir() + "/" + req.kind + "-v" KILN_VERSION;
+  ensure_private_dir(vdir);
+  std::string bin_path = vdir + "/" + key + ".bin";
+  std::string sum_path = vdir + "/" + key + ".sha256";
+  EntryLock lock(vdir + "/" + key + ".lock");
+  switch (check_entry(bin_path, sum_path)) {
+    case EntryState::valid: {
+      Fd fd(open_entry_file(bin_path));
+      std::string bytes;
+      std::vector<char> buf(1 << 16);
+      for (ssize_t n; fd.fd >= 0 && (n = ::read(fd.fd, buf.data(), buf.size())) != 0;) {
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) break;
+        bytes.append(buf.data(), static_cast<size_t>(n));
+      }
+      // Checked again on the bytes read: the file could have changed since check_entry.
+      Sha256 check;
+      check.update(bytes);
+      Fd sum(open_entry_file(sum_path));
+      char text[65] = {};
+      if (sum.fd >= 0 && ::read(sum.fd, text, 64) == 64 && check.hex() == std::string(text, 64)) {
+        ++g_hits;
+        return bytes;
+      }
+      [[fallthrough]];
+    }
+    case EntryState::bad:
+      ++g_rejected;
+      remove_entry(bin_path, sum_path);
+      break;
+    case EntryState::missing:
+      break;
+  }
+  std::string bytes = build();
+  ++g_builds;
+  std::string tmp = vdir + "/." + key + ".bin.XXXXXX";
+  {
+    Fd out(::mkostemp(tmp.data(), O_CLOEXEC));  // 0600
+    KILN_CHECK(out.fd >= 0, CompileError,
+               "[kiln::compile] cannot create a file in " + vdir + ": " + errno_text(errno) + ".");
+    write_all(out.fd, bytes, tmp);
+    KILN_CHECK(::fsync(out.fd) == 0, CompileError,
+               "[kiln::compile] cannot write " + tmp + ": " + errno_text(errno) + ".");
+  }
+  install_entry(tmp, vdir, key, ".bin");
+  return bytes;
 }
 
 }  // namespace kiln::compiler::runtime

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +55,20 @@ struct BuildRequest {
 // safe. Throws CompileError with the compiler's output and the source path on failure (the
 // sources are kept in a tmp-* directory of the cache for inspection).
 std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req);
+
+// A binary built from a source without the system compiler (a CUDA cubin from NVRTC), cached in
+// <cache_dir()>/<kind>-v<Kiln version>/<key>.bin plus <key>.sha256 under the same rules as the
+// shared objects: verified before use, rebuilt when bad, installed atomically under a lock.
+struct BlobRequest {
+  std::string kind;  // the subdirectory's name: "cuda"
+  // Everything that affects the bytes (source, compiler version, options, target): hashed, in
+  // order, with the field names, into the key.
+  std::vector<std::pair<std::string, std::string>> key_fields;
+  std::string label;  // for messages
+};
+// The bytes for `req`: read from the disk cache, or produced by `build` (which throws
+// CompileError on failure) and stored. Thread- and process-safe.
+std::string load_or_build_blob(const BlobRequest& req, const std::function<std::string()>& build);
 
 // The cache directory: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else $HOME/.cache/kiln; read
 // on every call. Created 0700 if missing; throws CompileError if it is a symlink, not a

@@ -1,0 +1,217 @@
+// The CUDA caching allocator (see caching_allocator.h) and its statistics (kiln/cuda.h).
+#include "backends/cuda/caching_allocator.h"
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "backends/cuda/cuda_runtime.h"
+
+namespace kiln::cuda::detail {
+
+namespace {
+
+constexpr size_t kRound = 512;
+constexpr size_t kSmallRequest = size_t{1} << 20;    // ≤ 1 MiB: the small pool
+constexpr size_t kSmallSegment = size_t{2} << 20;    // 2 MiB
+constexpr size_t kMediumRequest = size_t{10} << 20;  // < 10 MiB: a 20 MiB segment
+constexpr size_t kMediumSegment = size_t{20} << 20;
+constexpr size_t kLargeRound = size_t{2} << 20;      // larger segments: a multiple of 2 MiB
+
+struct Block {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  size_t size = 0;
+  char* ptr = nullptr;
+  bool allocated = false;
+  bool small = false;
+  Block* prev = nullptr;  // neighbours within one segment
+  Block* next = nullptr;
+};
+
+struct BlockLess {
+  bool operator()(const Block* a, const Block* b) const {
+    return std::tie(a->stream, a->size, a->ptr) < std::tie(b->stream, b->size, b->ptr);
+  }
+};
+using Pool = std::set<Block*, BlockLess>;
+
+class DeviceAllocator {
+ public:
+  explicit DeviceAllocator(int device) : device_(device) {}
+
+  Block* allocate(size_t request, cudaStream_t stream) {
+    size_t size = std::max(kRound, (request + kRound - 1) / kRound * kRound);
+    bool small = size <= kSmallRequest;
+    std::lock_guard lock(mutex_);
+    Pool& pool = small ? small_ : large_;
+    Block key;
+    key.stream = stream;
+    key.size = size;
+    Block* block = nullptr;
+    if (auto it = pool.lower_bound(&key); it != pool.end() && (*it)->stream == stream) {
+      block = *it;
+      pool.erase(it);
+    } else {
+      block = new_segment(segment_size(size), stream, small);
+    }
+    // Split off the tail when what remains is worth keeping.
+    size_t rest = block->size - size;
+    if (rest >= (small ? kRound : kSmallRequest + 1)) {
+      auto* tail = new Block{device_, stream, rest, block->ptr + size, false, small, block, block->next};
+      if (block->next) block->next->prev = tail;
+      block->next = tail;
+      block->size = size;
+      pool.insert(tail);
+    }
+    block->allocated = true;
+    stats_.allocated += static_cast<int64_t>(block->size);
+    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
+    stats_.allocations += 1;
+    return block;
+  }
+
+  void free(Block* block) {
+    std::lock_guard lock(mutex_);
+    stats_.allocated -= static_cast<int64_t>(block->size);
+    block->allocated = false;
+    Pool& pool = block->small ? small_ : large_;
+    if (Block* p = block->prev; p && !p->allocated) {  // merge into the free block before
+      pool.erase(p);
+      p->size += block->size;
+      p->next = block->next;
+      if (p->next) p->next->prev = p;
+      delete block;
+      block = p;
+    }
+    if (Block* n = block->next; n && !n->allocated) {  // absorb the free block after
+      pool.erase(n);
+      block->size += n->size;
+      block->next = n->next;
+      if (block->next) block->next->prev = block;
+      delete n;
+    }
+    pool.insert(block);
+  }
+
+  void release_cached() {
+    std::lock_guard lock(mutex_);
+    release_cached_locked();
+  }
+
+  MemoryStats stats() {
+    std::lock_guard lock(mutex_);
+    return stats_;
+  }
+
+  void reset_peaks() {
+    std::lock_guard lock(mutex_);
+    stats_.peak_allocated = stats_.allocated;
+    stats_.peak_reserved = stats_.reserved;
+  }
+
+ private:
+  static size_t segment_size(size_t size) {
+    if (size <= kSmallRequest) return kSmallSegment;
+    if (size < kMediumRequest) return kMediumSegment;
+    return (size + kLargeRound - 1) / kLargeRound * kLargeRound;
+  }
+
+  Block* new_segment(size_t bytes, cudaStream_t stream, bool small) {
+    DeviceGuard guard(device_);
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      stats_.oom_retries += 1;
+      release_cached_locked();
+      err = cudaMalloc(&p, bytes);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw DeviceError("[kiln::empty] CUDA out of memory allocating " + std::to_string(bytes) +
+                        " bytes on cuda:" + std::to_string(device_) + " (" + cudaGetErrorString(err) +
+                        "). Kiln holds " + std::to_string(stats_.allocated) + " bytes in tensors and " +
+                        std::to_string(stats_.reserved) +
+                        " reserved. Free tensors, call kiln::cuda::empty_cache(), or use smaller batches.");
+    }
+    stats_.reserved += static_cast<int64_t>(bytes);
+    stats_.peak_reserved = std::max(stats_.peak_reserved, stats_.reserved);
+    stats_.device_mallocs += 1;
+    return new Block{device_, stream, bytes, static_cast<char*>(p), false, small, nullptr, nullptr};
+  }
+
+  // Frees every cached segment no tensor uses (cudaFree waits for the device's queued work).
+  void release_cached_locked() {
+    for (Pool* pool : {&small_, &large_}) {
+      for (auto it = pool->begin(); it != pool->end();) {
+        Block* b = *it;
+        if (b->prev || b->next) {
+          ++it;
+          continue;
+        }
+        DeviceGuard guard(device_);
+        cudaFree(b->ptr);
+        stats_.reserved -= static_cast<int64_t>(b->size);
+        it = pool->erase(it);
+        delete b;
+      }
+    }
+  }
+
+  int device_;
+  std::mutex mutex_;
+  Pool small_, large_;
+  MemoryStats stats_;
+};
+
+DeviceAllocator& allocator(int device) {
+  static std::mutex mutex;
+  static std::vector<DeviceAllocator*>* all = new std::vector<DeviceAllocator*>();  // leaked: tensors may die at exit
+  std::lock_guard lock(mutex);
+  if (all->size() <= static_cast<size_t>(device)) all->resize(device + 1, nullptr);
+  if (!(*all)[device]) (*all)[device] = new DeviceAllocator(device);
+  return *(*all)[device];
+}
+
+}  // namespace
+
+void* allocate(int64_t nbytes, int device, void** context) {
+  check_device(device, "empty");
+  *context = nullptr;
+  if (nbytes == 0) return nullptr;
+  Block* b = allocator(device).allocate(static_cast<size_t>(nbytes), current_stream(device));
+  *context = b;
+  return b->ptr;
+}
+
+void free_block(void*, void* context) {
+  if (!context) return;
+  auto* b = static_cast<Block*>(context);
+  allocator(b->device).free(b);
+}
+
+}  // namespace kiln::cuda::detail
+
+namespace kiln::cuda {
+
+MemoryStats memory_stats(int device) {
+  device = detail::resolve_device(device, "cuda::memory_stats");
+  return detail::allocator(device).stats();
+}
+int64_t memory_allocated(int device) { return memory_stats(device).allocated; }
+int64_t memory_reserved(int device) { return memory_stats(device).reserved; }
+int64_t max_memory_allocated(int device) { return memory_stats(device).peak_allocated; }
+
+void reset_peak_memory_stats(int device) {
+  device = detail::resolve_device(device, "cuda::reset_peak_memory_stats");
+  detail::allocator(device).reset_peaks();
+}
+
+void empty_cache() {
+  for (int d = 0; d < device_count(); ++d) detail::allocator(d).release_cached();
+}
+
+}  // namespace kiln::cuda

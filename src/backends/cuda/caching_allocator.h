@@ -1,0 +1,23 @@
+// The CUDA caching allocator: device memory for tensors, reused without cudaMalloc/cudaFree.
+//
+// Like PyTorch's: requests are rounded up to 512 bytes; small ones (≤ 1 MiB) are carved from
+// 2 MiB segments, large ones from segments of at least their size (20 MiB for requests under
+// 10 MiB). A freed block goes back to its pool, merged with free neighbours of its segment, and
+// is reused by a later request of the same stream: work queued on one stream runs in order, so
+// a block freed while kernels that read it are still queued is only overwritten after them.
+// A block used on another stream than the one it was allocated on must be kept alive until
+// that stream's work is done (the caller synchronizes). When cudaMalloc fails the allocator
+// returns every free whole segment to the driver and retries once before throwing.
+#pragma once
+
+#include <cstdint>
+
+namespace kiln::cuda::detail {
+
+// Device memory for `nbytes` on `device`, usable on the current stream. Sets *context to what
+// free_block needs. Returns nullptr for 0 bytes. Throws DeviceError when out of memory.
+void* allocate(int64_t nbytes, int device, void** context);
+// Storage::FreeFn: returns the block to its pool.
+void free_block(void* data, void* context);
+
+}  // namespace kiln::cuda::detail
