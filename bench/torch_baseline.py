@@ -4,6 +4,13 @@
 CPU: eager inference (eval, no_grad), TorchScript-frozen inference and an Adam training step.
 Usage: torch_baseline.py densenet121 --device cpu --batch 16 --size 128 [--train] [--threads N]
 
+CUDA: eager, torch.compile (default) and torch.compile(mode="reduce-overhead") for inference
+(--modes) and for the whole Adam step, optimizer included (--train-modes; compiling the step
+takes minutes); per mode the median time (CUDA events), the compile time (the first calls) and
+the peak memory (torch.cuda.max_memory_allocated over that mode's runs).
+Usage: torch_baseline.py densenet121 --device cuda --batch 16 --size 128 [--train]
+       [--modes eager,default,reduce-overhead] [--train-modes eager,default]
+
 `toy` is the counterpart of `kiln bench toy`: microseconds per call of the set_stance recipe's
 three 5x5 matmuls in eager mode and, where torch.compile exists (PyTorch >= 2.0), compiled with
 the default mode and with mode="reduce-overhead"; a mode that cannot run is reported with an
@@ -38,6 +45,70 @@ def median_ms(fn, warmup, iters, sync):
     return statistics.median(times)
 
 
+def cuda_median_ms(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def cuda_model(a, model, x, y):
+    """Inference and the Adam step on a GPU: eager and torch.compile modes, side by side."""
+    import copy
+    out = {"framework": f"torch {torch.__version__}", "model": a.model, "device": "cuda",
+           "gpu": torch.cuda.get_device_name(), "batch": a.batch, "size": a.size, "modes": {}}
+    compile_kwargs = {"eager": None, "default": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
+    name = {"eager": "eager", "default": "torch_compile", "reduce-overhead": "torch_compile_reduce_overhead"}
+    for mode in a.modes.split(","):
+        model.eval()
+        fn = model if mode == "eager" else torch.compile(model, **compile_kwargs[mode])
+        r = out["modes"].setdefault(name[mode], {})
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
+                fn(x)
+            torch.cuda.synchronize()
+            if mode != "eager":
+                r["inference_compile_s"] = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            r["inference_ms"] = cuda_median_ms(lambda: fn(x), a.warmup, a.iters)
+            r["inference_peak_bytes"] = torch.cuda.max_memory_allocated()
+    if a.train:
+        for mode in a.train_modes.split(","):
+            m = copy.deepcopy(model).train()
+            opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+
+            def step():
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                opt.step()
+                return loss
+
+            fn = step if mode == "eager" else torch.compile(step, **compile_kwargs[mode])
+            r = out["modes"].setdefault(name[mode], {})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            if mode != "eager":
+                r["train_compile_s"] = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            r["train_step_ms"] = cuda_median_ms(fn, a.warmup, a.iters)
+            r["train_peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
 def toy_model(x, y):
     x = x @ y
     x = x @ y
@@ -49,13 +120,16 @@ def time_batch_us(fn, x, y, iters):
     t0 = time.perf_counter()
     for _ in range(iters):
         fn(x, y)
+    if x.is_cuda:  # the calls queue GPU work; a call's cost includes finishing it
+        torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e6 / iters
 
 
 def toy(a):
     """Per-call time of toy_model: eager, torch.compile default, torch.compile reduce-overhead."""
     torch.manual_seed(0)
-    x, y = torch.randn(5, 5), torch.randn(5, 5)
+    dev = torch.device(a.device)
+    x, y = torch.randn(5, 5, device=dev), torch.randn(5, 5, device=dev)
     expected = toy_model(x, y)
     fns = {"eager": toy_model}
     unavailable = {}
@@ -81,7 +155,7 @@ def toy(a):
         for mode, fn in fns.items():
             times[mode].append(time_batch_us(fn, x, y, a.iters))
     out = {"framework": f"torch {torch.__version__}", "model": "toy",
-           "function": "x = x @ y three times, x and y randn 5x5 float32", "device": "cpu",
+           "function": "x = x @ y three times, x and y randn 5x5 float32", "device": a.device,
            "threads": torch.get_num_threads(), "warmup": a.warmup, "iters": a.iters, "batches": a.batches,
            "modes": {}}
     eager_us = statistics.median(times["eager"])
@@ -106,6 +180,8 @@ def main():
     p.add_argument("--warmup", type=int, default=None, help="default 2 (toy: 3)")
     p.add_argument("--iters", type=int, default=None, help="timed runs, default 5 (toy: calls per batch, 2000)")
     p.add_argument("--batches", type=int, default=7, help="toy only: the time is the median batch")
+    p.add_argument("--modes", default="eager,default,reduce-overhead", help="cuda only: inference modes")
+    p.add_argument("--train-modes", default="eager,default", help="cuda only: training-step modes")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -114,8 +190,8 @@ def main():
         a.iters = 2000 if a.iters is None else a.iters
         print(json.dumps(toy(a), indent=2))
         return
-    a.warmup = 2 if a.warmup is None else a.warmup
-    a.iters = 5 if a.iters is None else a.iters
+    a.warmup = (2 if a.device == "cpu" else 5) if a.warmup is None else a.warmup
+    a.iters = (5 if a.device == "cpu" else 50) if a.iters is None else a.iters
     try:
         import torchvision
     except ImportError as e:  # the baseline is optional
@@ -127,6 +203,9 @@ def main():
     model = getattr(torchvision.models, a.model)(num_classes=a.classes).to(dev)
     x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
     y = torch.randint(0, a.classes, (a.batch,), device=dev)
+    if dev.type == "cuda":
+        print(json.dumps(cuda_model(a, model, x, y), indent=2))
+        return
     out = {"framework": f"torch {torch.__version__}", "model": a.model, "device": str(dev),
            "batch": a.batch, "size": a.size, "threads": torch.get_num_threads(), "modes": {}}
 

@@ -514,6 +514,9 @@ Tensor Tensor::to(DType t, bool copy) const { return to(device(), t, copy); }
 Tensor Tensor::to(Device d, bool copy) const { return to(d, dtype(), copy); }
 Tensor Tensor::to(Device d, DType t, bool copy) const {
   if (!copy && d == device() && t == dtype()) return *this;
+  // preserve_format, as PyTorch's to(): a channels-last tensor stays channels-last.
+  if (dim() == 4 && !is_contiguous() && is_contiguous(MemoryFormat::channels_last))
+    return call_op1(kCopy, {*this}, {t, d, true});
   return call_op1(kCopy, {*this}, {t, d});
 }
 

@@ -8,7 +8,8 @@
 // instantiated for the types its op accepts.
 //
 // float32 transcendentals (exp, log, tanh, sigmoid, erf, gelu, silu) use the branch-free
-// polynomial code in kiln::math::fast, so a `#pragma omp simd` loop over them vectorizes; they are
+// polynomial code in kiln::math::fast, on the CPU and on the GPU alike (so eager CUDA, eager CPU and
+// generated code give the same bits), and a `#pragma omp simd` loop over them vectorizes; they are
 // accurate to a few ulp (gelu's far left tail, where 1 + erf cancels, to 1e-7 absolute, as in
 // PyTorch) and handle inf/nan/overflow/underflow like libm. float64 calls std::. floor/ceil are
 // built on nearbyint for the same reason (std::floor is a libm call under -ftrapping-math).
@@ -213,11 +214,7 @@ struct Abs {
 struct Exp {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__CUDA_ARCH__)
-      return ::expf(a);
-#else
       return fast::exp(a);
-#endif
     } else {
       return std::exp(a);
     }
@@ -227,11 +224,7 @@ struct Exp {
 struct Log {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__CUDA_ARCH__)
-      return ::logf(a);
-#else
       return fast::log(a);
-#endif
     } else {
       return std::log(a);
     }
@@ -261,11 +254,7 @@ struct Tan {
 struct Tanh {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__CUDA_ARCH__)
-      return ::tanhf(a);
-#else
       return fast::tanh(a);
-#endif
     } else {
       return std::tanh(a);
     }
@@ -279,11 +268,7 @@ struct Sigmoid {
 struct Erf {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a) const {
     if constexpr (std::is_same_v<T, float>) {
-#if defined(__CUDA_ARCH__)
-      return ::erff(a);
-#else
       return fast::erf(a);
-#endif
     } else {
       return std::erf(a);
     }

@@ -31,8 +31,12 @@ template <> struct opmath_s<BFloat16> { using type = float; };
 template <class T> using opmath = typename opmath_s<T>::type;
 template <class To, class From> __forceinline__ To convert(From v) {
   if constexpr (std::is_same_v<To, bool>) return static_cast<opmath<From>>(v) != opmath<From>(0);
-  else if constexpr (std::is_same_v<From, Half> || std::is_same_v<From, BFloat16>) return static_cast<To>(static_cast<float>(v));
+  else if constexpr (std::is_same_v<From, Half> || std::is_same_v<From, BFloat16>) return convert<To>(static_cast<float>(v));
   else if constexpr (std::is_same_v<To, Half> || std::is_same_v<To, BFloat16>) return To(static_cast<float>(v));
+  // Floating to narrower integers through int64, as x86 (the CPU kernels) truncates: -5.0 -> uint8 251,
+  // where the GPU's direct conversion would saturate to 0.
+  else if constexpr (std::is_floating_point_v<From> && std::is_integral_v<To> && sizeof(To) < 8)
+    return static_cast<To>(static_cast<long long>(v));
   else return static_cast<To>(v);
 }
 template <class T> __forceinline__ T load(const char* p) { return *reinterpret_cast<const T*>(p); }
