@@ -428,6 +428,25 @@ int run_bench(const std::vector<std::string>& args) {
     timed.push_back(std::move(t));
   }
   time_interleaved(a, model, timed);
+  if (a.device.is_cuda()) {
+    // Peak memory per mode, each measured alone (weights, optimizer state and caches included,
+    // as torch.cuda.max_memory_allocated counts them).
+    result["gpu"] = cuda::get_device_properties(a.device.index).name;
+    for (TimedMode& t : timed) {
+      nlohmann::json& m = result["modes"][t.name];
+      model->eval();
+      cuda::synchronize(a.device.index);
+      cuda::reset_peak_memory_stats(a.device.index);
+      t.infer();
+      m["inference_peak_bytes"] = cuda::max_memory_allocated(a.device.index);
+      if (a.train) {
+        model->train();
+        cuda::reset_peak_memory_stats(a.device.index);
+        t.train();
+        m["train_peak_bytes"] = cuda::max_memory_allocated(a.device.index);
+      }
+    }
+  }
   for (TimedMode& t : timed) {
     nlohmann::json& m = result["modes"][t.name];
     m["inference_ms"] = median(t.infer_ms);
