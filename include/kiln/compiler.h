@@ -282,6 +282,8 @@ struct Counters {
   int64_t dispatched_nodes = 0; // graph nodes the kiln backend ran through the eager dispatcher
   int64_t recomputed_values = 0; // saved tensors a forward graph left for its backward to recompute
                                  // (the min-cut partition: aot_eager and kiln backends)
+  int64_t cuda_graph_captures = 0; // CUDA graphs recorded (kiln backend, reduce_overhead on a GPU)
+  int64_t cuda_graph_replays = 0;  // calls served by replaying one
 };
 Counters counters();
 

@@ -20,7 +20,10 @@ constexpr size_t kMediumRequest = size_t{10} << 20;  // < 10 MiB: a 20 MiB segme
 constexpr size_t kMediumSegment = size_t{20} << 20;
 constexpr size_t kLargeRound = size_t{2} << 20;      // larger segments: a multiple of 2 MiB
 
+class DeviceAllocator;
+
 struct Block {
+  DeviceAllocator* owner = nullptr;
   int device = 0;
   cudaStream_t stream = nullptr;
   size_t size = 0;
@@ -38,9 +41,21 @@ struct BlockLess {
 };
 using Pool = std::set<Block*, BlockLess>;
 
+// Counters of one device, shared by its allocator and its private pools.
+struct DeviceStats {
+  std::mutex mutex;
+  MemoryStats s;
+  void add(int64_t MemoryStats::*field, int64_t delta, int64_t MemoryStats::*peak = nullptr) {
+    std::lock_guard lock(mutex);
+    s.*field += delta;
+    if (peak) s.*peak = std::max(s.*peak, s.*field);
+  }
+};
+
 class DeviceAllocator {
  public:
-  explicit DeviceAllocator(int device) : device_(device) {}
+  DeviceAllocator(int device, DeviceStats* stats) : device_(device), stats_(stats) {}
+  ~DeviceAllocator() { release_cached(); }
 
   Block* allocate(size_t request, cudaStream_t stream) {
     size_t size = std::max(kRound, (request + kRound - 1) / kRound * kRound);
@@ -60,23 +75,25 @@ class DeviceAllocator {
     // Split off the tail when what remains is worth keeping.
     size_t rest = block->size - size;
     if (rest >= (small ? kRound : kSmallRequest + 1)) {
-      auto* tail = new Block{device_, stream, rest, block->ptr + size, false, small, block, block->next};
+      auto* tail = new Block{this, device_, stream, rest, block->ptr + size, false, small, block, block->next};
       if (block->next) block->next->prev = tail;
       block->next = tail;
       block->size = size;
       pool.insert(tail);
     }
     block->allocated = true;
-    stats_.allocated += static_cast<int64_t>(block->size);
-    stats_.peak_allocated = std::max(stats_.peak_allocated, stats_.allocated);
-    stats_.allocations += 1;
+    live_blocks_ += 1;
+    stats_->add(&MemoryStats::allocated, static_cast<int64_t>(block->size), &MemoryStats::peak_allocated);
+    stats_->add(&MemoryStats::allocations, 1);
     return block;
   }
 
-  void free(Block* block) {
+  // Returns whether this was a dropped private pool's last block (the caller then deletes it).
+  bool free(Block* block) {
     std::lock_guard lock(mutex_);
-    stats_.allocated -= static_cast<int64_t>(block->size);
+    stats_->add(&MemoryStats::allocated, -static_cast<int64_t>(block->size));
     block->allocated = false;
+    live_blocks_ -= 1;
     Pool& pool = block->small ? small_ : large_;
     if (Block* p = block->prev; p && !p->allocated) {  // merge into the free block before
       pool.erase(p);
@@ -94,6 +111,14 @@ class DeviceAllocator {
       delete n;
     }
     pool.insert(block);
+    return dropped_ && live_blocks_ == 0;
+  }
+
+  // A private pool no longer used for new allocations: deleted once its last block is freed.
+  bool drop() {
+    std::lock_guard lock(mutex_);
+    dropped_ = true;
+    return live_blocks_ == 0;
   }
 
   void release_cached() {
@@ -101,16 +126,6 @@ class DeviceAllocator {
     release_cached_locked();
   }
 
-  MemoryStats stats() {
-    std::lock_guard lock(mutex_);
-    return stats_;
-  }
-
-  void reset_peaks() {
-    std::lock_guard lock(mutex_);
-    stats_.peak_allocated = stats_.allocated;
-    stats_.peak_reserved = stats_.reserved;
-  }
 
  private:
   static size_t segment_size(size_t size) {
@@ -125,7 +140,7 @@ class DeviceAllocator {
     cudaError_t err = cudaMalloc(&p, bytes);
     if (err == cudaErrorMemoryAllocation) {
       cudaGetLastError();
-      stats_.oom_retries += 1;
+      stats_->add(&MemoryStats::oom_retries, 1);
       release_cached_locked();
       err = cudaMalloc(&p, bytes);
     }
@@ -133,14 +148,11 @@ class DeviceAllocator {
       cudaGetLastError();
       throw DeviceError("[kiln::empty] CUDA out of memory allocating " + std::to_string(bytes) +
                         " bytes on cuda:" + std::to_string(device_) + " (" + cudaGetErrorString(err) +
-                        "). Kiln holds " + std::to_string(stats_.allocated) + " bytes in tensors and " +
-                        std::to_string(stats_.reserved) +
-                        " reserved. Free tensors, call kiln::cuda::empty_cache(), or use smaller batches.");
+                        "). Free tensors, call kiln::cuda::empty_cache(), or use smaller batches.");
     }
-    stats_.reserved += static_cast<int64_t>(bytes);
-    stats_.peak_reserved = std::max(stats_.peak_reserved, stats_.reserved);
-    stats_.device_mallocs += 1;
-    return new Block{device_, stream, bytes, static_cast<char*>(p), false, small, nullptr, nullptr};
+    stats_->add(&MemoryStats::reserved, static_cast<int64_t>(bytes), &MemoryStats::peak_reserved);
+    stats_->add(&MemoryStats::device_mallocs, 1);
+    return new Block{this, device_, stream, bytes, static_cast<char*>(p), false, small, nullptr, nullptr};
   }
 
   // Frees every cached segment no tensor uses (cudaFree waits for the device's queued work).
@@ -154,7 +166,7 @@ class DeviceAllocator {
         }
         DeviceGuard guard(device_);
         cudaFree(b->ptr);
-        stats_.reserved -= static_cast<int64_t>(b->size);
+        stats_->add(&MemoryStats::reserved, -static_cast<int64_t>(b->size));
         it = pool->erase(it);
         delete b;
       }
@@ -162,27 +174,62 @@ class DeviceAllocator {
   }
 
   int device_;
+  DeviceStats* stats_;
   std::mutex mutex_;
   Pool small_, large_;
-  MemoryStats stats_;
+  int64_t live_blocks_ = 0;
+  bool dropped_ = false;
 };
 
-DeviceAllocator& allocator(int device) {
+struct DeviceState {
+  DeviceStats stats;
+  DeviceAllocator allocator;
+  explicit DeviceState(int device) : allocator(device, &stats) {}
+};
+
+DeviceState& state(int device) {
   static std::mutex mutex;
-  static std::vector<DeviceAllocator*>* all = new std::vector<DeviceAllocator*>();  // leaked: tensors may die at exit
+  static auto* all = new std::vector<DeviceState*>();  // leaked: tensors may die at exit
   std::lock_guard lock(mutex);
   if (all->size() <= static_cast<size_t>(device)) all->resize(device + 1, nullptr);
-  if (!(*all)[device]) (*all)[device] = new DeviceAllocator(device);
+  if (!(*all)[device]) (*all)[device] = new DeviceState(device);
   return *(*all)[device];
 }
+DeviceAllocator& allocator(int device) { return state(device).allocator; }
+
+thread_local PrivatePool* t_private_pool = nullptr;
 
 }  // namespace
+
+class PrivatePool {
+ public:
+  explicit PrivatePool(int device) : device(device), allocator(new DeviceAllocator(device, &state(device).stats)) {}
+  ~PrivatePool() {
+    if (allocator->drop()) delete allocator;  // else the last free_block deletes it
+  }
+  PrivatePool(const PrivatePool&) = delete;
+  PrivatePool& operator=(const PrivatePool&) = delete;
+  const int device;
+  DeviceAllocator* const allocator;
+};
+
+std::shared_ptr<PrivatePool> create_private_pool(int device) {
+  check_device(device, "cuda::graph");
+  return std::make_shared<PrivatePool>(device);
+}
+
+PrivatePoolGuard::PrivatePoolGuard(std::shared_ptr<PrivatePool> pool)
+    : pool_(std::move(pool)), previous_(t_private_pool) {
+  t_private_pool = pool_.get();
+}
+PrivatePoolGuard::~PrivatePoolGuard() { t_private_pool = previous_; }
 
 void* allocate(int64_t nbytes, int device, void** context) {
   check_device(device, "empty");
   *context = nullptr;
   if (nbytes == 0) return nullptr;
-  Block* b = allocator(device).allocate(static_cast<size_t>(nbytes), current_stream(device));
+  DeviceAllocator& a = t_private_pool && t_private_pool->device == device ? *t_private_pool->allocator : allocator(device);
+  Block* b = a.allocate(static_cast<size_t>(nbytes), current_stream(device));
   *context = b;
   return b->ptr;
 }
@@ -190,7 +237,8 @@ void* allocate(int64_t nbytes, int device, void** context) {
 void free_block(void*, void* context) {
   if (!context) return;
   auto* b = static_cast<Block*>(context);
-  allocator(b->device).free(b);
+  DeviceAllocator* owner = b->owner;
+  if (owner->free(b)) delete owner;  // a dropped private pool's last block
 }
 
 }  // namespace kiln::cuda::detail
@@ -199,7 +247,9 @@ namespace kiln::cuda {
 
 MemoryStats memory_stats(int device) {
   device = detail::resolve_device(device, "cuda::memory_stats");
-  return detail::allocator(device).stats();
+  auto& st = detail::state(device).stats;
+  std::lock_guard lock(st.mutex);
+  return st.s;
 }
 int64_t memory_allocated(int device) { return memory_stats(device).allocated; }
 int64_t memory_reserved(int device) { return memory_stats(device).reserved; }
@@ -207,7 +257,10 @@ int64_t max_memory_allocated(int device) { return memory_stats(device).peak_allo
 
 void reset_peak_memory_stats(int device) {
   device = detail::resolve_device(device, "cuda::reset_peak_memory_stats");
-  detail::allocator(device).reset_peaks();
+  auto& st = detail::state(device).stats;
+  std::lock_guard lock(st.mutex);
+  st.s.peak_allocated = st.s.allocated;
+  st.s.peak_reserved = st.s.reserved;
 }
 
 void empty_cache() {

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 namespace kiln::cuda::detail {
 
@@ -19,5 +20,26 @@ namespace kiln::cuda::detail {
 void* allocate(int64_t nbytes, int device, void** context);
 // Storage::FreeFn: returns the block to its pool.
 void free_block(void* data, void* context);
+
+// A private pool for CUDA graph capture. While a PrivatePoolGuard is active on a thread, that
+// thread's allocations on the pool's device come from the pool, and blocks allocated there go back
+// to it when freed, whenever that happens. A captured graph replays with the addresses it was
+// captured with, so its intermediates must not be handed to anyone else between replays: the pool
+// keeps them. The pool's memory counts in the device's statistics and returns to the driver once
+// the pool is dropped and its last block freed.
+class PrivatePool;
+std::shared_ptr<PrivatePool> create_private_pool(int device);
+
+class PrivatePoolGuard {
+ public:
+  explicit PrivatePoolGuard(std::shared_ptr<PrivatePool> pool);
+  ~PrivatePoolGuard();
+  PrivatePoolGuard(const PrivatePoolGuard&) = delete;
+  PrivatePoolGuard& operator=(const PrivatePoolGuard&) = delete;
+
+ private:
+  std::shared_ptr<PrivatePool> pool_;
+  PrivatePool* previous_ = nullptr;
+};
 
 }  // namespace kiln::cuda::detail

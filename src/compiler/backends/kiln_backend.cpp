@@ -15,6 +15,7 @@
 #include "compiler/graph/passes.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/memory_plan.h"
+#include "compiler/runtime/cuda_graph.h"
 #include "compiler/runtime/kernel_cache.h"
 #include "core/profiler.h"
 #include "core/tensor_factory.h"
@@ -296,6 +297,16 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     detail::record_phase("cpp_build (kiln)",
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     for (const auto& k : ex->program.kernels) ex->kernels.push_back(ex->library->function<void(void* const*, const double*, const int64_t*)>(k.name.c_str()));
+  }
+  if (const CompileOptions* o = compiling_options();
+      o && (o->mode == Mode::reduce_overhead || o->mode == Mode::max_autotune) && runtime::CudaGraphRunner::applies(g)) {
+    // On a GPU, reduce_overhead replays the whole graph as one CUDA graph.
+    std::vector<char> written = passes::internal::written_memory(g);
+    std::vector<bool> written_inputs;
+    for (int v : g.inputs) written_inputs.push_back(v >= 0 && written[v]);
+    auto runner = std::make_shared<runtime::CudaGraphRunner>([ex](const Arguments& a) { return run(*ex, a); },
+                                                             std::move(written_inputs));
+    return [runner](const Arguments& args) { return (*runner)(args); };
   }
   return [ex](const Arguments& args) { return run(*ex, args); };
 }

@@ -175,6 +175,8 @@ Counters counters() {
   out.kernel_runs = c.kernel_runs.load();
   out.dispatched_nodes = c.dispatched_nodes.load();
   out.recomputed_values = c.recomputed_values.load();
+  out.cuda_graph_captures = c.cuda_graph_captures.load();
+  out.cuda_graph_replays = c.cuda_graph_replays.load();
   return out;
 }
 
@@ -189,7 +191,7 @@ void reset() {
   auto& c = detail::counter_set();
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
                   &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
-                  &c.recomputed_values})
+                  &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays})
     a->store(0);
 }
 

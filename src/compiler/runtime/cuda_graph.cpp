@@ -1,0 +1,265 @@
+// CUDA graph capture and replay for the kiln backend (see cuda_graph.h).
+#include "compiler/runtime/cuda_graph.h"
+
+#include <mutex>
+#include <string>
+
+#include "compiler/capture/runtime.h"
+#include "core/tensor_factory.h"
+
+#ifdef KILN_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/caching_allocator.h"
+#include "backends/cuda/cuda_runtime.h"
+#endif
+
+namespace kiln::compiler::runtime {
+
+#ifndef KILN_WITH_CUDA
+
+struct CudaGraphRunner::Impl {
+  RunFn run;
+};
+bool CudaGraphRunner::applies(const Graph&) { return false; }
+CudaGraphRunner::CudaGraphRunner(RunFn run, std::vector<bool>) : impl_(new Impl{std::move(run)}) {}
+CudaGraphRunner::~CudaGraphRunner() = default;
+std::vector<Tensor> CudaGraphRunner::operator()(const Arguments& args) { return impl_->run(args); }
+
+#else
+
+namespace {
+
+namespace cu = kiln::cuda::detail;
+
+bool same_attr(const Attr& a, const Attr& b) { return a == b; }
+
+// What an input looked like when the graph was recorded.
+struct InputRecord {
+  bool defined = false;
+  const void* data = nullptr;
+  std::vector<int64_t> sizes, strides;
+  DType dtype = DType::float32;
+  Device device;
+};
+
+InputRecord record_of(const Tensor& t) {
+  if (!t.defined()) return {};
+  return {true, t.impl().data(), t.sizes().vec(), t.strides().vec(), t.dtype(), t.device()};
+}
+
+}  // namespace
+
+struct CudaGraphRunner::Impl {
+  RunFn run;
+  std::vector<bool> written_inputs;
+  std::mutex mutex;
+  int calls = 0;
+  int records = 0;
+  bool disabled = false;
+  std::vector<const void*> previous_data;  // input addresses of the last call
+
+  // The recorded graph.
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  std::shared_ptr<cu::PrivatePool> pool;  // destroyed after the tensors below (declared first)
+  std::vector<bool> in_place;             // per input: read where it is
+  std::vector<InputRecord> recorded;      // per input, at recording
+  std::vector<Tensor> static_inputs;      // per input: the caller's tensor (in place) or a static buffer
+  std::vector<Attr> scalars;
+  std::vector<Tensor> static_outputs;
+
+  ~Impl() { release(); }
+
+  void release() {
+    static_outputs.clear();
+    static_inputs.clear();
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    exec = nullptr;
+    graph = nullptr;
+    pool.reset();
+    if (stream) {
+      cu::DeviceGuard guard(device);
+      cudaStreamDestroy(stream);
+      stream = nullptr;
+    }
+  }
+
+  void disable(const std::string& why) {
+    disabled = true;
+    release();
+    if (detail::log_options().perf_hints)
+      detail::log_stream() << "[kiln.perf_hints] reduce_overhead: this graph runs without a CUDA graph: " << why << "\n";
+  }
+
+  // Records the graph; false (and everything released) when it cannot be recorded.
+  bool record(const Arguments& args) {
+    release();
+    device = -1;
+    for (const Tensor& t : args.tensors)
+      if (t.defined() && t.is_cuda()) device = t.device().index;
+    if (device < 0) device = kiln::cuda::current_device();
+    cu::DeviceGuard guard(device);
+    // Work queued for the inputs on the caller's stream finishes before recording starts.
+    cu::check(cudaStreamSynchronize(cu::current_stream(device)), "compile (CUDA graph)");
+    cu::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "compile (CUDA graph)");
+    pool = cu::create_private_pool(device);
+    const size_t n = args.tensors.size();
+    in_place.assign(n, false);
+    recorded.assign(n, {});
+    static_inputs.assign(n, Tensor());
+    for (size_t i = 0; i < n; ++i) {
+      const Tensor& t = args.tensors[i];
+      recorded[i] = record_of(t);
+      if (!t.defined()) continue;
+      // Stable addresses (parameters) and CPU scalars are read in place; the rest get a buffer.
+      in_place[i] = !t.is_cuda() || (i < previous_data.size() && previous_data[i] == t.impl().data());
+      if (in_place[i]) {
+        static_inputs[i] = t;
+      } else {
+        static_inputs[i] = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
+        static_inputs[i].copy_(t);
+      }
+    }
+    cu::check(cudaDeviceSynchronize(), "compile (CUDA graph)");
+    scalars.assign(args.scalars.begin(), args.scalars.end());
+    Arguments captured{static_inputs, scalars};
+    std::string failure;
+    {
+      cu::PrivatePoolGuard pool_guard(pool);
+      cudaStream_t previous = cu::current_stream(device);
+      cu::set_current_stream(device, stream);
+      cu::check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), "compile (CUDA graph)");
+      try {
+        static_outputs = run(captured);
+      } catch (const std::exception& e) {
+        failure = e.what();
+      }
+      cudaGraph_t g = nullptr;
+      cudaError_t end = cudaStreamEndCapture(stream, &g);
+      cu::set_current_stream(device, previous);
+      if (failure.empty() && end != cudaSuccess) failure = cudaGetErrorString(end);
+      graph = g;
+    }
+    cudaGetLastError();
+    if (failure.empty() && graph) {
+      cudaError_t e = cudaGraphInstantiate(&exec, graph, 0);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        failure = std::string("instantiation failed: ") + cudaGetErrorString(e);
+      }
+    }
+    if (!failure.empty() || !exec) {
+      static_outputs.clear();
+      disable("recording failed: " + (failure.empty() ? std::string("no graph") : failure));
+      return false;
+    }
+    detail::counter_set().cuda_graph_captures.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  // Whether a call's inputs and scalars fit the recorded graph.
+  bool fits(const Arguments& args) const {
+    if (args.tensors.size() != recorded.size() || args.scalars.size() != scalars.size()) return false;
+    for (size_t k = 0; k < scalars.size(); ++k)
+      if (!same_attr(scalars[k], args.scalars[k])) return false;
+    for (size_t i = 0; i < recorded.size(); ++i) {
+      const Tensor& t = args.tensors[i];
+      const InputRecord& r = recorded[i];
+      if (t.defined() != r.defined) return false;
+      if (!t.defined()) continue;
+      if (t.sizes() != IntArrayRef(r.sizes) || t.strides() != IntArrayRef(r.strides) || t.dtype() != r.dtype ||
+          t.device() != r.device)
+        return false;
+      if (in_place[i] && t.is_cuda() && t.impl().data() != r.data) return false;
+      if (in_place[i] && !t.is_cuda() && !same_values(t, static_inputs[i])) return false;
+    }
+    return true;
+  }
+
+  static bool same_values(const Tensor& a, const Tensor& b) {
+    // CPU 0-dim inputs are baked into the recorded kernel arguments.
+    return a.numel() == 1 && b.numel() == 1 && a.item().to_double() == b.item().to_double();
+  }
+
+  std::vector<Tensor> replay(const Arguments& args) {
+    cu::DeviceGuard guard(device);
+    cudaStream_t caller = cu::current_stream(device);
+    for (size_t i = 0; i < static_inputs.size(); ++i)
+      if (!in_place[i] && args.tensors[i].defined()) static_inputs[i].copy_(args.tensors[i]);
+    // The graph runs on its own stream, ordered after the caller's work and before what the caller
+    // queues next.
+    cudaEvent_t ready = nullptr, done = nullptr;
+    cu::check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "compile (CUDA graph replay)");
+    cu::check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "compile (CUDA graph replay)");
+    cu::check(cudaEventRecord(ready, caller), "compile (CUDA graph replay)");
+    cu::check(cudaStreamWaitEvent(stream, ready, 0), "compile (CUDA graph replay)");
+    cu::check(cudaGraphLaunch(exec, stream), "compile (CUDA graph replay)");
+    cu::check(cudaEventRecord(done, stream), "compile (CUDA graph replay)");
+    cu::check(cudaStreamWaitEvent(caller, done, 0), "compile (CUDA graph replay)");
+    cudaEventDestroy(ready);
+    cudaEventDestroy(done);
+    detail::counter_set().cuda_graph_replays.fetch_add(1, std::memory_order_relaxed);
+    for (size_t i = 0; i < static_inputs.size(); ++i)
+      if (!in_place[i] && i < written_inputs.size() && written_inputs[i] && args.tensors[i].defined()) {
+        Tensor target = args.tensors[i];
+        target.copy_(static_inputs[i]);
+      }
+    std::vector<Tensor> out;
+    out.reserve(static_outputs.size());
+    for (const Tensor& t : static_outputs) {
+      if (!t.defined()) {
+        out.emplace_back();
+        continue;
+      }
+      Tensor copy = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
+      copy.copy_(t);
+      out.push_back(std::move(copy));
+    }
+    return out;
+  }
+};
+
+bool CudaGraphRunner::applies(const Graph& g) {
+  if (!kiln::cuda::is_available()) return false;
+  for (const auto& v : g.values)
+    if (v.device.is_cuda()) return true;
+  return false;
+}
+
+CudaGraphRunner::CudaGraphRunner(RunFn run, std::vector<bool> written_inputs) : impl_(new Impl) {
+  impl_->run = std::move(run);
+  impl_->written_inputs = std::move(written_inputs);
+}
+CudaGraphRunner::~CudaGraphRunner() = default;
+
+std::vector<Tensor> CudaGraphRunner::operator()(const Arguments& args) {
+  Impl& m = *impl_;
+  std::unique_lock lock(m.mutex, std::try_to_lock);
+  if (!lock.owns_lock() || m.disabled) return m.run(args);  // another thread replays: run normally
+  ++m.calls;
+  std::vector<const void*> data;
+  for (const Tensor& t : args.tensors) data.push_back(t.defined() ? t.impl().data() : nullptr);
+  if (m.calls == 1) {  // warm-up: compiles kernels and plans library calls outside any recording
+    m.previous_data = std::move(data);
+    return m.run(args);
+  }
+  if (!m.exec || !m.fits(args)) {
+    // Run-time scalars that change on every call (an optimizer's step count) would mean recording
+    // on every call: past a few recordings the graph runs normally.
+    if (++m.records > 4) {
+      m.disable("its run-time scalars or input addresses change from call to call");
+      return m.run(args);
+    }
+    if (!m.record(args)) return m.run(args);
+  }
+  m.previous_data = std::move(data);
+  return m.replay(args);
+}
+
+#endif  // KILN_WITH_CUDA
+
+}  // namespace kiln::compiler::runtime
