@@ -12,17 +12,19 @@
 //     it (the same functor as the CPU's); conv2d_bn folds the batch norm into the weights and
 //     bias with Kiln's CUDA pointwise ops, as the CPU kernel folds it, cached the same way.
 //   - convolution_backward runs cuDNN's backward-data and backward-filter for the gradients
-//     output_mask asks for; the bias gradient sums grad_output in float32 (cuDNN's backward-bias,
-//     16-bit gradients converted first) and is rounded once, as on the CPU.
+//     output_mask asks for; the bias gradient is an NVRTC reduction of grad_output that sums in
+//     float32 (float64 for float64) and rounds once, as on the CPU.
 //
 // Plans (descriptors and the algorithm cudnnGet*Algorithm_v7 ranks first among those cuDNN
-// supports for the configuration and precision setting) are cached per configuration, layout and
-// direction. cuDNN's legacy API takes int sizes: tensors of 2^31 elements or more are refused
-// with a ShapeError.
+// supports for the configuration and precision setting; the next one when cuDNN refuses it at
+// run time) are cached per configuration, layout and direction. cuDNN's legacy API takes int
+// sizes: tensors of 2^31 elements or more are refused with a ShapeError.
 #ifdef KILN_WITH_CUDNN
 
 #include <cudnn.h>
+#include <fmt/format.h>
 
+#include <algorithm>
 #include <array>
 #include <climits>
 #include <functional>
@@ -33,7 +35,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/cuda/conv_kernels.h"
 #include "backends/cuda/cuda_runtime.h"
+#include "backends/cuda/elementwise.h"
+#include "backends/cuda/jit.h"
 #include "backends/cuda/library_handles.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -45,10 +50,13 @@ namespace kiln::cuda::detail {
 namespace {
 
 void check_cudnn(cudnnStatus_t status, const std::string& op) {
-  if (status == CUDNN_STATUS_SUCCESS) [[likely]] return;
+  if (status == CUDNN_STATUS_SUCCESS) [[likely]]
+    return;
   std::string msg = "[kiln::" + op + "] cuDNN error: " + cudnnGetErrorString(status) + ".";
   if (status == CUDNN_STATUS_ALLOC_FAILED)
-    msg += " The GPU is out of memory: free tensors, call kiln::cuda::empty_cache(), or use smaller batches.";
+    msg +=
+        " The GPU is out of memory: free tensors, call kiln::cuda::empty_cache(), or use smaller "
+        "batches.";
   throw DeviceError(msg);
 }
 
@@ -63,37 +71,59 @@ struct ConvParams {
   int device;
 };
 
-ConvParams conv_params(const Tensor& input, const Tensor& weight, IntArrayRef out_sizes, const AttrAccess& a) {
+ConvParams conv_params(const Tensor& input, const Tensor& weight, IntArrayRef out_sizes,
+                       const AttrAccess& a) {
   auto pair = [&](size_t i, int d) {
     IntArrayRef v = a.ints_attr(i);
     return v.size() == 1 ? v[0] : v[d];
   };
-  return {input.sizes()[0], input.sizes()[1], input.sizes()[2], input.sizes()[3], weight.sizes()[0],
-          weight.sizes()[2], weight.sizes()[3], out_sizes[2], out_sizes[3], {pair(0, 0), pair(0, 1)},
-          {pair(1, 0), pair(1, 1)}, {pair(2, 0), pair(2, 1)}, a.int_attr(3), input.dtype(), false,
+  return {input.sizes()[0],
+          input.sizes()[1],
+          input.sizes()[2],
+          input.sizes()[3],
+          weight.sizes()[0],
+          weight.sizes()[2],
+          weight.sizes()[3],
+          out_sizes[2],
+          out_sizes[3],
+          {pair(0, 0), pair(0, 1)},
+          {pair(1, 0), pair(1, 1)},
+          {pair(2, 0), pair(2, 1)},
+          a.int_attr(3),
+          input.dtype(),
+          false,
           input.device().index};
 }
 
 // cuDNN's legacy API counts elements, sizes and parameters in int.
-void check_int_sizes(const std::string& op, std::initializer_list<const Tensor*> tensors, const AttrAccess& attrs) {
+void check_int_sizes(const std::string& op, std::initializer_list<const Tensor*> tensors,
+                     const AttrAccess& attrs) {
   for (const Tensor* t : tensors) {
-    KILN_CHECK(!t->defined() || t->numel() <= INT_MAX, ShapeError,
-               "[kiln::" + op + "] cuDNN convolutions take tensors of fewer than 2^31 elements, but got one of shape " +
-                   shape_str(t->sizes()) + ". Split the batch into smaller ones.");
+    KILN_CHECK(
+        !t->defined() || t->numel() <= INT_MAX, ShapeError,
+        "[kiln::" + op +
+            "] cuDNN convolutions take tensors of fewer than 2^31 elements, but got one of shape " +
+            shape_str(t->sizes()) + ". Split the batch into smaller ones.");
   }
   for (size_t i = 0; i < 3; ++i)
     for (int64_t v : attrs.ints_attr(i))
-      KILN_CHECK(v <= INT_MAX, ShapeError,
-                 "[kiln::" + op + "] cuDNN convolutions take strides, padding and dilation below 2^31, but got " +
-                     std::to_string(v) + ". Use smaller values.");
+      KILN_CHECK(
+          v <= INT_MAX, ShapeError,
+          "[kiln::" + op +
+              "] cuDNN convolutions take strides, padding and dilation below 2^31, but got " +
+              std::to_string(v) + ". Use smaller values.");
 }
 
 cudnnDataType_t data_type(DType t) {
   switch (t) {
-    case DType::float16: return CUDNN_DATA_HALF;
-    case DType::bfloat16: return CUDNN_DATA_BFLOAT16;
-    case DType::float64: return CUDNN_DATA_DOUBLE;
-    default: return CUDNN_DATA_FLOAT;
+    case DType::float16:
+      return CUDNN_DATA_HALF;
+    case DType::bfloat16:
+      return CUDNN_DATA_BFLOAT16;
+    case DType::float64:
+      return CUDNN_DATA_DOUBLE;
+    default:
+      return CUDNN_DATA_FLOAT;
   }
 }
 
@@ -106,9 +136,9 @@ struct TensorDesc {
   TensorDesc& operator=(const TensorDesc&) = delete;
   // A dense 4-d tensor (sizes in NCHW order) in `channels_last` or NCHW memory order.
   void set(DType t, bool channels_last, int64_t n, int64_t c, int64_t h, int64_t w) {
-    check_cudnn(cudnnSetTensor4dDescriptor(d, channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW, data_type(t),
-                                           static_cast<int>(n), static_cast<int>(c), static_cast<int>(h),
-                                           static_cast<int>(w)),
+    check_cudnn(cudnnSetTensor4dDescriptor(d, channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
+                                           data_type(t), static_cast<int>(n), static_cast<int>(c),
+                                           static_cast<int>(h), static_cast<int>(w)),
                 "conv2d");
   }
 };
@@ -137,7 +167,17 @@ struct ConvPlan {
   ConvDesc conv;
   int algorithm = 0;  // the direction's cudnnConvolution*Algo_t
   size_t workspace = 0;
+  uint32_t excluded = 0;  // algorithms (bit per enum value) that failed at run time
 };
+
+// Whether cuDNN refused a call for want of support (before running anything).
+bool is_not_supported(cudnnStatus_t status) {
+#if CUDNN_MAJOR >= 9
+  return status >= CUDNN_STATUS_NOT_SUPPORTED && status < CUDNN_STATUS_INTERNAL_ERROR;
+#else
+  return status == CUDNN_STATUS_NOT_SUPPORTED;
+#endif
+}
 
 // The math mode to run a result of cudnnGet*Algorithm_v7 in, if it is acceptable: float32 uses
 // TF32 only when allowed (otherwise FMA math, which PyTorch asserts the results come with);
@@ -147,11 +187,13 @@ std::optional<cudnnMathType_t> math_mode(cudnnMathType_t math, DType t, bool all
     if (math == CUDNN_FMA_MATH || math == CUDNN_DEFAULT_MATH) return CUDNN_FMA_MATH;
     return std::nullopt;
   }
-  if ((t == DType::float32 || t == DType::float64) && math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) return std::nullopt;
+  if ((t == DType::float32 || t == DType::float64) && math == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION)
+    return std::nullopt;
   return math;
 }
 
-constexpr size_t kMaxWorkspace = size_t{1} << 30;  // skip algorithms that want more scratch than this
+constexpr size_t kMaxWorkspace = size_t{1}
+                                 << 30;  // skip algorithms that want more scratch than this
 
 // Picks the first algorithm (cuDNN ranks them by expected speed) that cuDNN supports here, in an
 // acceptable math mode, with bounded scratch; sets its math mode on the descriptor. False: none.
@@ -159,11 +201,14 @@ template <class Perf>
 bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf32,
             const std::function<cudnnStatus_t(int, size_t*)>& workspace_size) {
   for (int i = 0; i < count; ++i) {
-    if (perf[i].status != CUDNN_STATUS_SUCCESS) continue;
+    const int algo = static_cast<int>(perf[i].algo);
+    if (perf[i].status != CUDNN_STATUS_SUCCESS || (algo < 32 && (plan.excluded >> algo) & 1u))
+      continue;
     const std::optional<cudnnMathType_t> math = math_mode(perf[i].mathType, t, allow_tf32);
     if (!math || cudnnSetConvolutionMathType(plan.conv.d, *math) != CUDNN_STATUS_SUCCESS) continue;
     size_t bytes = 0;
-    if (workspace_size(static_cast<int>(perf[i].algo), &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspace)
+    if (workspace_size(static_cast<int>(perf[i].algo), &bytes) != CUDNN_STATUS_SUCCESS ||
+        bytes > kMaxWorkspace)
       continue;
     plan.algorithm = static_cast<int>(perf[i].algo);
     plan.workspace = bytes;
@@ -172,26 +217,33 @@ bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf3
   return false;
 }
 
-// Builds the plan of `p` for `direction`; nullptr when cuDNN has no algorithm for it.
-std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direction, bool allow_tf32) {
+// Builds the plan of `p` for `direction`, skipping the `excluded` algorithms; nullptr when cuDNN
+// has no algorithm for it.
+std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direction,
+                                           bool allow_tf32, uint32_t excluded) {
   auto plan = std::make_shared<ConvPlan>();
+  plan->excluded = excluded;
   const DType t = p.dtype;
   plan->x.set(t, p.channels_last, p.n, p.c, p.h, p.w);
   plan->y.set(t, p.channels_last, p.n, p.o, p.oh, p.ow);
-  check_cudnn(cudnnSetFilter4dDescriptor(plan->w.d, data_type(t), p.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
+  check_cudnn(cudnnSetFilter4dDescriptor(plan->w.d, data_type(t),
+                                         p.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW,
                                          static_cast<int>(p.o), static_cast<int>(p.c / p.groups),
                                          static_cast<int>(p.kh), static_cast<int>(p.kw)),
               "conv2d");
   const cudnnDataType_t compute = t == DType::float64 ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
   auto to_int = [](int64_t v) { return static_cast<int>(v); };  // checked by check_int_sizes
-  check_cudnn(cudnnSetConvolution2dDescriptor(plan->conv.d, to_int(p.pad[0]), to_int(p.pad[1]), to_int(p.stride[0]),
-                                              to_int(p.stride[1]), to_int(p.dilation[0]), to_int(p.dilation[1]),
+  check_cudnn(cudnnSetConvolution2dDescriptor(plan->conv.d, to_int(p.pad[0]), to_int(p.pad[1]),
+                                              to_int(p.stride[0]), to_int(p.stride[1]),
+                                              to_int(p.dilation[0]), to_int(p.dilation[1]),
                                               CUDNN_CROSS_CORRELATION, compute),
               "conv2d");
   check_cudnn(cudnnSetConvolutionGroupCount(plan->conv.d, static_cast<int>(p.groups)), "conv2d");
   cudnnMathType_t math = CUDNN_DEFAULT_MATH;
-  if (t == DType::float16 || t == DType::bfloat16) math = CUDNN_TENSOR_OP_MATH;
-  else if (t == DType::float32 && !allow_tf32) math = CUDNN_FMA_MATH;
+  if (t == DType::float16 || t == DType::bfloat16)
+    math = CUDNN_TENSOR_OP_MATH;
+  else if (t == DType::float32 && !allow_tf32)
+    math = CUDNN_FMA_MATH;
   check_cudnn(cudnnSetConvolutionMathType(plan->conv.d, math), "conv2d");
 
   cudnnHandle_t handle = cudnn_handle(p.device);
@@ -200,40 +252,49 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
   switch (direction) {
     case Direction::forward: {
       std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> perf{};
-      check_cudnn(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
-                                                         static_cast<int>(perf.size()), &count, perf.data()),
+      check_cudnn(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d,
+                                                         plan->y.d, static_cast<int>(perf.size()),
+                                                         &count, perf.data()),
                   "conv2d");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
-                                                       static_cast<cudnnConvolutionFwdAlgo_t>(algo), bytes);
+        return cudnnGetConvolutionForwardWorkspaceSize(
+            handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
+            static_cast<cudnnConvolutionFwdAlgo_t>(algo), bytes);
       });
       break;
     }
     case Direction::backward_data: {
       std::array<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT> perf{};
-      check_cudnn(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
-                                                              static_cast<int>(perf.size()), &count, perf.data()),
+      check_cudnn(cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                      handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
+                      static_cast<int>(perf.size()), &count, perf.data()),
                   "convolution_backward");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
-                                                            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), bytes);
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(
+            handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
+            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), bytes);
       });
       break;
     }
     case Direction::backward_filter: {
-      std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT> perf{};
-      check_cudnn(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
-                                                                static_cast<int>(perf.size()), &count, perf.data()),
+      std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>
+          perf{};
+      check_cudnn(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                      handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
+                      static_cast<int>(perf.size()), &count, perf.data()),
                   "convolution_backward");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
-                                                              static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), bytes);
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(
+            handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
+            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), bytes);
       });
       break;
     }
   }
   return found ? plan : nullptr;
 }
+
+[[noreturn]] void throw_no_algorithm(const std::string& op, const ConvParams& p);
 
 struct PlanKey {
   std::array<int64_t, 22> v{};
@@ -247,34 +308,76 @@ struct PlanKeyHash {
   }
 };
 
-// The cached plan of `p` for `direction` (nullptr: cuDNN has none). The current device must be p.device.
-std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction direction) {
+// The cached plan of `p` for `direction` (nullptr: cuDNN has none). With `failed`, replaces the
+// cached plan by one that no longer uses failed's algorithm (nor those it had excluded). The
+// current device must be p.device.
+std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction direction,
+                                          const ConvPlan* failed = nullptr) {
   const bool allow_tf32 = p.dtype == DType::float32 && cudnn_allow_tf32();
   PlanKey key;
-  key.v = {p.device,    static_cast<int64_t>(p.dtype), p.n, p.c, p.h, p.w, p.o, p.kh, p.kw, p.oh, p.ow,
-           p.stride[0], p.stride[1], p.pad[0], p.pad[1], p.dilation[0], p.dilation[1], p.groups, p.channels_last,
-           static_cast<int64_t>(direction), allow_tf32};
+  key.v = {p.device,
+           static_cast<int64_t>(p.dtype),
+           p.n,
+           p.c,
+           p.h,
+           p.w,
+           p.o,
+           p.kh,
+           p.kw,
+           p.oh,
+           p.ow,
+           p.stride[0],
+           p.stride[1],
+           p.pad[0],
+           p.pad[1],
+           p.dilation[0],
+           p.dilation[1],
+           p.groups,
+           p.channels_last,
+           static_cast<int64_t>(direction),
+           allow_tf32};
   static std::mutex mutex;
-  static auto* cache = new std::unordered_map<PlanKey, std::shared_ptr<const ConvPlan>, PlanKeyHash>;
-  {
+  static auto* cache =
+      new std::unordered_map<PlanKey, std::shared_ptr<const ConvPlan>, PlanKeyHash>;
+  if (!failed) {
     std::lock_guard lock(mutex);
     if (auto it = cache->find(key); it != cache->end()) return it->second;
   }
-  auto plan = build_plan(p, direction, allow_tf32);
+  const uint32_t excluded =
+      failed ? failed->excluded | (failed->algorithm < 32 ? 1u << failed->algorithm : 0u) : 0u;
+  auto plan = build_plan(p, direction, allow_tf32, excluded);
   std::lock_guard lock(mutex);
   if (cache->size() >= 4096) cache->clear();  // shapes of a dynamic workload pile up otherwise
   (*cache)[key] = plan;
   return plan;
 }
 
-MemoryFormat format_of(bool channels_last) { return channels_last ? kiln::channels_last : contiguous_format; }
+// Runs `call(plan)` on the cached plan of p and `direction`. cudnnGet*Algorithm_v7 ranks
+// algorithms by heuristics, and cuDNN may still refuse the one it ranked first when it runs; then
+// the next acceptable one takes its place (in the cache too), as PyTorch falls through its list.
+template <class Call>
+void run_plan(const ConvParams& p, Direction direction, const std::string& op, Call call) {
+  std::shared_ptr<const ConvPlan> plan = find_plan(p, direction);
+  if (!plan) throw_no_algorithm(op, p);
+  for (;;) {
+    const cudnnStatus_t status = call(*plan);
+    if (status == CUDNN_STATUS_SUCCESS) return;
+    if (!is_not_supported(status)) check_cudnn(status, op);
+    plan = find_plan(p, direction, plan.get());
+    if (!plan) check_cudnn(status, op);  // no algorithm left: cuDNN's own reason
+  }
+}
+
+MemoryFormat format_of(bool channels_last) {
+  return channels_last ? kiln::channels_last : contiguous_format;
+}
 
 // `out` itself when it is dense in `format`, else a new tensor that is.
 Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
   if (out.is_contiguous(format)) return out;
   return kiln::detail::make_empty_strided(
-      out.sizes().vec(), kiln::detail::format_strides(out.sizes(), format == kiln::channels_last), out.dtype(),
-      out.device());
+      out.sizes().vec(), kiln::detail::format_strides(out.sizes(), format == kiln::channels_last),
+      out.dtype(), out.device());
 }
 
 // The scaling factors of a cuDNN call: double for float64 data, float otherwise.
@@ -287,28 +390,23 @@ constexpr Scale kOne{1.0f, 1.0}, kZero{0.0f, 0.0};
 
 // [kiln::op] no algorithm: what to do.
 [[noreturn]] void throw_no_algorithm(const std::string& op, const ConvParams& p) {
-  throw DeviceError("[kiln::" + op + "] cuDNN has no algorithm for this " + std::string(dtype_name(p.dtype)) +
-                    " convolution (input " + shape_str({p.n, p.c, p.h, p.w}) + ", weight " +
-                    shape_str({p.o, p.c / p.groups, p.kh, p.kw}) + ", groups " + std::to_string(p.groups) +
-                    "). Try float32, or run it on the CPU.");
+  throw DeviceError("[kiln::" + op + "] cuDNN has no algorithm for this " +
+                    std::string(dtype_name(p.dtype)) + " convolution (input " +
+                    shape_str({p.n, p.c, p.h, p.w}) + ", weight " +
+                    shape_str({p.o, p.c / p.groups, p.kh, p.kw}) + ", groups " +
+                    std::to_string(p.groups) + "). Try float32, or run it on the CPU.");
 }
 
-// Plans for every direction in `directions`, all in one layout: channels-last when preferred and
-// cuDNN has all of them there, else NCHW. Throws when cuDNN has none.
-std::vector<std::shared_ptr<const ConvPlan>> find_plans(ConvParams& p, bool prefer_channels_last,
-                                                        const std::vector<Direction>& directions,
-                                                        const std::string& op) {
-  std::vector<std::shared_ptr<const ConvPlan>> plans;
+// Sets p's layout to channels-last when preferred and cuDNN has a plan there for every direction
+// in `directions`, else to NCHW (where it must have them all). Throws when cuDNN has none.
+void choose_layout(ConvParams& p, bool prefer_channels_last,
+                   const std::vector<Direction>& directions, const std::string& op) {
   for (bool channels_last : {true, false}) {
     if (channels_last && !prefer_channels_last) continue;
     p.channels_last = channels_last;
-    plans.clear();
     bool all = true;
-    for (Direction d : directions) {
-      plans.push_back(find_plan(p, d));
-      all = all && plans.back() != nullptr;
-    }
-    if (all) return plans;
+    for (Direction d : directions) all = all && find_plan(p, d) != nullptr;
+    if (all) return;
   }
   throw_no_algorithm(op, p);
 }
@@ -319,8 +417,10 @@ bool prefers_channels_last(const Tensor& input, const Tensor& weight) {
 }
 
 void fill_with_bias(Tensor& out, const Tensor& bias) {
-  if (bias.defined()) out.copy_(bias.view({1, bias.numel(), 1, 1}));
-  else out.zero_();
+  if (bias.defined())
+    out.copy_(bias.view({1, bias.numel(), 1, 1}));
+  else
+    out.zero_();
 }
 
 // conv2d (inputs input, weight, bias?; attrs stride, padding, dilation, groups), then a relu.
@@ -338,8 +438,8 @@ void conv2d_impl(const OpCall& call, Tensor& out, bool relu) {
   }
   check_int_sizes(op, {&input, &weight, &out}, call);
   ConvParams p = conv_params(input, weight, out.sizes(), call);
-  auto plans = find_plans(p, prefers_channels_last(input, weight), {Direction::forward}, op);
-  const ConvPlan& plan = *plans[0];
+  choose_layout(p, prefers_channels_last(input, weight), {Direction::forward},
+                op);  // decides the layout
   const MemoryFormat format = format_of(p.channels_last);
   const Tensor x = input.contiguous(format);
   const Tensor w = weight.contiguous(format);
@@ -350,12 +450,14 @@ void conv2d_impl(const OpCall& call, Tensor& out, bool relu) {
     y.copy_(bias.view({1, bias.numel(), 1, 1}));
     beta = &kOne;
   }
-  Tensor ws = workspace(static_cast<int64_t>(plan.workspace), out.device());
-  check_cudnn(cudnnConvolutionForward(cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(), plan.w.d,
-                                      w.impl().data(), plan.conv.d, static_cast<cudnnConvolutionFwdAlgo_t>(plan.algorithm),
-                                      ws.defined() ? ws.impl().data() : nullptr, plan.workspace, beta->of(t), plan.y.d,
-                                      y.impl().data()),
-              op);
+  run_plan(p, Direction::forward, op, [&](const ConvPlan& plan) {
+    Tensor ws = workspace(static_cast<int64_t>(plan.workspace), out.device());
+    return cudnnConvolutionForward(cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(),
+                                   plan.w.d, w.impl().data(), plan.conv.d,
+                                   static_cast<cudnnConvolutionFwdAlgo_t>(plan.algorithm),
+                                   ws.defined() ? ws.impl().data() : nullptr, plan.workspace,
+                                   beta->of(t), plan.y.d, y.impl().data());
+  });
   if (relu) y.relu_();
   if (!y.same(out)) out.copy_(y);
 }
@@ -376,13 +478,14 @@ struct FoldKeyHash {
   size_t operator()(const FoldKey& k) const {
     size_t h = std::hash<double>{}(k.eps);
     for (int i = 0; i < 6; ++i)
-      h = (h * 1000003u) ^ std::hash<const void*>{}(k.storage[i]) ^ (k.version[i] * 0x9e3779b97f4a7c15ull) ^
-          static_cast<size_t>(k.offset[i]);
+      h = (h * 1000003u) ^ std::hash<const void*>{}(k.storage[i]) ^
+          (k.version[i] * 0x9e3779b97f4a7c15ull) ^ static_cast<size_t>(k.offset[i]);
     return h;
   }
 };
 struct Folded {
-  std::array<std::weak_ptr<kiln::detail::Storage>, 6> sources;  // a freed source's address may be reused
+  std::array<std::weak_ptr<kiln::detail::Storage>, 6>
+      sources;  // a freed source's address may be reused
   Tensor weight, bias;
 };
 
@@ -410,7 +513,8 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
     if (auto it = cache->find(key); it != cache->end()) {
       bool alive = true;
       for (int i = 0; i < 6; ++i)
-        if (params[i]->defined()) alive = alive && it->second.sources[i].lock() == params[i]->impl().storage;
+        if (params[i]->defined())
+          alive = alive && it->second.sources[i].lock() == params[i]->impl().storage;
       if (alive) return {it->second.weight, it->second.bias};
       cache->erase(it);
     }
@@ -420,7 +524,8 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   // The folded weight keeps the weight's layout: it decides the convolution's layout, as the
   // weight does in the meta.
   Tensor folded_w = (w * scale.view({w.sizes()[0], 1, 1, 1})).contiguous(w.suggest_memory_format());
-  Tensor folded_b = (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
+  Tensor folded_b =
+      (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
   if (bn_bias.defined()) folded_b = folded_b + bn_bias.to(w.dtype());
   Folded entry;
   for (int i = 0; i < 6; ++i)
@@ -428,7 +533,8 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   entry.weight = folded_w;
   entry.bias = folded_b;
   std::lock_guard lock(mutex);
-  if (cache->size() >= 4096) cache->clear();  // stale versions of trained parameters pile up otherwise
+  if (cache->size() >= 4096)
+    cache->clear();  // stale versions of trained parameters pile up otherwise
   (*cache)[key] = std::move(entry);
   return {folded_w, folded_b};
 }
@@ -443,24 +549,69 @@ void conv2d_bn_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 // ---------------- backward ----------------
 
-// grad_bias = sum of grad_output over N, H, W, accumulated in float32 and rounded once.
-void bias_grad(const Tensor& grad, bool channels_last, Tensor& out, const std::string& op) {
+// grad_bias[o] = the sum of grad_output[:, o] over N, H and W, read with any strides, accumulated
+// in float32 (float64 for float64) and rounded once, as the CPU's. One block strides over the
+// elements of one channel and reduces its partial sums in shared memory; blocks stride over
+// channels.
+constexpr int kBiasGradBlock = 256;
+
+struct BiasGradParams {  // mirrors the kernel's Params
+  const void* dy;
+  void* db;
+  int64_t n, o, h, w, stride_n, stride_o, stride_h, stride_w, stride_db;
+};
+
+std::string bias_grad_source(DType t) {
+  const bool half = t == DType::float16 || t == DType::bfloat16;
+  return fmt::format(R"(#include "kiln/half.h"
+typedef {0} T;
+typedef {1} Acc;
+struct Params {{
+  const char* dy; char* db;
+  long long n, o, h, w, stride_n, stride_o, stride_h, stride_w, stride_db;
+}};
+extern "C" __global__ void __launch_bounds__({2}) kiln_conv_bias_grad(Params p) {{
+  __shared__ Acc partial[{2}];
+  const long long per_channel = p.n * p.h * p.w;
+  for (long long c = blockIdx.x; c < p.o; c += gridDim.x) {{
+    const T* dy = reinterpret_cast<const T*>(p.dy) + c * p.stride_o;
+    Acc acc = 0;
+    for (long long i = threadIdx.x; i < per_channel; i += {2}) {{
+      const long long x = i % p.w, r = i / p.w, y = r % p.h, n = r / p.h;
+      acc += static_cast<Acc>({3}(dy[n * p.stride_n + y * p.stride_h + x * p.stride_w]));
+    }}
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    for (int s = {2} / 2; s > 0; s >>= 1) {{
+      if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
+      __syncthreads();
+    }}
+    if (threadIdx.x == 0) reinterpret_cast<T*>(p.db)[c * p.stride_db] = T(partial[0]);
+    __syncthreads();
+  }}
+}}
+)",
+                     cuda_type(t), t == DType::float64 ? "double" : "float", kBiasGradBlock,
+                     half ? "static_cast<float>" : "");
+}
+
+void bias_grad(const Tensor& grad, Tensor& out) {
   if (grad.numel() == 0) {
     out.zero_();
     return;
   }
-  const bool f64 = grad.dtype() == DType::float64;
-  const DType t = f64 ? DType::float64 : DType::float32;
-  const MemoryFormat format = format_of(channels_last);
-  Tensor dy = grad.dtype() == t ? grad.contiguous(format) : grad.to(t).contiguous(format);
-  Tensor db = out.dtype() == t && out.is_contiguous() ? out : kiln::detail::make_empty({out.numel()}, t, out.device());
-  TensorDesc dy_desc, db_desc;
-  dy_desc.set(t, channels_last, grad.sizes()[0], grad.sizes()[1], grad.sizes()[2], grad.sizes()[3]);
-  db_desc.set(t, false, 1, out.numel(), 1, 1);
-  check_cudnn(cudnnConvolutionBackwardBias(cudnn_handle(grad.device().index), kOne.of(t), dy_desc.d, dy.impl().data(),
-                                           kZero.of(t), db_desc.d, db.impl().data()),
-              op);
-  if (!db.same(out)) out.copy_(db);
+  const DType t = grad.dtype();
+  const int device = grad.device().index;
+  BiasGradParams p{grad.impl().data(), out.impl().data(), grad.sizes()[0],   grad.sizes()[1],
+                   grad.sizes()[2],    grad.sizes()[3],   grad.strides()[0], grad.strides()[1],
+                   grad.strides()[2],  grad.strides()[3], out.strides()[0]};
+  JitFunction f = jit_function(device, std::string("conv_bias_grad|") + cuda_type(t),
+                               "kiln_conv_bias_grad", [&] { return bias_grad_source(t); });
+  const int64_t blocks =
+      std::min<int64_t>(p.o, int64_t{properties(device).multiProcessorCount} * 8);
+  void* args[] = {&p};
+  launch(f, static_cast<unsigned>(blocks), kBiasGradBlock, 0, current_stream(device), args);
+  check_launch("convolution_backward");
 }
 
 void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
@@ -476,59 +627,63 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (grad.numel() == 0 || input.numel() == 0 || weight.numel() == 0) {  // nothing reaches dx or dw
     if (need_dx) outs[0].zero_();
     if (need_dw) outs[1].zero_();
-    if (need_db) bias_grad(grad, prefer_cl, outs[2], op);
+    if (need_db) bias_grad(grad, outs[2]);
     return;
   }
   ConvParams p = conv_params(input, weight, grad.sizes(), call);
   std::vector<Direction> directions;
   if (need_dx) directions.push_back(Direction::backward_data);
   if (need_dw) directions.push_back(Direction::backward_filter);
-  std::vector<std::shared_ptr<const ConvPlan>> plans;
-  if (!directions.empty()) plans = find_plans(p, prefer_cl, directions, op);
-  else p.channels_last = prefer_cl;
+  if (!directions.empty()) choose_layout(p, prefer_cl, directions, op);  // decides the layout
   const MemoryFormat format = format_of(p.channels_last);
   const DType t = p.dtype;
-  const Tensor dy = grad.contiguous(format);
-  cudnnHandle_t handle = cudnn_handle(p.device);
-  size_t plan_index = 0;
+  const Tensor dy = need_dx || need_dw ? grad.contiguous(format) : Tensor();
   if (need_dx) {
-    const ConvPlan& plan = *plans[plan_index++];
     const Tensor w = weight.contiguous(format);
     Tensor dx = dense_buffer(outs[0], format);
-    Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
-    check_cudnn(cudnnConvolutionBackwardData(handle, kOne.of(t), plan.w.d, w.impl().data(), plan.y.d, dy.impl().data(),
-                                             plan.conv.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algorithm),
-                                             ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t),
-                                             plan.x.d, dx.impl().data()),
-                op);
+    run_plan(p, Direction::backward_data, op, [&](const ConvPlan& plan) {
+      Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
+      return cudnnConvolutionBackwardData(
+          cudnn_handle(p.device), kOne.of(t), plan.w.d, w.impl().data(), plan.y.d, dy.impl().data(),
+          plan.conv.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algorithm),
+          ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.x.d,
+          dx.impl().data());
+    });
     if (!dx.same(outs[0])) outs[0].copy_(dx);
   }
   if (need_dw) {
-    const ConvPlan& plan = *plans[plan_index++];
     const Tensor x = input.contiguous(format);
     Tensor dw = dense_buffer(outs[1], format);
-    Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
-    check_cudnn(cudnnConvolutionBackwardFilter(handle, kOne.of(t), plan.x.d, x.impl().data(), plan.y.d, dy.impl().data(),
-                                               plan.conv.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algorithm),
-                                               ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t),
-                                               plan.w.d, dw.impl().data()),
-                op);
+    run_plan(p, Direction::backward_filter, op, [&](const ConvPlan& plan) {
+      Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
+      return cudnnConvolutionBackwardFilter(
+          cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(), plan.y.d, dy.impl().data(),
+          plan.conv.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algorithm),
+          ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.w.d,
+          dw.impl().data());
+    });
     if (!dw.same(outs[1])) outs[1].copy_(dw);
   }
-  if (need_db) bias_grad(dy, p.channels_last, outs[2], op);
+  if (need_db) bias_grad(grad, outs[2]);  // reads any strides
 }
 
 [[maybe_unused]] const bool registered = [] {
-  register_kernel("conv2d", DeviceType::cuda,
-                  [](const OpCall& call, std::span<Tensor> outs) { conv2d_impl(call, outs[0], false); });
-  register_kernel("conv2d_relu", DeviceType::cuda,
-                  [](const OpCall& call, std::span<Tensor> outs) { conv2d_impl(call, outs[0], true); });
+  register_kernel("conv2d", DeviceType::cuda, [](const OpCall& call, std::span<Tensor> outs) {
+    conv2d_impl(call, outs[0], false);
+  });
+  register_kernel("conv2d_relu", DeviceType::cuda, [](const OpCall& call, std::span<Tensor> outs) {
+    conv2d_impl(call, outs[0], true);
+  });
   register_kernel("conv2d_bn", DeviceType::cuda, conv2d_bn_kernel);
   register_kernel("convolution_backward", DeviceType::cuda, convolution_backward_kernel);
   return true;
 }();
 
 }  // namespace
+
+std::string conv_bias_grad_source_for_test(DType t) {
+  return bias_grad_source(t);
+}
 
 }  // namespace kiln::cuda::detail
 

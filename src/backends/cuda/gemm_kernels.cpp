@@ -13,7 +13,8 @@
 // layouts are copied. An output no library layout fits is computed in a temporary.
 // addmm with beta == 1 and self a vector broadcast along the output's library rows (the common
 // row-vector bias, linear's) adds it in cuBLASLt's BIAS epilogue, addmm_relu's relu included
-// (RELU_BIAS); otherwise self is copied into the output and accumulated with beta (C == D).
+// (RELU_BIAS; unlike Kiln's relu functor it may not keep NaN as NaN); otherwise self is copied
+// into the output and accumulated with beta (C == D), and addmm_relu's relu runs in place after.
 // Heuristic results are cached per configuration (shapes, strides, dtypes, epilogue, operand
 // alignment, device).
 #include <cublasLt.h>
@@ -52,8 +53,12 @@ struct Matrix {
 
 Matrix matrix_of(const Tensor& t) {
   const int64_t d = t.dim();
-  return {static_cast<char*>(t.impl().data()), t.sizes()[d - 2], t.sizes()[d - 1], t.strides()[d - 2],
-          t.strides()[d - 1], d == 3 ? t.strides()[0] : 0};
+  return {static_cast<char*>(t.impl().data()),
+          t.sizes()[d - 2],
+          t.sizes()[d - 1],
+          t.strides()[d - 2],
+          t.strides()[d - 1],
+          d == 3 ? t.strides()[0] : 0};
 }
 
 // A matrix as a column-major library takes it: stored rows x cols with leading dimension ld,
@@ -92,12 +97,17 @@ struct LtTypes {
 
 LtTypes lt_types(DType t) {
   switch (t) {
-    case DType::float64: return {CUDA_R_64F, CUDA_R_64F, CUBLAS_COMPUTE_64F};
-    case DType::float16: return {CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F};
-    case DType::bfloat16: return {CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F};
+    case DType::float64:
+      return {CUDA_R_64F, CUDA_R_64F, CUBLAS_COMPUTE_64F};
+    case DType::float16:
+      return {CUDA_R_16F, CUDA_R_32F, CUBLAS_COMPUTE_32F};
+    case DType::bfloat16:
+      return {CUDA_R_16BF, CUDA_R_32F, CUBLAS_COMPUTE_32F};
     default:
       return {CUDA_R_32F, CUDA_R_32F,
-              float32_matmul_precision() == MatmulPrecision::highest ? CUBLAS_COMPUTE_32F : CUBLAS_COMPUTE_32F_FAST_TF32};
+              float32_matmul_precision() == MatmulPrecision::highest
+                  ? CUBLAS_COMPUTE_32F
+                  : CUBLAS_COMPUTE_32F_FAST_TF32};
   }
 }
 
@@ -169,8 +179,10 @@ std::unordered_map<AlgoKey, CachedAlgo, AlgoKeyHash>& algo_cache() {
 bool run_cublaslt(const LtGemm& g, const char* op) {
   constexpr int64_t kMaxBatch = std::numeric_limits<int32_t>::max();
   KILN_CHECK(g.batch <= kMaxBatch, ShapeError,
-             std::string("[kiln::") + op + "] cuBLASLt takes at most 2^31 - 1 matrices per batch. Split the batch.");
-  const LibraryLayout la = *library_layout(g.a), lb = *library_layout(g.b), lc = *library_layout(g.c);
+             std::string("[kiln::") + op +
+                 "] cuBLASLt takes at most 2^31 - 1 matrices per batch. Split the batch.");
+  const LibraryLayout la = *library_layout(g.a), lb = *library_layout(g.b),
+                      lc = *library_layout(g.c);
   const LtTypes types = lt_types(g.dtype);
   const int64_t itemsize = kiln::itemsize(g.dtype);
   const int device = g.device.index;
@@ -200,24 +212,50 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
     }
     return layout;
   };
-  MatrixLayout a_layout = make_layout(la, g.a), b_layout = make_layout(lb, g.b), c_layout = make_layout(lc, g.c);
+  MatrixLayout a_layout = make_layout(la, g.a), b_layout = make_layout(lb, g.b),
+               c_layout = make_layout(lc, g.c);
 
-  const int64_t a_batch = g.batch > 1 ? g.a.batch_stride : 0, b_batch = g.batch > 1 ? g.b.batch_stride : 0,
+  const int64_t a_batch = g.batch > 1 ? g.a.batch_stride : 0,
+                b_batch = g.batch > 1 ? g.b.batch_stride : 0,
                 c_batch = g.batch > 1 ? g.c.batch_stride : 0;
-  const uint32_t align_a = alignment(g.a.data, itemsize, {la.ld, a_batch});
-  const uint32_t align_b = alignment(g.b.data, itemsize, {lb.ld, b_batch});
-  const uint32_t align_c = alignment(g.c.data, itemsize, {lc.ld, c_batch});
+  // A leading dimension matters only between stored columns.
+  auto ld_offset = [](const LibraryLayout& l) { return l.cols > 1 ? l.ld : 0; };
+  const uint32_t align_a = alignment(g.a.data, itemsize, {ld_offset(la), a_batch});
+  const uint32_t align_b = alignment(g.b.data, itemsize, {ld_offset(lb), b_batch});
+  const uint32_t align_c = alignment(g.c.data, itemsize, {ld_offset(lc), c_batch});
   const uint32_t align_bias = g.bias ? alignment(g.bias, itemsize, {}) : 0;
-  const uint64_t max_workspace = properties(device).major >= 9 ? (uint64_t{32} << 20) : (uint64_t{4} << 20);
-  // float16/bfloat16: partial sums of a split K stay in float32, as the CPU's float32 GEMM keeps them.
+  const uint64_t max_workspace =
+      properties(device).major >= 9 ? (uint64_t{32} << 20) : (uint64_t{4} << 20);
+  // float16/bfloat16: partial sums of a split K stay in float32, as the CPU's float32 GEMM keeps
+  // them.
   const bool half = g.dtype == DType::float16 || g.dtype == DType::bfloat16;
   const uint32_t reduction_mask =
-      half ? (CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) : CUBLASLT_REDUCTION_SCHEME_MASK;
+      half ? (CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)
+           : CUBLASLT_REDUCTION_SCHEME_MASK;
 
   AlgoKey key;
-  key.v = {device, static_cast<int64_t>(g.dtype), static_cast<int64_t>(types.compute), la.transposed, lb.transposed,
-           m, n, k, la.ld, lb.ld, lc.ld, g.batch, a_batch, b_batch, c_batch, static_cast<int64_t>(epilogue),
-           align_a, align_b, align_c, align_bias, static_cast<int64_t>(max_workspace), reduction_mask};
+  key.v = {device,
+           static_cast<int64_t>(g.dtype),
+           static_cast<int64_t>(types.compute),
+           la.transposed,
+           lb.transposed,
+           m,
+           n,
+           k,
+           la.ld,
+           lb.ld,
+           lc.ld,
+           g.batch,
+           a_batch,
+           b_batch,
+           c_batch,
+           static_cast<int64_t>(epilogue),
+           align_a,
+           align_b,
+           align_c,
+           align_bias,
+           static_cast<int64_t>(max_workspace),
+           reduction_mask};
   cublasLtHandle_t handle = cublaslt_handle(device);
   CachedAlgo algo;
   bool cached = false;
@@ -240,13 +278,14 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
     set_attr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
     set_attr(raw_pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask);
     int count = 0;
-    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, raw_desc, a_layout.get(), b_layout.get(),
-                                                           c_layout.get(), c_layout.get(), raw_pref, 1, &algo.result,
-                                                           &count);
+    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+        handle, raw_desc, a_layout.get(), b_layout.get(), c_layout.get(), c_layout.get(), raw_pref,
+        1, &algo.result, &count);
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(status, op);
     algo.found = status == CUBLAS_STATUS_SUCCESS && count > 0;
     std::lock_guard lock(g_algo_mutex);
-    if (algo_cache().size() >= 16384) algo_cache().clear();  // shapes of a dynamic workload pile up otherwise
+    if (algo_cache().size() >= 16384)
+      algo_cache().clear();  // shapes of a dynamic workload pile up otherwise
     algo_cache()[key] = algo;
   }
   if (!algo.found) return false;
@@ -263,11 +302,12 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
     beta.f = g.beta.to<float>();
   }
   Tensor ws = workspace(static_cast<int64_t>(algo.result.workspaceSize), g.device);
-  check_cublas(cublasLtMatmul(handle, raw_desc, &alpha, g.a.data, a_layout.get(), g.b.data, b_layout.get(), &beta,
-                              g.c.data, c_layout.get(), g.c.data, c_layout.get(), &algo.result.algo,
-                              ws.defined() ? ws.impl().data() : nullptr, algo.result.workspaceSize,
-                              current_stream(device)),
-               op);
+  check_cublas(
+      cublasLtMatmul(handle, raw_desc, &alpha, g.a.data, a_layout.get(), g.b.data, b_layout.get(),
+                     &beta, g.c.data, c_layout.get(), g.c.data, c_layout.get(), &algo.result.algo,
+                     ws.defined() ? ws.impl().data() : nullptr, algo.result.workspaceSize,
+                     current_stream(device)),
+      op);
   return true;
 }
 
@@ -339,28 +379,53 @@ extern "C" __global__ void __launch_bounds__({2} * {2}) kiln_gemm_integer(Params
 // A Scalar converted to integer dtype t (as Scalar::to<T> converts), as two's-complement bits.
 uint64_t integer_bits(const Scalar& s, DType t) {
   switch (t) {
-    case DType::uint8: return s.to<uint8_t>();
-    case DType::int8: return static_cast<uint64_t>(static_cast<int64_t>(s.to<int8_t>()));
-    case DType::int32: return static_cast<uint64_t>(static_cast<int64_t>(s.to<int32_t>()));
-    default: return static_cast<uint64_t>(s.to<int64_t>());
+    case DType::uint8:
+      return s.to<uint8_t>();
+    case DType::int8:
+      return static_cast<uint64_t>(static_cast<int64_t>(s.to<int8_t>()));
+    case DType::int32:
+      return static_cast<uint64_t>(static_cast<int64_t>(s.to<int32_t>()));
+    default:
+      return static_cast<uint64_t>(s.to<int64_t>());
   }
 }
 
-void integer_gemm(const Tensor& a, const Tensor& b, Tensor& out, const Scalar& alpha, const Scalar& beta) {
+void integer_gemm(const Tensor& a, const Tensor& b, Tensor& out, const Scalar& alpha,
+                  const Scalar& beta) {
   const DType t = out.dtype();
   const Matrix ma = matrix_of(a), mb = matrix_of(b), mc = matrix_of(out);
   const int64_t batch = out.dim() == 3 ? out.sizes()[0] : 1;
-  IntegerGemmParams p{ma.data, mb.data, mc.data, mc.rows, mc.cols, ma.cols, batch,
-                      ma.batch_stride, ma.row_stride, ma.col_stride, mb.batch_stride, mb.row_stride, mb.col_stride,
-                      mc.batch_stride, mc.row_stride, mc.col_stride, integer_bits(alpha, t), integer_bits(beta, t), 0};
-  p.use_beta = p.beta != 0;  // CPU: beta converted to T, and 0 ignores c (NaN-free, but also uninitialized c)
+  IntegerGemmParams p{ma.data,
+                      mb.data,
+                      mc.data,
+                      mc.rows,
+                      mc.cols,
+                      ma.cols,
+                      batch,
+                      ma.batch_stride,
+                      ma.row_stride,
+                      ma.col_stride,
+                      mb.batch_stride,
+                      mb.row_stride,
+                      mb.col_stride,
+                      mc.batch_stride,
+                      mc.row_stride,
+                      mc.col_stride,
+                      integer_bits(alpha, t),
+                      integer_bits(beta, t),
+                      0};
+  p.use_beta = p.beta !=
+               0;  // CPU: beta converted to T, and 0 ignores c (NaN-free, but also uninitialized c)
   const int device = out.device().index;
-  JitFunction f = jit_function(device, std::string("gemm_integer|") + cuda_type(t), "kiln_gemm_integer",
-                               [&] { return integer_gemm_source(t); });
-  const int64_t tiles = batch * ((mc.rows + kIntegerTile - 1) / kIntegerTile) * ((mc.cols + kIntegerTile - 1) / kIntegerTile);
-  const int64_t blocks = std::min<int64_t>(tiles, int64_t{properties(device).multiProcessorCount} * 8);
+  JitFunction f = jit_function(device, std::string("gemm_integer|") + cuda_type(t),
+                               "kiln_gemm_integer", [&] { return integer_gemm_source(t); });
+  const int64_t tiles = batch * ((mc.rows + kIntegerTile - 1) / kIntegerTile) *
+                        ((mc.cols + kIntegerTile - 1) / kIntegerTile);
+  const int64_t blocks =
+      std::min<int64_t>(tiles, int64_t{properties(device).multiProcessorCount} * 8);
   void* args[] = {&p};
-  launch(f, static_cast<unsigned>(blocks), kIntegerTile * kIntegerTile, 0, current_stream(device), args);
+  launch(f, static_cast<unsigned>(blocks), kIntegerTile * kIntegerTile, 0, current_stream(device),
+         args);
   check_launch("mm");
 }
 
@@ -368,8 +433,8 @@ void integer_gemm(const Tensor& a, const Tensor& b, Tensor& out, const Scalar& a
 
 // out = alpha * a @ b + beta * self (self broadcast to out; ignored when undefined or beta == 0),
 // then relu when asked, over 2-D or 3-D (batched) operands of out's dtype on out's device.
-void addmm_into(const char* op, Tensor a, Tensor b, Tensor& out, const Scalar& alpha, const Scalar& beta,
-                const Tensor& self, bool relu) {
+void addmm_into(const char* op, Tensor a, Tensor b, Tensor& out, const Scalar& alpha,
+                const Scalar& beta, const Tensor& self, bool relu) {
   if (out.numel() == 0) return;
   const bool use_self = self.defined() && beta.to_double() != 0.0;
   const DType t = out.dtype();
@@ -381,7 +446,8 @@ void addmm_into(const char* op, Tensor a, Tensor b, Tensor& out, const Scalar& a
     return;
   }
   if (a.sizes().back() == 0) {  // an empty sum: beta * self, or zeros
-    if (!use_self) out.zero_();
+    if (!use_self)
+      out.zero_();
     else {
       out.copy_(self);
       if (beta.to_double() != 1.0) out.mul_(beta);
@@ -419,14 +485,18 @@ void addmm_into(const char* op, Tensor a, Tensor b, Tensor& out, const Scalar& a
   };
   // The bias epilogue: self a vector along the library output's rows (stride 1 there, broadcast
   // along its columns), added with beta == 1.
-  if (use_self && beta.to_double() == 1.0 && out.dim() == 2 && self.is_cuda() && self.dtype() == t) {
+  if (use_self && beta.to_double() == 1.0 && out.dim() == 2 && self.is_cuda() &&
+      self.dtype() == t) {
     const int64_t m = out.sizes()[0], n = out.sizes()[1];
-    const std::vector<int64_t> bs = kiln::detail::broadcast_strides(self.sizes(), self.strides(), out.sizes());
-    const bool row_vector = (m == 1 || bs[0] == 0) && (n == 1 || bs[1] == 1);  // rows of C^T
+    const std::vector<int64_t> bs =
+        kiln::detail::broadcast_strides(self.sizes(), self.strides(), out.sizes());
+    const bool row_vector = (m == 1 || bs[0] == 0) && (n == 1 || bs[1] == 1);     // rows of C^T
     const bool column_vector = (n == 1 || bs[1] == 0) && (m == 1 || bs[0] == 1);  // rows of C
     std::optional<bool> swap;
-    if (row_vector && swapped) swap = true;
-    else if (column_vector && as_is) swap = false;
+    if (row_vector && swapped)
+      swap = true;
+    else if (column_vector && as_is)
+      swap = false;
     if (swap) {
       LtGemm g = problem(*swap);
       g.bias = self.impl().data();
@@ -440,7 +510,8 @@ void addmm_into(const char* op, Tensor a, Tensor b, Tensor& out, const Scalar& a
     g.beta = beta;
   }
   KILN_CHECK(run_cublaslt(g, op), Error,
-             std::string("[kiln::") + op + "] cuBLASLt found no algorithm for this " + std::string(dtype_name(t)) +
+             std::string("[kiln::") + op + "] cuBLASLt found no algorithm for this " +
+                 std::string(dtype_name(t)) +
                  " product. This is a Kiln bug: please report the shapes and strides.");
   if (relu) out.relu_();
 }
@@ -451,13 +522,14 @@ void mm_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 template <bool kRelu>
 void addmm_kernel(const OpCall& call, std::span<Tensor> outs) {
-  addmm_into(call.name().c_str(), call.input(1), call.input(2), outs[0], call.scalar_attr(1), call.scalar_attr(0),
-             call.input(0), kRelu);
+  addmm_into(call.name().c_str(), call.input(1), call.input(2), outs[0], call.scalar_attr(1),
+             call.scalar_attr(0), call.input(0), kRelu);
 }
 
 void dot_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor out = outs[0].view({1, 1});
-  addmm_into("dot", call.input(0).unsqueeze(0), call.input(1).unsqueeze(1), out, 1, 0, Tensor(), false);
+  addmm_into("dot", call.input(0).unsqueeze(0), call.input(1).unsqueeze(1), out, 1, 0, Tensor(),
+             false);
 }
 
 [[maybe_unused]] const bool registered = [] {
@@ -471,6 +543,8 @@ void dot_kernel(const OpCall& call, std::span<Tensor> outs) {
 
 }  // namespace
 
-std::string integer_gemm_source_for_test(DType t) { return integer_gemm_source(t); }
+std::string integer_gemm_source_for_test(DType t) {
+  return integer_gemm_source(t);
+}
 
 }  // namespace kiln::cuda::detail

@@ -105,11 +105,15 @@ std::atomic<bool>& cudnn_tf32_setting() {
 }  // namespace
 
 void check_cublas(cublasStatus_t status, const char* what) {
-  if (status == CUBLAS_STATUS_SUCCESS) [[likely]] return;
-  std::string msg = std::string("[kiln::") + what + "] cuBLASLt error: " + cublasLtGetStatusName(status) + " (" +
+  if (status == CUBLAS_STATUS_SUCCESS) [[likely]]
+    return;
+  std::string msg = std::string("[kiln::") + what +
+                    "] cuBLASLt error: " + cublasLtGetStatusName(status) + " (" +
                     cublasLtGetStatusString(status) + ").";
   if (status == CUBLAS_STATUS_ALLOC_FAILED)
-    msg += " The GPU is out of memory: free tensors, call kiln::cuda::empty_cache(), or use smaller batches.";
+    msg +=
+        " The GPU is out of memory: free tensors, call kiln::cuda::empty_cache(), or use smaller "
+        "batches.";
   throw DeviceError(msg);
 }
 
@@ -127,13 +131,15 @@ cudnnContext* cudnn_handle(int device) {
     cudnnHandle_t created = nullptr;
     cudnnStatus_t status = cudnnCreate(&created);
     if (status != CUDNN_STATUS_SUCCESS)
-      throw DeviceError(std::string("[kiln::cuda::cudnn_handle] cuDNN error: ") + cudnnGetErrorString(status) +
-                        ". Check that cuDNN matches the CUDA driver and that the GPU has free memory.");
+      throw DeviceError(
+          std::string("[kiln::cuda::cudnn_handle] cuDNN error: ") + cudnnGetErrorString(status) +
+          ". Check that cuDNN matches the CUDA driver and that the GPU has free memory.");
     return created;
   });
   cudnnStatus_t status = cudnnSetStream(h, current_stream(device));
   if (status != CUDNN_STATUS_SUCCESS)
-    throw DeviceError(std::string("[kiln::cuda::cudnn_handle] cuDNN error: ") + cudnnGetErrorString(status) + ".");
+    throw DeviceError(std::string("[kiln::cuda::cudnn_handle] cuDNN error: ") +
+                      cudnnGetErrorString(status) + ".");
   return h;
 }
 #endif
@@ -143,10 +149,18 @@ Tensor workspace(int64_t bytes, Device device) {
   return kiln::detail::make_empty({bytes}, DType::uint8, device);
 }
 
-MatmulPrecision float32_matmul_precision() { return matmul_precision_setting().load(std::memory_order_relaxed); }
-void set_float32_matmul_precision(MatmulPrecision precision) { matmul_precision_setting().store(precision); }
+MatmulPrecision float32_matmul_precision() {
+  return matmul_precision_setting().load(std::memory_order_relaxed);
+}
+void set_float32_matmul_precision(MatmulPrecision precision) {
+  matmul_precision_setting().store(precision);
+}
 
-bool cudnn_allow_tf32() { return cudnn_tf32_setting().load(std::memory_order_relaxed); }
-void set_cudnn_allow_tf32(bool allow) { cudnn_tf32_setting().store(allow); }
+bool cudnn_allow_tf32() {
+  return cudnn_tf32_setting().load(std::memory_order_relaxed);
+}
+void set_cudnn_allow_tf32(bool allow) {
+  cudnn_tf32_setting().store(allow);
+}
 
 }  // namespace kiln::cuda::detail
