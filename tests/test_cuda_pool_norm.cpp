@@ -5,7 +5,10 @@
 // with NVRTC for sm_90 and run wherever the toolkit is installed.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -97,6 +100,13 @@ double atol_of(DType t) { return t == kFloat64 ? 1e-10 : t == kFloat32 ? 2e-5 : 
   if (gpu.numel() > 1 && gpu.suggest_memory_format() != cpu.suggest_memory_format())
     return ::testing::AssertionFailure() << "memory formats differ";
   return ::testing::AssertionSuccess();
+}
+
+std::string fmt_shape(const Tensor& x) {
+  std::string s = "(";
+  for (int64_t d : x.sizes()) s += std::to_string(d) + ",";
+  s.back() = ')';
+  return s;
 }
 
 std::string describe(const Tensor& x) {
@@ -561,9 +571,74 @@ TEST(CudaNorm, AutogradThroughTheFrontEndsMatchesTheCpu) {
     z.backward(z.device().is_cpu() ? g : to_gpu(g));
     return std::vector<Tensor>{x.grad(), w.grad(), b.grad()};
   };
+  Tensor gx = to_gpu(x), gw = to_gpu(w), gb = to_gpu(b);  // leaves of their own
   auto cpu = run(x, w, b);
-  auto gpu = run(to_gpu(x), to_gpu(w), to_gpu(b));
+  auto gpu = run(gx, gw, gb);
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(close(gpu[i], cpu[i], 1e-4, 1e-4)) << "gradient " << i;
 }
 
 #endif  // KILN_WITH_CUDA
+
+#ifdef KILN_WITH_CUDA
+// Timings on DenseNet-121 shapes (batch 16, 128x128 images), eager: each op's mean wall time per
+// call, launches included, and the bytes it must move per second. Run with
+// --gtest_also_run_disabled_tests.
+TEST(CudaPoolNormBench, DISABLED_DenseNetShapes) {
+  SKIP_WITHOUT_GPU();
+  auto time_us = [](const std::function<void()>& f) {
+    for (int i = 0; i < 3; ++i) f();
+    cuda::synchronize();
+    const int iters = 50;
+    auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) f();
+    cuda::synchronize();
+    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / iters;
+  };
+  auto report = [](const std::string& what, double us, double bytes) {
+    std::printf("%-60s %9.1f us %8.1f GB/s\n", what.c_str(), us, bytes / us / 1e3);
+  };
+  for (bool cl : {true, false}) {
+    const char* layout = cl ? "channels-last" : "planar";
+    for (auto [c, hw] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {256, 32}, {512, 16}, {1024, 8}, {1024, 4}}) {
+      Tensor x = to_gpu(uniform({16, c, hw, hw}, kFloat32, 1));
+      if (cl) x = x.contiguous(kiln::channels_last);
+      Tensor rm = to_gpu(zeros({c})), rv = to_gpu(ones({c})), w = to_gpu(ones({c})), b = to_gpu(zeros({c}));
+      const double bytes = static_cast<double>(x.numel()) * 4;
+      const std::string shape = fmt_shape(x) + " " + layout;
+      TensorList fwd;
+      report("batch_norm_relu train " + shape, time_us([&] {
+               fwd = call_op(op("batch_norm_relu"), {x, w, b, rm, rv}, {true, 0.1, 1e-5});
+             }), 3 * bytes);
+      report("batch_norm eval " + shape, time_us([&] {
+               call_op(op("native_batch_norm"), {x, w, b, rm, rv}, {false, 0.1, 1e-5});
+             }), 2 * bytes);
+      Tensor grad = x.clone(cl ? kiln::channels_last : MemoryFormat::contiguous);
+      report("batch_norm_relu_backward_recompute " + shape, time_us([&] {
+               call_op(op("batch_norm_relu_backward_recompute"),
+                       {grad, x, w, fwd[1], fwd[2], b, Tensor(), Tensor()}, {true, std::vector<int64_t>{1, 1, 1}});
+             }), 5 * bytes);
+      if (hw >= 8) {
+        report("avg_pool2d 2x2 " + shape, time_us([&] { avg_pool2d(x, {2, 2}); }), 1.25 * bytes);
+        Tensor y = avg_pool2d(x, {2, 2});
+        report("avg_pool2d_backward 2x2 " + shape, time_us([&] {
+                 call_op1(op("avg_pool2d_backward"), {y}, {x.sizes().vec(), std::vector<int64_t>{2, 2},
+                                                           std::vector<int64_t>{2, 2}, std::vector<int64_t>{0, 0}, false,
+                                                           true, Attr()});
+               }), 1.25 * bytes);
+      }
+      if (c == 64) {
+        report("max_pool2d_with_indices 3x3/2 " + shape, time_us([&] {
+                 max_pool2d_with_indices(x, {3, 3}, {2, 2}, {1, 1});
+               }), 1.5 * bytes);
+        auto [v, idx] = max_pool2d_with_indices(x, {3, 3}, {2, 2}, {1, 1});
+        report("max_pool2d_with_indices_backward 3x3/2 " + shape, time_us([&] {
+                 call_op1(op("max_pool2d_with_indices_backward"), {v, idx},
+                          {x.sizes().vec(), std::vector<int64_t>{3, 3}, std::vector<int64_t>{2, 2},
+                           std::vector<int64_t>{1, 1}, std::vector<int64_t>{1, 1}, false});
+               }), 1.75 * bytes);
+      }
+      if (hw == 4) report("adaptive_avg_pool2d 1x1 " + shape, time_us([&] { adaptive_avg_pool2d(x, {1, 1}); }), bytes);
+    }
+  }
+}
+#endif

@@ -165,6 +165,9 @@ constexpr const char* kBackwardBody = R"(
 extern "C" __global__ void __launch_bounds__(256) kiln_pool2d_backward(Params p) {
   const I C = p.size[1], H = p.size[2], W = p.size[3], OH = p.size[4], OW = p.size[5];
   const T* g = reinterpret_cast<const T*>(p.in);
+  // Window constants, once per thread (the tiled case is bound by these instructions, not memory).
+  const I kh = p.kernel[0], kw = p.kernel[1], sh = p.stride[0], sw = p.stride[1], ph = p.pad[0], pw = p.pad[1];
+  const Acc inv = kKind == 1 && p.tiled ? Acc(1) / static_cast<Acc>(p.divisor ? p.divisor : (long long)(kh * kw)) : Acc(0);
   KP_GRID_LOOP(I, i, (I)p.total) {
     I n, c, ih, iw;
     split<kChannelsLast>(i, C, H, W, n, c, ih, iw);
@@ -182,13 +185,10 @@ extern "C" __global__ void __launch_bounds__(256) kiln_pool2d_backward(Params p)
         for (I ow = w0; ow < w1; ++ow)
           if (ip[oh * qh + ow * qw] == q) sum += static_cast<Acc>(gp[oh * gh + ow * gw]);
     } else if constexpr (kKind == 1) {  // avg
-      const I kh = p.kernel[0], kw = p.kernel[1];
       if (p.tiled) {  // kernel == stride, no padding, full windows: the CPU multiplies by 1 / divisor
         const I oh = ih / kh, ow = iw / kw;
-        const Acc inv = Acc(1) / static_cast<Acc>(p.divisor ? p.divisor : (long long)(kh * kw));
         if (oh < OH && ow < OW) sum = static_cast<Acc>(gp[oh * gh + ow * gw]) * inv;
       } else {
-        const I sh = p.stride[0], sw = p.stride[1], ph = p.pad[0], pw = p.pad[1];
         const I h0 = ih + ph < kh ? I(0) : (ih + ph - kh) / sh + 1, h1 = imin<I>((ih + ph) / sh + 1, OH);
         const I w0 = iw + pw < kw ? I(0) : (iw + pw - kw) / sw + 1, w1 = imin<I>((iw + pw) / sw + 1, OW);
         for (I oh = h0; oh < h1; ++oh) {
