@@ -156,9 +156,8 @@ void ensure_private_dir(const std::string& dir) {
                    errno_text(errno) + ". Set KILN_CACHE_DIR to a private directory.");
   }
   const std::string what = "[kiln::compile] the kernel cache directory " + dir;
-  const std::string fix =
-      "set KILN_CACHE_DIR to a directory only you can write to (mkdir -m 700 DIR).";
-  const std::string fix_sentence = "S" + fix.substr(1);
+  const std::string fix = "set KILN_CACHE_DIR to a directory only you can write to (mkdir -m 700 DIR).";
+  const std::string fix_sentence = "Set KILN_CACHE_DIR to a directory only you can write to (mkdir -m 700 DIR).";
   KILN_CHECK(!S_ISLNK(st.st_mode), CompileError,
              what + " is a symbolic link; Kiln only loads kernels from a real directory it owns. " +
                  "Replace the link with a directory, or " + fix);
