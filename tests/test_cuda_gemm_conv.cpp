@@ -9,6 +9,9 @@
 // a sum is proportional to the sum of the magnitudes of its terms, not to the result.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <cstdlib>
+
 #include <cmath>
 #include <string>
 #include <vector>
@@ -598,6 +601,7 @@ TEST(CudaConv, ConvolutionBackwardGivesEveryMaskedGradient) {
         for (const auto& mask : masks) {
           const std::string label = std::string(dtype_name(t)) + " " + c.str() + " layout " +
                                     std::to_string(int(l)) + " mask " + shape_str(mask);
+          if (std::getenv("KILN_TEST_VERBOSE")) std::fprintf(stderr, "convolution_backward %s\n", label.c_str());
           const std::vector<Attr> attrs{c.stride, c.padding, c.dilation, c.groups, mask};
           auto got = call_op(op("convolution_backward"), {dy_dev, x, w}, attrs);
           auto want = call_op(op("convolution_backward"), {dy64, x64, w64}, attrs);

@@ -65,8 +65,11 @@ TEST(CudaGraphs, InPlaceWritesReachTheCallersTensors) {
         return buffer * 2;
       },
       kReduceOverhead);
+  std::vector<Tensor> keep;  // alive, so that every call gets new addresses (not reused ones)
   for (int i = 0; i < 4; ++i) {
-    Tensor buffer = gpu_randn({8, 8}), x = gpu_randn({8, 8});  // new memory on every call
+    Tensor buffer = gpu_randn({8, 8}), x = gpu_randn({8, 8});
+    keep.push_back(buffer);
+    keep.push_back(x);
     Tensor expected_buffer = buffer + x;
     Tensor out = compiled(buffer, x);
     EXPECT_TRUE(near(buffer, expected_buffer)) << "call " << i;
