@@ -402,7 +402,9 @@ constexpr Scale kOne{1.0f, 1.0}, kZero{0.0f, 0.0};
 void choose_layout(ConvParams& p, bool prefer_channels_last,
                    const std::vector<Direction>& directions, const std::string& op) {
   for (bool channels_last : {true, false}) {
-    if (channels_last && !prefer_channels_last) continue;
+    // cuDNN's float64 kernels are NCHW ones: its backward-filter heuristics offered an NHWC
+    // float64 plan that crashed on an H100 (cuDNN 9). NCHW float64 works; the result is the same.
+    if (channels_last && (!prefer_channels_last || p.dtype == DType::float64)) continue;
     p.channels_last = channels_last;
     bool all = true;
     for (Direction d : directions) all = all && find_plan(p, d) != nullptr;
