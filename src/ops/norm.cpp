@@ -186,6 +186,13 @@ const OpDef& kNativeBatchNorm = register_op({
 
 // The relu-mask operands of batch_norm_relu_backward[_recompute], inputs 6 and 7: threshold and
 // fill, 0-dim tensors or None.
+// A 0-dim CPU threshold or fill (a host scalar, as the kiln backend's passes make them) goes with
+// tensors on any device, as wrapped numbers do: the device checks skip it.
+const Tensor& device_operand(const Tensor& t) {
+  static const Tensor none;
+  return t.defined() && t.dim() == 0 && t.is_cpu() ? none : t;
+}
+
 void check_mask_scalars(const std::string& op, const OpCall& c) {
   for (size_t i : {size_t{6}, size_t{7}}) {
     const Tensor& t = c.input(i);
@@ -247,7 +254,7 @@ const OpDef& kBatchNormReluBackward = register_op({
       const Tensor& grad = c.input(0);
       const Tensor& result = c.input(1);
       const Tensor& x = c.input(2);
-      check_same_device(op, {&x, &result, &c.input(6), &c.input(7)});
+      check_same_device(op, {&x, &result, &device_operand(c.input(6)), &device_operand(c.input(7))});
       check_floating(op, result, "result");
       KILN_CHECK(result.sizes() == x.sizes(), ShapeError,
                  "[kiln::" + op + "] result has shape " + shape_str(result.sizes()) + " but the input has shape " +
@@ -280,7 +287,7 @@ const OpDef& kBatchNormReluBackwardRecompute = register_op({
       const Tensor& grad = c.input(0);
       const Tensor& x = c.input(1);
       const Tensor& bias = c.input(5);
-      check_same_device(op, {&x, &bias, &c.input(6), &c.input(7)});
+      check_same_device(op, {&x, &bias, &device_operand(c.input(6)), &device_operand(c.input(7))});
       check_floating(op, bias, "bias");
       check_channel_vector(op, bias, "bias", x.sizes()[1]);
       KILN_CHECK(grad.dtype() == x.dtype(), DTypeError,

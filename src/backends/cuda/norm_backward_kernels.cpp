@@ -548,8 +548,9 @@ void batch_norm_backward(const OpCall& call, std::span<Tensor> outs, ReluMask ma
   const Tensor bias = mask == ReluMask::recompute ? as_acc(call.input(5), acc) : Tensor();
   Tensor threshold, fill;
   if (mask != ReluMask::none) {
-    if (call.input(6).defined()) threshold = call.input(6).to(dt).contiguous();
-    if (call.input(7).defined()) fill = call.input(7).to(dt).contiguous();
+    // 0-dim operands, possibly host scalars (the kiln backend makes them): read on the device.
+    if (call.input(6).defined()) threshold = call.input(6).to(x_in.device(), dt).contiguous();
+    if (call.input(7).defined()) fill = call.input(7).to(x_in.device(), dt).contiguous();
   }
   const int64_t channels = xv.c, count = xv.n * xv.s;
   const bool rows_formula = batch_norm_reads_rows(x_in, batch_norm_prefers_rows(dx_out));
