@@ -491,8 +491,10 @@ const void* data_or_null(const Tensor& t) { return t.defined() ? t.impl().data()
 
 Tensor as_acc(const Tensor& t, DType acc) { return t.defined() ? t.to(acc).contiguous() : t; }
 
+// 0-dim CPU operands (host scalars: the relu variants' threshold and fill) are read on the host
+// or moved; everything else must be on the input's device.
 void check_on(const OpCall& call, const Tensor& t, const Tensor& like) {
-  KILN_CHECK(!t.defined() || t.device() == like.device(), DeviceError,
+  KILN_CHECK(!t.defined() || t.device() == like.device() || (t.dim() == 0 && t.is_cpu()), DeviceError,
              "[kiln::" + call.name() + "] expected all tensors on " + like.device().str() + ", but found one on " +
                  t.device().str() + ". Move them with .to(...).");
 }
