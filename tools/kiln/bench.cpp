@@ -136,6 +136,7 @@ struct ToyArgs {
   int iters = 2000;    // calls per batch
   int batches = 7;     // the result is the median batch
   int threads = 0;
+  Device device = kCPU;
 };
 
 ToyArgs parse_toy(const std::vector<std::string>& args) {
@@ -151,6 +152,7 @@ ToyArgs parse_toy(const std::vector<std::string>& args) {
     else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
     else if (k == "--batches") a.batches = static_cast<int>(to_int(k, value()));
     else if (k == "--threads") a.threads = static_cast<int>(to_int(k, value()));
+    else if (k == "--device") a.device = Device(value());
     else throw ValueError("[kiln bench toy] unknown option '" + k + "'. See `kiln help`.");
   }
   KILN_CHECK(a.iters > 0 && a.batches > 0 && a.warmup >= 1, ValueError,
@@ -166,7 +168,7 @@ Tensor toy_model(const Tensor& x0, const Tensor& y) {
   return x;
 }
 
-// Mean microseconds per call of one batch of `iters` calls.
+// Mean microseconds per call of one batch of `iters` calls (on a GPU, until the queued work is done).
 template <class Fn>
 double time_batch_us(int iters, Fn& fn, const Tensor& x, const Tensor& y) {
   auto t0 = std::chrono::steady_clock::now();
@@ -174,6 +176,7 @@ double time_batch_us(int iters, Fn& fn, const Tensor& x, const Tensor& y) {
     Tensor out = fn(x, y);
     (void)out;
   }
+  if (x.is_cuda()) cuda::synchronize(x.device().index);
   auto t1 = std::chrono::steady_clock::now();
   return std::chrono::duration<double, std::micro>(t1 - t0).count() / iters;
 }
@@ -187,8 +190,8 @@ int run_toy_bench(const std::vector<std::string>& args) {
   ToyArgs a = parse_toy(args);
   if (a.threads > 0) set_num_threads(a.threads);
   manual_seed(0);
-  Tensor x = randn({5, 5});
-  Tensor y = randn({5, 5});
+  Tensor x = randn({5, 5}).to(a.device);
+  Tensor y = randn({5, 5}).to(a.device);
   const Tensor expected = toy_model(x, y);
   compiler::reset();
 
@@ -201,7 +204,7 @@ int run_toy_bench(const std::vector<std::string>& args) {
   for (int i = 0; i < a.warmup; ++i) eager(x, y);
   for (int i = 0; i < std::max(a.warmup, 3); ++i) {
     for (const Tensor& out : {compiled(x, y), compiled_pure(x, y)})
-      KILN_CHECK(allclose(out, expected, 1.3e-6, 1e-5), Error,
+      KILN_CHECK(allclose(out.cpu(), expected.cpu(), 1.3e-6, 1e-5), Error,
                  "[kiln bench toy] a compiled mode computed a different result than eager. This is a Kiln bug.");
   }
 
@@ -244,7 +247,7 @@ int run_toy_bench(const std::vector<std::string>& args) {
   compiler::Counters total = compiler::counters();
   nlohmann::ordered_json result = {{"model", "toy"},
                            {"function", "x = x @ y three times, x and y randn 5x5 float32"},
-                           {"device", "cpu"},
+                           {"device", a.device.str()},
                            {"threads", get_num_threads()},
                            {"backend", compiler::default_backend()},
                            {"warmup", a.warmup},
@@ -266,9 +269,9 @@ int run_toy_bench(const std::vector<std::string>& args) {
     std::cout << result.dump(2) << "\n";
     return 0;
   }
-  std::cout << fmt::format("toy (x = x @ y three times, 5x5 float32) on cpu, backend '{}', {} threads\n"
+  std::cout << fmt::format("toy (x = x @ y three times, 5x5 float32) on {}, backend '{}', {} threads\n"
                            "median of {} batches of {} calls, modes interleaved\n",
-                           result["backend"].get<std::string>(), get_num_threads(), a.batches, a.iters);
+                           a.device.str(), result["backend"].get<std::string>(), get_num_threads(), a.batches, a.iters);
   std::cout << fmt::format("{:<16} {:>14} {:>14}\n", "mode", "us per call", "overhead us");
   for (const char* mode : names) {
     const auto& m = result["modes"][mode];

@@ -24,7 +24,7 @@ commands:
                        densenet169, resnet18, resnet50)
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
                        compiled pure (us per call). --iters 2000 (calls per batch) --batches 7
-                       --warmup 3 --threads N --json
+                       --warmup 3 --threads N --device cpu|cuda --json
   version              print the version
   help                 show this message
 )";
