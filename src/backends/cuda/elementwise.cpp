@@ -218,6 +218,8 @@ unsigned long long host_bits(const Tensor& x, DType t) {
 
 }  // namespace
 
+const char* device_preamble() { return kPreamble; }
+
 DType opmath_dtype(DType t) { return t == DType::float16 || t == DType::bfloat16 ? DType::float32 : t; }
 
 std::string Scalars::add(const Scalar& value, DType dtype) {

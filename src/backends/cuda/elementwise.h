@@ -33,6 +33,11 @@ void launch_elementwise(const std::string& op, const std::string& expr, Tensor& 
                         std::span<const Tensor> inputs, std::span<const DType> types,
                         const Scalars& scalars = {});
 
+// The start of every generated kernel source: Kiln's functors and namespace kj with opmath<T>
+// (float for 16-bit floats), convert<To>(from) (exactly the CPU copy kernel's conversions),
+// load<T>(char*) and unpack<T>(bits of a host value).
+const char* device_preamble();
+
 // The CUDA C++ type of a dtype's storage ("float", "kiln::Half", "int64_t", ...).
 const char* cuda_type(DType t);
 

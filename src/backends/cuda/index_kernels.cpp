@@ -38,16 +38,9 @@ namespace kiln::cuda::detail {
 
 // ---------------- shared pieces (misc_kernels.h) ----------------
 
-const char* const kMiscPreamble = R"(#include "kiln/half.h"
-#include <cstdint>
-#include <type_traits>
-namespace kj {
-using kiln::Half;
-using kiln::BFloat16;
-template <class T> struct opmath_s { using type = T; };
-template <> struct opmath_s<Half> { using type = float; };
-template <> struct opmath_s<BFloat16> { using type = float; };
-template <class T> using opmath = typename opmath_s<T>::type;
+// The shared preamble (elementwise.h: opmath, convert, load, unpack) plus what these kernels add.
+const std::string& misc_preamble() {
+  static const std::string text = std::string(device_preamble()) + R"(namespace kj {
 template <class T> inline constexpr bool is_half = std::is_same_v<T, Half> || std::is_same_v<T, BFloat16>;
 // An integer as the CPU kernels convert one (from_int64): bool is v != 0, 16-bit floats go
 // through float.
@@ -61,7 +54,6 @@ template <class T> __forceinline__ opmath<T> round_to(opmath<T> v) {
   if constexpr (is_half<T>) return static_cast<float>(T(v));
   else return v;
 }
-template <class T> __forceinline__ T unpack(unsigned long long bits) { T v; memcpy(&v, &bits, sizeof(T)); return v; }
 __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
 __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
 __forceinline__ void atomic_add(int* p, int v) { atomicAdd(p, v); }
@@ -92,6 +84,8 @@ __forceinline__ void atomic_add(unsigned char* p, unsigned char v) { atomic_add_
 __forceinline__ void atomic_add(bool* p, bool v) { atomic_add_byte(p, v); }
 }
 )";
+  return text;
+}
 
 unsigned misc_grid(int64_t items, int device) {
   const int64_t cap = int64_t{properties(device).multiProcessorCount} * 16;
@@ -108,7 +102,7 @@ void launch_misc(void* f, int64_t items, int device, MiscParams& params, const c
 namespace {
 
 std::string check_index_source(DType index_dtype) {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {} in_t;
 struct Params {{
   const in_t* in;
@@ -219,7 +213,7 @@ std::string move_source(const MoveSpec& s) {
                   "static_cast<a_t>(static_cast<kj::opmath<b_t>>(reinterpret_cast<const b_t*>(p.b)[bo])));";
       break;
   }
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {idx} idx_t;
 typedef {a} a_t;
 typedef {b} b_t;
@@ -546,7 +540,7 @@ void embedding_kernel(const OpCall& call, std::span<Tensor> outs) {
 }
 
 std::string one_hot_source() {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 struct Params {{
   const long long* idx;
   long long* out;
@@ -589,7 +583,7 @@ void one_hot_kernel(const OpCall& call, std::span<Tensor> outs) {
 // ---------------- embedding_dense_backward ----------------
 
 std::string count_rows_source() {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 struct Params {{
   const long long* idx;
   unsigned long long* counts;
@@ -608,7 +602,7 @@ extern "C" __global__ void __launch_bounds__({}) kiln_count_rows(Params p) {{
 // grad_weight[idx[j], c] += grad[j, c] (times 1 / count[idx[j]] with scale_grad_by_freq), in the
 // CPU's accumulation type.
 std::string embedding_backward_source(DType grad, DType acc) {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {} g_t;
 typedef {} acc_t;
 struct Params {{

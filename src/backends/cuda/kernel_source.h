@@ -14,27 +14,13 @@
 
 namespace kiln::cuda::detail {
 
-// Type helpers every generated pool/norm source starts with: opmath (float for 16-bit floats),
-// convert (exactly the CPU copy kernel's conversions) and a grid-stride loop macro.
-inline constexpr const char* kKernelPreamble = R"(#include <type_traits>
-#include "kiln/half.h"
-namespace kp {
-using kiln::Half;
-using kiln::BFloat16;
-template <class T> struct opmath_s { using type = T; };
-template <> struct opmath_s<Half> { using type = float; };
-template <> struct opmath_s<BFloat16> { using type = float; };
-template <class T> using opmath = typename opmath_s<T>::type;
-template <class To, class From> __forceinline__ To convert(From v) {
-  if constexpr (std::is_same_v<To, From>) return v;
-  else if constexpr (std::is_same_v<To, bool>) return static_cast<opmath<From>>(v) != opmath<From>(0);
-  else if constexpr (std::is_same_v<From, Half> || std::is_same_v<From, BFloat16>) return static_cast<To>(static_cast<float>(v));
-  else if constexpr (std::is_same_v<To, Half> || std::is_same_v<To, BFloat16>) return To(static_cast<float>(v));
-  else return static_cast<To>(v);
-}
-}
+// What every generated pool/norm source starts with: the shared preamble (device_preamble():
+// opmath, convert, ...), seen here as namespace kp, and a grid-stride loop macro.
+inline std::string pool_norm_preamble() {
+  return std::string(device_preamble()) + R"(namespace kp = kj;
 #define KP_GRID_LOOP(I, i, n) for (I i = blockIdx.x * (I)blockDim.x + threadIdx.x; i < (n); i += (I)gridDim.x * blockDim.x)
 )";
+}
 
 // The C++ spelling of a dtype's opmath type in generated code.
 inline const char* cuda_opmath_type(DType t) { return cuda_type(opmath_dtype(t)); }

@@ -29,7 +29,7 @@ using kiln::detail::make_empty;
 constexpr int64_t kMaxPartials = 1024;
 
 std::string nll_forward_source(DType t) {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {t} scalar_t;
 typedef kj::opmath<scalar_t> acc_t;
 struct Params {{
@@ -94,7 +94,7 @@ extern "C" __global__ void kiln_nll_loss_final(FinalParams p) {{
 }
 
 std::string nll_backward_source(DType t, DType total_weight) {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {t} scalar_t;
 typedef {tw} tw_t;
 typedef kj::opmath<scalar_t> acc_t;

@@ -50,7 +50,7 @@ void launch_misc(void* f, int64_t items, int device, MiscParams& params, const c
 
 // Includes and helpers for the generated sources: conversions as the CPU kernels do them, atomic
 // adds for every dtype the accumulating kernels use, and rounding to 16-bit floats.
-extern const char* const kMiscPreamble;
+const std::string& misc_preamble();
 
 // The first position (row-major) of a contiguous int32/int64 device tensor `index` whose value v
 // fails lo <= v < hi (values equal to *ignore pass), or -1. With `wrapped`, also writes the

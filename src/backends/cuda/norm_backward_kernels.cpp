@@ -32,7 +32,7 @@ namespace {
 constexpr int kBlock = 256;
 
 std::string header(DType dtype, bool i32) {
-  std::string src = kKernelPreamble;
+  std::string src = pool_norm_preamble();
   const bool f32 = opmath_dtype(dtype) == DType::float32;
   src += fmt::format("using T = {};\nusing Acc = kp::opmath<T>;\nusing I = {};\n", cuda_type(dtype),
                      i32 ? "int" : "long long");

@@ -106,7 +106,7 @@ constexpr int kBlock = 256;
 // ---------------- generated sources ----------------
 
 std::string norm_header(DType dtype, bool i32) {
-  std::string src = kKernelPreamble;
+  std::string src = pool_norm_preamble();
   const char* acc = cuda_opmath_type(dtype);
   src += fmt::format(
       "using T = {0};\nusing Acc = kp::opmath<T>;\nusing I = {1};\n"

@@ -95,7 +95,7 @@ const char* lowest_literal(DType t) {
 }
 
 std::string header(DType dtype, bool i32, bool channels_last) {
-  std::string src = kKernelPreamble;
+  std::string src = pool_norm_preamble();
   src += kParamsSource;
   src += fmt::format("using T = {};\nusing Acc = kp::opmath<T>;\nusing I = {};\nconstexpr bool kChannelsLast = {};\n",
                      cuda_type(dtype), i32 ? "int" : "long long", channels_last ? "true" : "false");

@@ -105,7 +105,7 @@ std::string random_source(const RandomSpec& s) {
   const char* draw = s.bits == 64 ? "const unsigned long long w = static_cast<unsigned long long>(blk.x[2 * j]) | "
                                     "(static_cast<unsigned long long>(blk.x[2 * j + 1]) << 32);"
                                   : "const unsigned w = blk.x[j];";
-  return std::string(kMiscPreamble) + "#include \"kiln/math/philox.h\"\n" +
+  return misc_preamble() + "#include \"kiln/math/philox.h\"\n" +
          fmt::format(R"(
 typedef {t} scalar_t;
 typedef kj::opmath<scalar_t> acc_t;
@@ -200,7 +200,7 @@ void randint_kernel(const OpCall& c, std::span<Tensor> outs) {
 }
 
 std::string check_probability_source(DType t) {
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {} scalar_t;
 struct Params {{
   const scalar_t* prob;

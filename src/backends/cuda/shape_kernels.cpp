@@ -86,7 +86,7 @@ std::string range_source(Range r, DType t) {
              "    out[i] = kj::from_int<scalar_t>(i - row * p.cols == row ? 1 : 0);";
       break;
   }
-  return std::string(kMiscPreamble) + fmt::format(R"(
+  return misc_preamble() + fmt::format(R"(
 typedef {t} scalar_t;
 typedef kj::opmath<scalar_t> acc_t;
 struct Params {{
