@@ -236,18 +236,62 @@ TEST(CudaJit, KernelsNeverMixDevices) {
   int b = call(g, "exp", {xg}, {}, value({5, 5}));
   // A CUDA op reading a CPU tensor that is not 0-dim is not lowered (eager raises its device error).
   int bad = call(g, "mul", {b, a}, {}, value({5, 5}));
-  // Reductions on CUDA run through the dispatcher (no CUDA reduction code generation yet).
+  // The sum: a CUDA kernel of its own (the mul read b from memory, which closed b's kernel).
   int r = call(g, "sum", {b}, {std::vector<int64_t>{1}, false}, value({5}));
   g.outputs = {a, b, bad, r};
-  lower::Program p = lower_and_compile(g, nullptr, 1);
+  lower::Program p = lower_and_compile(g, nullptr, 2);
   int cpu = 0;
   for (const auto& k : p.kernels) {
     if (k.device.is_cpu()) ++cpu;
     for (bool h : k.host_buffers) EXPECT_FALSE(h);
   }
   EXPECT_EQ(cpu, 1);
-  EXPECT_EQ(p.extern_nodes, 2) << lower::describe(p);
+  EXPECT_EQ(p.extern_nodes, 1) << lower::describe(p);
   EXPECT_EQ(lower::generate_cpp(p).size(), 1u);
+}
+
+TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
+  // x.exp().sum(1) * 2 + 1 over rows, a mean, amax keepdim, a full sum, an int64 sum, a column sum.
+  Graph g;
+  int x = g.add_input(value({16, 300}));
+  int e = call(g, "exp", {x}, {}, value({16, 300}));
+  int s = call(g, "sum", {e}, {std::vector<int64_t>{1}, false}, value({16}));
+  int m = call(g, "mul", {s, host_scalar(g, kInt64)}, {}, value({16}));
+  int a = call(g, "add", {m, g.add_input(value({16}))}, {Scalar(1)}, value({16}));
+  int mean = call(g, "mean", {x}, {std::vector<int64_t>{0}, false}, value({300}));
+  int mx = call(g, "amax", {x}, {std::vector<int64_t>{1}, true}, value({16, 1}));
+  int full = call(g, "sum", {x}, {std::vector<int64_t>{}, false}, value({}));
+  int xi = g.add_input(value({7, 9}, kInt32));
+  int si = call(g, "sum", {xi}, {std::vector<int64_t>{1}, false}, value({7}, kInt64));
+  int mn = call(g, "amin", {xi}, {std::vector<int64_t>{0}, false}, value({9}, kInt32));
+  g.outputs = {e, a, mean, mx, full, si, mn};
+  std::vector<std::string> src;
+  lower::Program p = lower_and_compile(g, &src);
+  EXPECT_EQ(p.extern_nodes, 0) << lower::describe(p);
+  int reductions = 0;
+  for (const auto& k : p.kernels) {
+    EXPECT_TRUE(k.device.is_cuda());
+    if (k.kind != lower::Kernel::reduction) continue;
+    ++reductions;
+    EXPECT_TRUE(lower::generate_cuda(k).per_block);
+  }
+  EXPECT_EQ(reductions, 6);
+  bool has_epilogue = false;
+  for (const auto& s : src) has_epilogue |= contains(s, "kiln::math::Mul{}") && contains(s, "__shared__ double");
+  EXPECT_TRUE(has_epilogue);
+  if (std::getenv("KILN_TEST_PRINT_SOURCES"))
+    for (const auto& s : src) std::cout << s;
+
+  // An empty reduced range writes the identity; an empty kept range launches nothing.
+  Graph z;
+  int zx = z.add_input(value({4, 0}));
+  int zs = call(z, "sum", {zx}, {std::vector<int64_t>{1}, false}, value({4}));
+  int zm = call(z, "mean", {zx}, {std::vector<int64_t>{1}, false}, value({4}));
+  int zk = call(z, "sum", {zx}, {std::vector<int64_t>{0}, false}, value({0}));
+  z.outputs = {zs, zm, zk};
+  lower::Program zp = lower_and_compile(z, nullptr, 3);
+  EXPECT_EQ(lower::generate_cuda(zp.kernels[0]).numel, 4);
+  EXPECT_EQ(lower::generate_cuda(zp.kernels[2]).numel, 0);
 }
 
 TEST(CudaJit, RejectsWhatItDoesNotHandle) {
@@ -256,6 +300,7 @@ TEST(CudaJit, RejectsWhatItDoesNotHandle) {
   EXPECT_THROW(lower::generate_cuda(k), CompileError);
   k.device = kGpu;
   k.kind = lower::Kernel::reduction;
+  k.reduce_op = "prod";
   EXPECT_THROW(lower::generate_cuda(k), CompileError);
 }
 
@@ -356,6 +401,31 @@ TEST(CudaCodegen, RunTimeScalarsAndReduceOverhead) {
   auto c = compiler::counters();
   EXPECT_GE(c.kernel_runs, 1);
   EXPECT_GE(c.cuda_graph_replays, 1);
+}
+
+TEST(CudaCodegen, Reductions) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  auto f = [](const Tensor& x) {
+    return std::vector<Tensor>{x.exp().sum({1}) * 2 + 1, x.mean({0}), x.amax({1}, true), x.sum(), x.amin({0})};
+  };
+  auto compiled = compile(f, kKiln);
+  for (auto sizes : std::vector<std::vector<int64_t>>{{16, 300}, {3, 1}, {1000, 7}}) {
+    Tensor x = gpu_randn(sizes);
+    auto got = compiled(x);
+    auto want = f(x);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same(got[i], want[i], 1e-5, 1e-5)) << i;
+  }
+  auto c = compiler::counters();
+  EXPECT_GE(c.kernel_runs, 3);
+  EXPECT_EQ(c.dispatched_nodes, 0);
+  compiler::reset();
+  auto g = [](const Tensor& x) { return x.sum({1}); };
+  auto ci = compile(g, kKiln);
+  Tensor xi = (gpu_randn({9, 40}) * 100).to(kInt32);
+  EXPECT_TRUE(same(ci(xi), g(xi)));
+  EXPECT_GE(compiler::counters().kernel_runs, 1);
 }
 
 TEST(CudaCodegen, CpuAndGpuInOneFunction) {

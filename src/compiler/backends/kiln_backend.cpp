@@ -43,6 +43,7 @@ struct CudaKernel {
   std::vector<int> scalars;  // Graph::scalars indices, in slot order
   size_t buffers = 0;
   int64_t numel = 0;
+  bool per_block = false;  // a reduction: one block per kept position
 };
 
 // reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
@@ -180,8 +181,10 @@ void launch_cuda(const Executable& ex, const lower::Step& step, const std::vecto
   }
   cuda::detail::DeviceGuard guard(ck.device);
   const cudaDeviceProp& props = cuda::detail::properties(ck.device);
-  const int64_t blocks = std::min<int64_t>((ck.numel + lower::kCudaBlock - 1) / lower::kCudaBlock,
-                                           int64_t{props.multiProcessorCount} * 16);
+  const int64_t blocks =
+      ck.per_block ? std::min<int64_t>(ck.numel, int64_t{props.multiProcessorCount} * 32)
+                   : std::min<int64_t>((ck.numel + lower::kCudaBlock - 1) / lower::kCudaBlock,
+                                       int64_t{props.multiProcessorCount} * 16);
   void* params[] = {block.data()};
   cuda::detail::launch(ck.function, static_cast<unsigned>(blocks), lower::kCudaBlock, 0,
                        cuda::detail::current_stream(ck.device), params);
@@ -358,6 +361,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     ck.scalars = src.scalars;
     ck.buffers = src.buffers;
     ck.numel = src.numel;
+    ck.per_block = src.per_block;
 #ifdef KILN_WITH_CUDA
     auto t0 = std::chrono::steady_clock::now();
     ck.function = cuda::detail::jit_function(ck.device, src.source, lower::kCudaKernelName, [&] { return src.source; });

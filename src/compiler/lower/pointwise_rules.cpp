@@ -283,7 +283,8 @@ std::optional<ReductionInfo> lowerable_reduction(const Graph& g, int node) {
   if (name != "sum" && name != "mean" && name != "amax" && name != "amin") return std::nullopt;
   const ValueInfo& x = g.values[n.inputs[0]];
   const ValueInfo& y = g.values[n.outputs[0]];
-  if (!codegen_dtype(x.dtype) || !codegen_dtype(y.dtype) || !x.device.is_cpu() || x.dtype == DType::bool_)
+  if (!codegen_dtype(x.dtype) || !codegen_dtype(y.dtype) || !(x.device.is_cpu() || x.device.is_cuda()) ||
+      y.device != x.device || x.dtype == DType::bool_)
     return std::nullopt;
   ReductionInfo r;
   r.op = name == "amax" ? "max" : name == "amin" ? "min" : "sum";

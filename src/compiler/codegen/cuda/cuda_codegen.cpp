@@ -87,11 +87,12 @@ std::string call_code(const Expr& x) {
 // merged.
 struct Space {
   std::vector<int64_t> sizes;                 // outermost first
+  std::vector<bool> reduced;                  // per dim (reductions)
   std::vector<std::vector<int64_t>> strides;  // per access
 };
 
 Space coalesce(const std::vector<int64_t>& sizes, const std::vector<const std::vector<int64_t>*>& accesses,
-               size_t lead) {
+               size_t lead, const std::vector<bool>& reduced = {}) {
   std::vector<size_t> dims;
   for (size_t d = 0; d < sizes.size(); ++d)
     if (sizes[d] != 1) dims.push_back(d);
@@ -106,16 +107,20 @@ Space coalesce(const std::vector<int64_t>& sizes, const std::vector<const std::v
       if (l[dims[i]] != 0) dims[i] = sorted[j++];
   }
   Space s;
-  for (size_t d : dims) s.sizes.push_back(sizes[d]);
+  for (size_t d : dims) {
+    s.sizes.push_back(sizes[d]);
+    s.reduced.push_back(d < reduced.size() && reduced[d]);
+  }
   s.strides.resize(accesses.size());
   for (size_t a = 0; a < accesses.size(); ++a)
     for (size_t d : dims) s.strides[a].push_back((*accesses[a])[d]);
   for (size_t d = s.sizes.size(); d-- > 1;) {
-    bool ok = true;
+    bool ok = s.reduced[d - 1] == s.reduced[d];
     for (size_t a = 0; ok && a < accesses.size(); ++a) ok = s.strides[a][d - 1] == s.strides[a][d] * s.sizes[d];
     if (!ok) continue;
     s.sizes[d - 1] *= s.sizes[d];
     s.sizes.erase(s.sizes.begin() + static_cast<std::ptrdiff_t>(d));
+    s.reduced.erase(s.reduced.begin() + static_cast<std::ptrdiff_t>(d));
     for (auto& st : s.strides) {
       st[d - 1] = st[d];
       st.erase(st.begin() + static_cast<std::ptrdiff_t>(d));
@@ -230,12 +235,170 @@ void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
   os << "    }\n  }\n";
 }
 
+// The identity of a reduction in its accumulator type (no <limits> under NVRTC).
+std::string reduction_init(const Kernel& k) {
+  const DType t = k.acc_dtype;
+  const bool max = k.reduce_op == "max";
+  if (k.reduce_op == "sum") return literal(0, t);
+  if (is_floating_point(t)) return literal(max ? -INFINITY : INFINITY, t);
+  switch (t) {
+    case DType::int64: return max ? "(-9223372036854775807LL - 1)" : "9223372036854775807LL";
+    case DType::int32: return max ? "(-2147483647 - 1)" : "2147483647";
+    case DType::int8: return max ? "static_cast<int8_t>(-128)" : "static_cast<int8_t>(127)";
+    case DType::uint8: return max ? "static_cast<uint8_t>(0)" : "static_cast<uint8_t>(255)";
+    default: return literal(0, t);
+  }
+}
+
+std::string reduction_combine(const Kernel& k, const std::string& a, const std::string& b) {
+  if (k.reduce_op == "sum") return a + " + " + b;
+  return std::string("kiln::math::") + (k.reduce_op == "max" ? "Maximum" : "Minimum") + "{}(" + a + ", " + b + ")";
+}
+
+// A reduction: one block per kept position (grid-stride over them); the block's threads stride
+// over the reduced elements (computing the prologue and its stores on the way), combine in shared
+// memory, and thread 0 writes the result and computes the epilogue.
+void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot) {
+  std::vector<const std::vector<int64_t>*> accesses;
+  std::vector<int64_t> offsets;
+  std::vector<int> load_access(k.exprs.size(), -1);
+  for (size_t e = 0; e < k.exprs.size(); ++e) {
+    const Expr& x = k.exprs[e];
+    if (x.kind == Expr::load && !host(k, x.buffer)) {
+      load_access[e] = static_cast<int>(accesses.size());
+      accesses.push_back(&x.strides);
+      offsets.push_back(x.offset);
+    }
+  }
+  const size_t first_store = accesses.size();
+  for (const Store& st : k.stores) {
+    accesses.push_back(&st.strides);
+    offsets.push_back(st.offset);
+  }
+  const size_t result_access = accesses.size();
+  accesses.push_back(&k.result.strides);
+  offsets.push_back(k.result.offset);
+  const size_t first_epilogue_store = accesses.size();
+  for (const Store& st : k.epilogue_stores) {
+    accesses.push_back(&st.strides);
+    offsets.push_back(st.offset);
+  }
+  Space sp = coalesce(k.sizes, accesses, 0, k.reduced);
+  int64_t kept_total = 1, red_total = 1;
+  std::vector<size_t> kept, red;
+  for (size_t d = 0; d < sp.sizes.size(); ++d) {
+    (sp.reduced[d] ? red : kept).push_back(d);
+    (sp.reduced[d] ? red_total : kept_total) *= sp.sizes[d];
+  }
+  if (kept_total == 0) return;
+  // Index math over the whole space (with an empty reduced range, the kept positions alone).
+  Space bounds = sp;
+  for (size_t d = 0; d < bounds.sizes.size(); ++d)
+    if (bounds.sizes[d] == 0) bounds.sizes[d] = 1;
+  const char* idx = fits_int32(bounds, offsets) ? "int" : "long long";
+  std::vector<std::string> vars;
+  for (size_t d = 0; d < sp.sizes.size(); ++d) vars.push_back(numbered("i", static_cast<int64_t>(d)));
+  // Kept-position accesses (result, epilogue) have stride 0 on reduced dims: index_of skips them.
+  auto kept_only = [&](std::vector<int64_t> st) {
+    for (size_t d = 0; d < st.size(); ++d)
+      if (sp.reduced[d]) st[d] = 0;
+    return st;
+  };
+  std::vector<bool> varies(k.exprs.size(), false);
+  for (size_t e = 0; e < k.exprs.size(); ++e) {
+    const Expr& x = k.exprs[e];
+    if (load_access[e] >= 0 || x.kind == Expr::reduced) varies[e] = true;
+    for (int a : x.args) varies[e] = varies[e] || varies[a];
+  }
+  const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
+  const char* acc_t = ctype(k.acc_dtype);
+  const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
+  auto emit_expr = [&](size_t e, const char* indent, bool epilogue) {
+    const Expr& x = k.exprs[e];
+    os << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
+    switch (x.kind) {
+      case Expr::load:
+        if (host(k, x.buffer)) {
+          os << "kg::unpack<" << ctype(k.buffers[x.buffer]) << ">(p.b[" << x.buffer << "])";
+        } else {
+          const auto& st = sp.strides[load_access[e]];
+          os << "b" << x.buffer << "[" << index_of(epilogue ? kept_only(st) : st, x.offset, vars, idx) << "]";
+        }
+        break;
+      case Expr::scalar:
+        os << (x.dtype == DType::int64 ? "p.is[" : "p.s[") << scalar_slot.at(x.scalar_index) << "]";
+        break;
+      case Expr::constant: os << literal(x.value, x.dtype); break;
+      case Expr::call: os << call_code(x); break;
+      case Expr::reduced: os << "kg::convert<" << ctype(x.dtype) << ">(" << result_value << ")"; break;
+      case Expr::cat: break;  // cuda_codegen_supports refuses reductions with cats
+    }
+    os << ";\n";
+  };
+  auto decompose = [&](const std::vector<size_t>& dims, const char* from, const char* indent) {
+    if (dims.empty()) return;
+    os << indent << idx << " " << from << "_r = " << from << ";\n";
+    for (size_t j = dims.size(); j-- > 1;) {
+      os << indent << "const " << idx << " " << vars[dims[j]] << " = " << from << "_r % " << sp.sizes[dims[j]] << ";\n";
+      os << indent << from << "_r /= " << sp.sizes[dims[j]] << ";\n";
+    }
+    os << indent << "const " << idx << " " << vars[dims[0]] << " = " << from << "_r;\n";
+  };
+  os << "  __shared__ " << acc_t << " partial[" << kCudaBlock << "];\n";
+  for (size_t e = 0; e < k.exprs.size(); ++e)
+    if (!varies[e]) emit_expr(e, "  ", false);
+  os << "  for (" << idx << " kept = blockIdx.x; kept < " << kept_total << "; kept += gridDim.x) {\n";
+  decompose(kept, "kept", "    ");
+  os << "    " << acc_t << " acc = " << reduction_init(k) << ";\n";
+  if (red_total > 0) {
+    os << "    for (" << idx << " red = threadIdx.x; red < " << red_total << "; red += blockDim.x) {\n";
+    decompose(red, "red", "      ");
+    for (size_t e = 0; e < epilogue_begin; ++e)
+      if (varies[e]) emit_expr(e, "      ", false);
+    for (size_t i = 0; i < k.stores.size(); ++i) {
+      const Store& st = k.stores[i];
+      os << "      b" << st.buffer << "[" << index_of(sp.strides[first_store + i], st.offset, vars, idx)
+         << "] = kg::convert<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
+    }
+    os << "      acc = " << reduction_combine(k, "acc", numbered("e", k.reduce_expr)) << ";\n";
+    os << "    }\n";
+  }
+  os << "    partial[threadIdx.x] = acc;\n    __syncthreads();\n";
+  os << "    for (unsigned w = blockDim.x / 2; w > 0; w >>= 1) {\n"
+     << "      if (threadIdx.x < w) partial[threadIdx.x] = "
+     << reduction_combine(k, "partial[threadIdx.x]", "partial[threadIdx.x + w]") << ";\n"
+     << "      __syncthreads();\n    }\n";
+  os << "    if (threadIdx.x == 0) {\n      acc = partial[0];\n";
+  if (k.result.buffer >= 0) {
+    os << "      b" << k.result.buffer << "["
+       << index_of(kept_only(sp.strides[result_access]), k.result.offset, vars, idx) << "] = kg::convert<"
+       << ctype(k.buffers[k.result.buffer]) << ">(" << result_value << ");\n";
+  }
+  if (red_total > 0) {  // as the CPU: an empty reduced range writes the identity only
+    for (size_t e = epilogue_begin; e < k.exprs.size(); ++e)
+      if (varies[e]) emit_expr(e, "      ", true);
+    for (size_t i = 0; i < k.epilogue_stores.size(); ++i) {
+      const Store& st = k.epilogue_stores[i];
+      os << "      b" << st.buffer << "["
+         << index_of(kept_only(sp.strides[first_epilogue_store + i]), st.offset, vars, idx) << "] = kg::convert<"
+         << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
+    }
+  }
+  os << "    }\n    __syncthreads();  // partial is reused by the next kept position\n  }\n";
+}
+
 }  // namespace
 
 size_t CudaKernelSource::slots() const { return buffers + 2 * std::max<size_t>(scalars.size(), 1); }
 
 bool cuda_codegen_supports(const Kernel& k) {
-  if (!k.device.is_cuda() || k.kind != Kernel::pointwise) return false;
+  if (!k.device.is_cuda()) return false;
+  if (k.kind == Kernel::reduction) {
+    if (k.reduce_op != "sum" && k.reduce_op != "max" && k.reduce_op != "min") return false;
+    if (!codegen_dtype(k.acc_dtype) || k.acc_dtype == DType::bool_) return false;
+    for (const Expr& e : k.exprs)
+      if (e.kind == Expr::cat) return false;
+  }
   for (DType t : k.buffers)
     if (!codegen_dtype(t)) return false;
   return true;
@@ -243,8 +406,8 @@ bool cuda_codegen_supports(const Kernel& k) {
 
 CudaKernelSource generate_cuda(const Kernel& k) {
   KILN_CHECK(cuda_codegen_supports(k), CompileError,
-             "[kiln::compile] the CUDA code generator handles pointwise kernels on CUDA devices only (got " +
-                 std::string(k.kind == Kernel::pointwise ? "a pointwise" : "a reduction") + " kernel on " +
+             "[kiln::compile] the CUDA code generator handles pointwise and sum/max/min kernels on CUDA devices only (got " +
+                 std::string(k.kind == Kernel::pointwise ? "a pointwise" : "a reduction " + k.reduce_op) + " kernel on " +
                  k.device.str() + "). This is a Kiln bug.");
   CudaKernelSource out;
   out.buffers = k.buffers.size();
@@ -260,6 +423,14 @@ CudaKernelSource generate_cuda(const Kernel& k) {
   }
   out.numel = 1;
   for (int64_t n : k.sizes) out.numel *= n;
+  if (k.kind == Kernel::reduction) {
+    // One block per kept position: numel counts the blocks' work items (kept positions); a kept
+    // position over an empty reduced range still writes its identity.
+    out.per_block = true;
+    out.numel = 1;
+    for (size_t d = 0; d < k.sizes.size(); ++d)
+      if (!k.reduced[d]) out.numel *= k.sizes[d];
+  }
   // The parameter block must fit the launch's 4 KB.
   KILN_CHECK(out.slots() * 8 <= 4096, CompileError,
              "[kiln::compile] a generated CUDA kernel takes " + std::to_string(out.slots() * 8) +
@@ -276,6 +447,8 @@ CudaKernelSource generate_cuda(const Kernel& k) {
   os << "extern \"C\" __global__ void __launch_bounds__(" << kCudaBlock << ") " << kCudaKernelName << "(Params p) {\n";
   std::set<int> stored;
   for (const Store& s : k.stores) stored.insert(s.buffer);
+  for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);
+  if (k.kind == Kernel::reduction && k.result.buffer >= 0) stored.insert(k.result.buffer);
   for (size_t b = 0; b < k.buffers.size(); ++b) {
     if (host(k, static_cast<int>(b))) continue;  // read by value (kg::unpack) where loaded
     const char* t = ctype(k.buffers[b]);
@@ -287,7 +460,9 @@ CudaKernelSource generate_cuda(const Kernel& k) {
   const Expr* cat = nullptr;
   for (const Expr& e : k.exprs)
     if (e.kind == Expr::cat) cat = &e;
-  if (!cat) {
+  if (k.kind == Kernel::reduction) {
+    emit_reduction(os, k, slot_of);
+  } else if (!cat) {
     emit_loop(os, k, slot_of);
   } else {
     // A fused cat: one loop per segment, in which the cat reads one input like a plain load (as

@@ -24,14 +24,16 @@ inline constexpr int kCudaBlock = 256;
 struct CudaKernelSource {
   std::string source;
   std::vector<int> scalars;  // Graph::scalars indices the kernel reads, in slot order
-  int64_t numel = 0;         // elements of the iteration space (0: nothing to launch)
+  int64_t numel = 0;         // work items (0: nothing to launch): elements of the iteration
+                             // space, or a reduction's kept positions (per_block)
+  bool per_block = false;    // a reduction: one block per work item
   // The parameter block's size in 8-byte slots: buffers + 2 * max(scalars, 1).
   size_t slots() const;
   size_t buffers = 0;
 };
 
-// The source of one pointwise kernel on a CUDA device. Throws CompileError for what it does not
-// handle (reductions).
+// The source of one kernel on a CUDA device (pointwise, or a sum/max/min reduction with its
+// prologue and epilogue). Throws CompileError for what it does not handle (cuda_codegen_supports).
 CudaKernelSource generate_cuda(const Kernel& k);
 
 // Whether generate_cuda handles kernel `k`.
