@@ -270,7 +270,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
 
 // KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
 void write_debug(const Graph& before, const lower::Program& p, const lower::MemoryPlan& plan,
-                 const std::vector<std::string>& sources) {
+                 const std::vector<std::string>& sources, const std::vector<lower::CudaKernelSource>& cuda_sources) {
   const char* flag = std::getenv("KILN_COMPILE_DEBUG");
   if (!flag || std::string(flag) == "0") return;
   static std::atomic<int> counter{0};
@@ -287,6 +287,10 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
   std::ofstream(dir / "graph_after_passes.txt") << p.graph.str();
   std::ofstream(dir / "loop_ir.txt") << lower::describe(p) << lower::describe(plan, p);
   for (size_t i = 0; i < sources.size(); ++i) std::ofstream(dir / ("kernels_" + std::to_string(i) + ".cpp")) << sources[i];
+  for (size_t i = 0; i < cuda_sources.size(); ++i) {
+    if (!cuda_sources[i].source.empty())
+      std::ofstream(dir / ("kernel_" + std::to_string(i) + ".cu")) << cuda_sources[i].source;  // per Program kernel
+  }
   detail::log_stream() << "[kiln.compile] debug trace: " << dir.string() << "\n";
 }
 
@@ -334,6 +338,10 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     k.profile_name = "kernel[" + ops + "]";
   }
   std::vector<std::string> sources = lower::generate_cpp(ex->program);
+  // Per Program kernel: the CUDA source of a kernel on a GPU (empty for CPU kernels).
+  std::vector<lower::CudaKernelSource> cuda_sources(ex->program.kernels.size());
+  for (size_t i = 0; i < cuda_sources.size(); ++i)
+    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = lower::generate_cuda(ex->program.kernels[i]);
   // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
   // max_autotune includes it too, as torch's max-autotune includes CUDA graphs (the static plan is
   // the CPU's counterpart); max_autotune_no_cudagraphs does not.
@@ -343,7 +351,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     if (!ex->plan.empty()) ex->arena = std::make_unique<Arena>();
   }
   if (const CompileOptions* o = compiling_options()) ex->autotune = o->mode == Mode::max_autotune || o->mode == Mode::max_autotune_no_cudagraphs;
-  write_debug(before, ex->program, ex->plan, sources);
+  write_debug(before, ex->program, ex->plan, sources, cuda_sources);
   if (detail::log_options().output_code) {
     for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;
   }
@@ -354,7 +362,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   for (size_t i = 0; i < ex->program.kernels.size(); ++i) {
     const lower::Kernel& k = ex->program.kernels[i];
     if (k.device.is_cpu()) continue;
-    lower::CudaKernelSource src = lower::generate_cuda(k);
+    const lower::CudaKernelSource& src = cuda_sources[i];
     if (detail::log_options().output_code) detail::log_stream() << "[kiln.compile] output code (CUDA):\n" << src.source;
     CudaKernel& ck = ex->cuda_kernels[i];
     ck.device = k.device.index;

@@ -491,7 +491,9 @@ std::string describe(const Program& p) {
     out += "step " + std::to_string(s) + ": " + k.name + " (" +
            (k.kind == Kernel::pointwise ? "pointwise" : "reduction " + k.reduce_op) + ") over [";
     for (size_t d = 0; d < k.sizes.size(); ++d) out += (d ? ", " : "") + std::to_string(k.sizes[d]);
-    out += "], fuses";
+    out += "]";
+    if (!k.device.is_cpu()) out += " on " + k.device.str();
+    out += ", fuses";
     for (const auto& op : k.ops) out += " " + op;
     out += "; buffers";
     for (int v : st.bindings) {
