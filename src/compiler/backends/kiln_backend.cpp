@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 
 #include "backends/cpu/conv_autotune.h"
 #include "compiler/capture/runtime.h"
+#include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/graph/passes.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/memory_plan.h"
@@ -22,11 +24,27 @@
 #include "kiln/autograd.h"
 #include "kiln/detail/tensor_impl.h"
 
+#ifdef KILN_WITH_CUDA
+#include "backends/cuda/cuda_runtime.h"
+#include "backends/cuda/jit.h"
+#endif
+
 namespace kiln::compiler {
 
 namespace {
 
 using KernelFn = void (*)(void* const*, const double*, const int64_t*);
+
+// A generated kernel on a CUDA device: its NVRTC-compiled function and how to fill its parameter
+// block (cuda_codegen.h).
+struct CudaKernel {
+  void* function = nullptr;  // CUfunction
+  int device = 0;
+  std::vector<int> scalars;  // Graph::scalars indices, in slot order
+  size_t buffers = 0;
+  int64_t numel = 0;
+  bool per_block = false;  // a reduction: one block per kept position
+};
 
 // reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
 // per planned value over it. Each of those tensors has a Storage of its own (not owning memory):
@@ -42,7 +60,8 @@ struct Arena {
 struct Executable {
   lower::Program program;
   std::shared_ptr<runtime::SharedObject> library;
-  std::vector<KernelFn> kernels;  // per Program kernel
+  std::vector<KernelFn> kernels;  // per Program kernel (null for CUDA kernels)
+  std::vector<CudaKernel> cuda_kernels;  // per Program kernel (function null for CPU kernels)
   // Per node step: which attrs are scalar slots.
   std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
   lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
@@ -136,6 +155,44 @@ Attr as_kind(const Attr& example, const Attr& given) {
   return given;
 }
 
+// Launches a generated CUDA kernel on the device's current stream. Its parameter block: the
+// buffer pointers (a 0-dim CPU value's bits in place of its pointer), then its run-time scalars
+// as doubles and as int64s.
+void launch_cuda(const Executable& ex, const lower::Step& step, const std::vector<Tensor>& env,
+                 const std::vector<double>& scalars, const std::vector<int64_t>& int_scalars) {
+  const CudaKernel& ck = ex.cuda_kernels[step.kernel];
+  KILN_CHECK(ck.function, CompileError, "[kiln::compile] a generated kernel has no compiled function. This is a Kiln bug.");
+#ifdef KILN_WITH_CUDA
+  if (ck.numel == 0) return;
+  const size_t nscalars = std::max<size_t>(ck.scalars.size(), 1);
+  std::vector<uint64_t> block(ck.buffers + 2 * nscalars, 0);
+  for (size_t b = 0; b < step.bindings.size() && b < ck.buffers; ++b) {
+    const Tensor& t = env[step.bindings[b]];
+    if (t.device().is_cpu()) {
+      std::memcpy(&block[b], t.impl().data(), static_cast<size_t>(itemsize(t.dtype())));  // a host scalar, by value
+    } else {
+      void* ptr = t.impl().data();
+      std::memcpy(&block[b], &ptr, sizeof(ptr));
+    }
+  }
+  for (size_t j = 0; j < ck.scalars.size(); ++j) {
+    std::memcpy(&block[ck.buffers + j], &scalars[ck.scalars[j]], sizeof(double));
+    std::memcpy(&block[ck.buffers + nscalars + j], &int_scalars[ck.scalars[j]], sizeof(int64_t));
+  }
+  cuda::detail::DeviceGuard guard(ck.device);
+  const cudaDeviceProp& props = cuda::detail::properties(ck.device);
+  const int64_t blocks =
+      ck.per_block ? std::min<int64_t>(ck.numel, int64_t{props.multiProcessorCount} * 32)
+                   : std::min<int64_t>((ck.numel + lower::kCudaBlock - 1) / lower::kCudaBlock,
+                                       int64_t{props.multiProcessorCount} * 16);
+  void* params[] = {block.data()};
+  cuda::detail::launch(ck.function, static_cast<unsigned>(blocks), lower::kCudaBlock, 0,
+                       cuda::detail::current_stream(ck.device), params);
+#else
+  (void)env, (void)scalars, (void)int_scalars;
+#endif
+}
+
 std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   const Graph& g = ex.program.graph;
   KILN_CHECK(args.tensors.size() == g.inputs.size() && args.scalars.size() == g.scalars.size(), CompileError,
@@ -174,7 +231,8 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       pointers.clear();
       for (int v : step.bindings) pointers.push_back(env[v].impl().data());
       kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
-      ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data());
+      if (ex.kernels[step.kernel]) ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data());
+      else launch_cuda(ex, step, env, scalars, int_scalars);
       ++kernels;
     } else {
       ++dispatched;
@@ -212,7 +270,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
 
 // KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
 void write_debug(const Graph& before, const lower::Program& p, const lower::MemoryPlan& plan,
-                 const std::vector<std::string>& sources) {
+                 const std::vector<std::string>& sources, const std::vector<lower::CudaKernelSource>& cuda_sources) {
   const char* flag = std::getenv("KILN_COMPILE_DEBUG");
   if (!flag || std::string(flag) == "0") return;
   static std::atomic<int> counter{0};
@@ -229,6 +287,10 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
   std::ofstream(dir / "graph_after_passes.txt") << p.graph.str();
   std::ofstream(dir / "loop_ir.txt") << lower::describe(p) << lower::describe(plan, p);
   for (size_t i = 0; i < sources.size(); ++i) std::ofstream(dir / ("kernels_" + std::to_string(i) + ".cpp")) << sources[i];
+  for (size_t i = 0; i < cuda_sources.size(); ++i) {
+    if (!cuda_sources[i].source.empty())
+      std::ofstream(dir / ("kernel_" + std::to_string(i) + ".cu")) << cuda_sources[i].source;  // per Program kernel
+  }
   detail::log_stream() << "[kiln.compile] debug trace: " << dir.string() << "\n";
 }
 
@@ -276,6 +338,10 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     k.profile_name = "kernel[" + ops + "]";
   }
   std::vector<std::string> sources = lower::generate_cpp(ex->program);
+  // Per Program kernel: the CUDA source of a kernel on a GPU (empty for CPU kernels).
+  std::vector<lower::CudaKernelSource> cuda_sources(ex->program.kernels.size());
+  for (size_t i = 0; i < cuda_sources.size(); ++i)
+    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = lower::generate_cuda(ex->program.kernels[i]);
   // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
   // max_autotune includes it too, as torch's max-autotune includes CUDA graphs (the static plan is
   // the CPU's counterpart); max_autotune_no_cudagraphs does not.
@@ -285,18 +351,46 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     if (!ex->plan.empty()) ex->arena = std::make_unique<Arena>();
   }
   if (const CompileOptions* o = compiling_options()) ex->autotune = o->mode == Mode::max_autotune || o->mode == Mode::max_autotune_no_cudagraphs;
-  write_debug(before, ex->program, ex->plan, sources);
+  write_debug(before, ex->program, ex->plan, sources, cuda_sources);
   if (detail::log_options().output_code) {
     for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;
   }
-  if (!ex->program.kernels.empty()) {
+  // CUDA kernels: CUDA C++ compiled by NVRTC (cached on disk), loaded now so that a call (or a
+  // CUDA graph capture) only launches.
+  ex->kernels.assign(ex->program.kernels.size(), nullptr);
+  ex->cuda_kernels.assign(ex->program.kernels.size(), CudaKernel{});
+  for (size_t i = 0; i < ex->program.kernels.size(); ++i) {
+    const lower::Kernel& k = ex->program.kernels[i];
+    if (k.device.is_cpu()) continue;
+    const lower::CudaKernelSource& src = cuda_sources[i];
+    if (detail::log_options().output_code) detail::log_stream() << "[kiln.compile] output code (CUDA):\n" << src.source;
+    CudaKernel& ck = ex->cuda_kernels[i];
+    ck.device = k.device.index;
+    ck.scalars = src.scalars;
+    ck.buffers = src.buffers;
+    ck.numel = src.numel;
+    ck.per_block = src.per_block;
+#ifdef KILN_WITH_CUDA
+    auto t0 = std::chrono::steady_clock::now();
+    ck.function = cuda::detail::jit_function(ck.device, src.source, lower::kCudaKernelName, [&] { return src.source; });
+    detail::record_phase("cuda_build (kiln)",
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+#else
+    throw CompileError("[kiln::compile] a graph on a CUDA device, but Kiln was built without CUDA.");
+#endif
+  }
+  if (!sources.empty()) {
     auto t0 = std::chrono::steady_clock::now();
     std::vector<std::string> flags;
     if (const char* opt = std::getenv("KILN_CPP_OPT")) flags.push_back(std::string("-O") + opt);  // e.g. 2
     ex->library = runtime::load_or_build({sources, flags, "graph of " + std::to_string(g.nodes.size()) + " ops"});
     detail::record_phase("cpp_build (kiln)",
                          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    for (const auto& k : ex->program.kernels) ex->kernels.push_back(ex->library->function<void(void* const*, const double*, const int64_t*)>(k.name.c_str()));
+    for (size_t i = 0; i < ex->program.kernels.size(); ++i) {
+      const lower::Kernel& k = ex->program.kernels[i];
+      if (k.device.is_cpu())
+        ex->kernels[i] = ex->library->function<void(void* const*, const double*, const int64_t*)>(k.name.c_str());
+    }
   }
   if (const CompileOptions* o = compiling_options();
       o && (o->mode == Mode::reduce_overhead || o->mode == Mode::max_autotune) && runtime::CudaGraphRunner::applies(g)) {

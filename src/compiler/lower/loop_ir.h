@@ -62,6 +62,8 @@ struct Kernel {
   std::vector<Expr> exprs;
   std::vector<Store> stores;     // element-wise stores (pointwise; a reduction's prologue values)
   std::vector<DType> buffers;    // dtype of each buffer argument
+  Device device;                 // where the kernel runs: every value it touches is there, except
+  std::vector<bool> host_buffers;  // per buffer: a 0-dim CPU value read by a CUDA kernel (passed by value)
   // Reductions: dims of `sizes` that are reduced; the accumulated expression; how; the result.
   std::vector<bool> reduced;
   std::string reduce_op;         // "sum", "max", "min"
@@ -108,7 +110,7 @@ Program schedule(Graph graph);
 // Returns how many it dropped. See copy_back.cpp for when it is safe.
 int elide_copy_backs(Program& p);
 
-// The C++ source of every kernel of `p` (one translation unit per chunk of kernels, so that the
+// The C++ source of every CPU kernel of `p` (one translation unit per chunk of kernels, so that the
 // system compiler can build them in parallel). Kernels with identical bodies are emitted once:
 // the duplicates' names are set to the first one's.
 std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit = 24);

@@ -114,6 +114,11 @@ bool codegen_dtype(DType t) {
   }
 }
 
+bool kernel_operand(const ValueInfo& v, const Device& device) {
+  // A CUDA kernel takes a 0-dim CPU tensor (a wrapped host scalar) by value, as eager CUDA does.
+  return v.device == device || (device.is_cuda() && v.device.is_cpu() && v.sizes.empty());
+}
+
 const char* ctype(DType t) {
   switch (t) {
     case DType::float32: return "float";
@@ -183,9 +188,9 @@ bool is_lowerable_pointwise(const Graph& g, int node) {
   auto it = table().find(n.op->name);
   if (it == table().end()) return false;
   const ValueInfo& out = g.values[n.outputs[0]];
-  if (!codegen_dtype(out.dtype) || !out.device.is_cpu()) return false;
+  if (!codegen_dtype(out.dtype) || !(out.device.is_cpu() || out.device.is_cuda())) return false;
   for (int v : n.inputs)
-    if (v >= 0 && (!codegen_dtype(g.values[v].dtype) || !g.values[v].device.is_cpu())) return false;
+    if (v >= 0 && (!codegen_dtype(g.values[v].dtype) || !kernel_operand(g.values[v], out.device))) return false;
   const std::string& name = n.op->name;
   if (it->second.rule == Rule::compare && !common_dtype(g, n)) return false;
   if (name == "div") {
@@ -278,7 +283,8 @@ std::optional<ReductionInfo> lowerable_reduction(const Graph& g, int node) {
   if (name != "sum" && name != "mean" && name != "amax" && name != "amin") return std::nullopt;
   const ValueInfo& x = g.values[n.inputs[0]];
   const ValueInfo& y = g.values[n.outputs[0]];
-  if (!codegen_dtype(x.dtype) || !codegen_dtype(y.dtype) || !x.device.is_cpu() || x.dtype == DType::bool_)
+  if (!codegen_dtype(x.dtype) || !codegen_dtype(y.dtype) || !(x.device.is_cpu() || x.device.is_cuda()) ||
+      y.device != x.device || x.dtype == DType::bool_)
     return std::nullopt;
   ReductionInfo r;
   r.op = name == "amax" ? "max" : name == "amin" ? "min" : "sum";

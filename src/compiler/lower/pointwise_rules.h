@@ -31,6 +31,9 @@ class ExprBuilder {
 
 // Whether the code generator handles values of this dtype.
 bool codegen_dtype(DType t);
+// Whether a kernel on `device` can read value `v`: one on the same device, or (CUDA) a 0-dim CPU
+// value, passed by value.
+bool kernel_operand(const ValueInfo& v, const Device& device);
 // The C++ type name of a dtype ("float", "int64_t", ...).
 const char* ctype(DType t);
 

@@ -31,16 +31,17 @@ std::vector<int64_t> broadcast_strides(const ValueInfo& v, const std::vector<int
   return s;
 }
 
-// A cat the code generator can fuse: CPU, one dtype, every input a value of the output's rank.
+// A cat the code generator can fuse: one device (CPU or CUDA), one dtype, every input a value of
+// the output's rank.
 bool is_lowerable_cat(const Graph& g, int node) {
   const Node& n = g.nodes[node];
   if (n.op->name != "cat" || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
   const ValueInfo& out = g.values[n.outputs[0]];
-  if (!codegen_dtype(out.dtype) || !out.device.is_cpu()) return false;
+  if (!codegen_dtype(out.dtype) || !(out.device.is_cpu() || out.device.is_cuda())) return false;
   for (int v : n.inputs) {
     if (v < 0) return false;
     const ValueInfo& in = g.values[v];
-    if (in.dtype != out.dtype || in.sizes.size() != out.sizes.size() || !in.device.is_cpu()) return false;
+    if (in.dtype != out.dtype || in.sizes.size() != out.sizes.size() || in.device != out.device) return false;
   }
   return true;
 }
@@ -84,6 +85,7 @@ struct Builder {
     if (inserted) {
       grp.bindings.push_back(v);
       grp.kernel.buffers.push_back(g.values[v].dtype);
+      grp.kernel.host_buffers.push_back(g.values[v].device != grp.kernel.device);
     }
     return it->second;
   }
@@ -101,9 +103,10 @@ struct Builder {
     return id;
   }
 
-  Group start(const std::vector<int64_t>& sizes) {
+  Group start(const std::vector<int64_t>& sizes, const Device& device) {
     Group grp;
     grp.kernel.sizes = sizes;  // named when emitted
+    grp.kernel.device = device;
     return grp;
   }
 
@@ -247,6 +250,7 @@ struct Builder {
     for (size_t i = 0; i < open.size(); ++i) {
       const Group& r = open[i];
       if (!r.is_reduction() || full(r) || r.epilogue_sizes != sizes) continue;
+      if (r.kernel.device != g.values[n.outputs[0]].device) continue;
       if (std::find(r.kernel.sizes.begin(), r.kernel.sizes.end(), 0) != r.kernel.sizes.end()) continue;
       bool related = false, loadable = true;
       for (int v : n.inputs) {
@@ -309,12 +313,13 @@ struct Builder {
     const ValueInfo& xi = g.values[x];
     Group grp;
     int i = producer_group(x);
-    if (i >= 0 && !open[i].is_reduction() && open[i].kernel.sizes == xi.sizes && open[i].cat_dim < 0) {
+    if (i >= 0 && !open[i].is_reduction() && open[i].kernel.sizes == xi.sizes && open[i].cat_dim < 0 &&
+        open[i].kernel.device == xi.device) {
       grp = std::move(open[i]);  // prologue fusion: the group's loop nest also reduces
       open.erase(open.begin() + i);
     } else {
       close_producers_of(n);
-      grp = start(xi.sizes);
+      grp = start(xi.sizes, xi.device);
     }
     Kernel& k = grp.kernel;
     k.kind = Kernel::reduction;
@@ -356,9 +361,11 @@ struct Builder {
   static bool full(const Group& grp) { return grp.nodes.size() >= 32 || grp.bindings.size() >= 24; }
 
   // The open group a pointwise node of these sizes (and cat layout) joins; -1 when none fits.
-  int group_for(const std::vector<int64_t>& sizes, int cat_dim, const std::vector<int64_t>* bounds) const {
+  int group_for(const std::vector<int64_t>& sizes, const Device& device, int cat_dim,
+                const std::vector<int64_t>* bounds) const {
     for (size_t i = 0; i < open.size(); ++i) {
-      if (open[i].is_reduction() || open[i].kernel.sizes != sizes || full(open[i])) continue;
+      if (open[i].is_reduction() || open[i].kernel.sizes != sizes || open[i].kernel.device != device || full(open[i]))
+        continue;
       if (bounds && open[i].cat_dim >= 0 && (open[i].cat_dim != cat_dim || open[i].cat_bounds != *bounds)) continue;
       return static_cast<int>(i);
     }
@@ -390,21 +397,22 @@ struct Builder {
       }
       if (cat || is_lowerable_pointwise(g, node)) {
         const auto& sizes = g.values[n.outputs[0]].sizes;
+        const Device device = g.values[n.outputs[0]].device;
         std::pair<int, std::vector<int64_t>> layout{-1, {}};
         if (cat) layout = cat_layout(node);
         // A cat reads its inputs from memory: those an open group computes are stored first.
         if (cat) close_producers_of(n);
-        int gi = group_for(sizes, layout.first, cat ? &layout.second : nullptr);
+        int gi = group_for(sizes, device, layout.first, cat ? &layout.second : nullptr);
         if (gi < 0) {
           // A cat whose layout differs from the same-sized open group's: that group closes.
           if (cat)
-            if (int same = group_for(sizes, -1, nullptr); same >= 0) close(static_cast<size_t>(same));
+            if (int same = group_for(sizes, device, -1, nullptr); same >= 0) close(static_cast<size_t>(same));
           close_producers_of(n);
-          open.push_back(start(sizes));
+          open.push_back(start(sizes, device));
           gi = static_cast<int>(open.size()) - 1;
         } else {
           close_producers_of(n, gi);
-          gi = group_for(sizes, layout.first, cat ? &layout.second : nullptr);
+          gi = group_for(sizes, device, layout.first, cat ? &layout.second : nullptr);
         }
         if (cat) add_cat(open[gi], node);
         else add_pointwise(open[gi], node);
@@ -483,7 +491,9 @@ std::string describe(const Program& p) {
     out += "step " + std::to_string(s) + ": " + k.name + " (" +
            (k.kind == Kernel::pointwise ? "pointwise" : "reduction " + k.reduce_op) + ") over [";
     for (size_t d = 0; d < k.sizes.size(); ++d) out += (d ? ", " : "") + std::to_string(k.sizes[d]);
-    out += "], fuses";
+    out += "]";
+    if (!k.device.is_cpu()) out += " on " + k.device.str();
+    out += ", fuses";
     for (const auto& op : k.ops) out += " " + op;
     out += "; buffers";
     for (int v : st.bindings) {

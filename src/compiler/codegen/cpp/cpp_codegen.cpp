@@ -369,6 +369,7 @@ std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit) {
   std::ostringstream os;
   int in_unit = 0;
   for (Kernel& k : p.kernels) {
+    if (!k.device.is_cpu()) continue;  // CUDA kernels: generate_cuda (codegen/cuda)
     const std::string name = k.name;
     k.name = "KILN_KERNEL_NAME";
     std::ostringstream body;

@@ -1,0 +1,42 @@
+// CUDA C++ for the CUDA kernels of a lowered Program (DESIGN §2.5, "codegen"), compiled at run
+// time with NVRTC (backends/cuda/jit.h).
+//
+// Each kernel becomes `extern "C" __global__ void kiln_fused(Params p)`: a grid-stride loop over
+// its (coalesced) iteration space with every size and stride a literal, and the scalar math of
+// kiln/math/functors.h, the functors the eager kernels and the CPU code generator use. Params is
+// one by-value struct of 8-byte slots:
+//   void* b[buffers];   buffer pointers; a host buffer's slot holds its value's bits instead
+//   double s[n];        the kernel's run-time scalars (those in `scalars`, in that order)
+//   long long is[n];    the same scalars as int64
+// Pure string generation: needs no CUDA toolkit.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "compiler/lower/loop_ir.h"
+
+namespace kiln::compiler::lower {
+
+inline constexpr const char* kCudaKernelName = "kiln_fused";
+inline constexpr int kCudaBlock = 256;
+
+struct CudaKernelSource {
+  std::string source;
+  std::vector<int> scalars;  // Graph::scalars indices the kernel reads, in slot order
+  int64_t numel = 0;         // work items (0: nothing to launch): elements of the iteration
+                             // space, or a reduction's kept positions (per_block)
+  bool per_block = false;    // a reduction: one block per work item
+  // The parameter block's size in 8-byte slots: buffers + 2 * max(scalars, 1).
+  size_t slots() const;
+  size_t buffers = 0;
+};
+
+// The source of one kernel on a CUDA device (pointwise, or a sum/max/min reduction with its
+// prologue and epilogue). Throws CompileError for what it does not handle (cuda_codegen_supports).
+CudaKernelSource generate_cuda(const Kernel& k);
+
+// Whether generate_cuda handles kernel `k`.
+bool cuda_codegen_supports(const Kernel& k);
+
+}  // namespace kiln::compiler::lower
