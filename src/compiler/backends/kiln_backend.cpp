@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <optional>
+#include <thread>
 
 #include "backends/cpu/conv_autotune.h"
 #include "compiler/capture/runtime.h"
@@ -370,15 +371,43 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     ck.buffers = src.buffers;
     ck.numel = src.numel;
     ck.per_block = src.per_block;
-#ifdef KILN_WITH_CUDA
-    auto t0 = std::chrono::steady_clock::now();
-    ck.function = cuda::detail::jit_function(ck.device, src.source, lower::kCudaKernelName, [&] { return src.source; });
-    detail::record_phase("cuda_build (kiln)",
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-#else
+#ifndef KILN_WITH_CUDA
     throw CompileError("[kiln::compile] a graph on a CUDA device, but Kiln was built without CUDA.");
 #endif
   }
+#ifdef KILN_WITH_CUDA
+  // NVRTC compiles one kernel on one core (tens of milliseconds each, hundreds for a model):
+  // kernels compile side by side, one worker per core. Errors are rethrown here, in kernel order.
+  {
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<size_t> todo;
+    for (size_t i = 0; i < ex->program.kernels.size(); ++i)
+      if (!ex->program.kernels[i].device.is_cpu()) todo.push_back(i);
+    std::vector<std::exception_ptr> errors(todo.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t j; (j = next.fetch_add(1)) < todo.size();) {
+        CudaKernel& ck = ex->cuda_kernels[todo[j]];
+        const std::string& source = cuda_sources[todo[j]].source;
+        try {
+          ck.function = cuda::detail::jit_function(ck.device, source, lower::kCudaKernelName, [&] { return source; });
+        } catch (...) {
+          errors[j] = std::current_exception();
+        }
+      }
+    };
+    size_t workers = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> pool;
+    for (size_t w = 1; w < workers; ++w) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    if (!todo.empty())
+      detail::record_phase("cuda_build (kiln)",
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+#endif
   if (!sources.empty()) {
     auto t0 = std::chrono::steady_clock::now();
     std::vector<std::string> flags;
