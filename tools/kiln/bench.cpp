@@ -348,9 +348,10 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
   const auto after = compiler::counters();
   m["inference_generated_kernel_runs"] = after.kernel_runs - before.kernel_runs;
   m["inference_cuda_graph_replays"] = after.cuda_graph_replays - before.cuda_graph_replays;
-  // On the CPU every compiled mode runs generated kernels; a GPU graph is compiled by the same
-  // passes but runs its nodes through the eager CUDA kernels (no CUDA code generation yet), as one
-  // CUDA graph under reduce_overhead. The counts above say which.
+  // On the CPU every compiled mode runs generated kernels. A GPU graph runs generated CUDA
+  // kernels for what the backend lowers, the eager CUDA kernels for the rest, all in one CUDA
+  // graph under reduce_overhead (whose replays the runner counts, not each kernel). The counts
+  // above say which.
   KILN_CHECK(!a.device.is_cpu() || after.kernel_runs > before.kernel_runs, Error,
              "[kiln bench] the compiled model ran no generated kernel: its timing would mean nothing.");
   if (a.train) {
