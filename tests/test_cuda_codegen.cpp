@@ -14,6 +14,7 @@
 #include "compiler/lower/loop_ir.h"
 #include "kiln/compiler/graph.h"
 #include "kiln/detail/tensor_impl.h"
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 
 #ifdef KILN_WITH_CUDA
@@ -27,9 +28,6 @@ using kiln::compiler::ValueInfo;
 namespace lower = kiln::compiler::lower;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 const Device kGpu = cuda_device(0);
 

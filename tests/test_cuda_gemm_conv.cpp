@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 #include "kiln/op_table.h"
 #include "reference.h"
@@ -31,9 +32,6 @@
 
 using namespace kiln;
 using kiln::testing::op;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 #define SKIP_WITHOUT_CUDNN() \
   SKIP_WITHOUT_GPU();        \

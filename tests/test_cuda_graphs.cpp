@@ -2,14 +2,12 @@
 // cuda_graph.h). Every test checks the counters, so that a silent fallback to normal runs fails.
 #include <gtest/gtest.h>
 
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 
 using namespace kiln;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 const CompileOptions kReduceOverhead{.backend = std::string("kiln"), .mode = Mode::reduce_overhead};
 

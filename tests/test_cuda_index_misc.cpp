@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 #include "kiln/op_table.h"
 #include "reference.h"
@@ -20,9 +21,6 @@ using namespace kiln;
 using kiln::testing::op;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 const std::vector<DType> kAllDTypes = {kBool,    DType::uint8, DType::int8, DType::int32, DType::int64,
                                        kFloat16, kBFloat16,    kFloat32,    kFloat64};

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 #include "kiln/op_table.h"
 
@@ -26,9 +27,6 @@
 using namespace kiln;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 const OpDef& op(const char* name) {
   const OpDef* d = OpTable::instance().find(name);

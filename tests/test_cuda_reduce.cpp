@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 
 #ifdef KILN_WITH_CUDA
@@ -22,9 +23,6 @@
 using namespace kiln;
 
 namespace {
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::is_available()) GTEST_SKIP() << "no CUDA GPU visible"
 
 const std::vector<DType> kFloating = {kFloat16, kBFloat16, kFloat32, kFloat64};
 const std::vector<DType> kAll = {kBool, DType::uint8, DType::int8, DType::int32, DType::int64,
