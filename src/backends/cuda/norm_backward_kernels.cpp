@@ -31,30 +31,6 @@ namespace {
 
 constexpr int kBlock = 256;
 
-std::string header(DType dtype, bool i32) {
-  std::string src = pool_norm_preamble();
-  const bool f32 = opmath_dtype(dtype) == DType::float32;
-  src += fmt::format("using T = {};\nusing Acc = kp::opmath<T>;\nusing I = {};\n", cuda_type(dtype),
-                     i32 ? "int" : "long long");
-  src += fmt::format("__forceinline__ Acc affine(Acc x, Acc scale, Acc shift) {{ return {}; }}\n",
-                     norm_uses_fma() ? (f32 ? "fmaf(x, scale, shift)" : "fma(x, scale, shift)") : "x * scale + shift");
-  src += fmt::format("__forceinline__ Acc affine_shift(Acc mean, Acc scale, Acc bias) {{ return {}; }}\n",
-                     norm_uses_fma() ? (f32 ? "fmaf(-mean, scale, bias)" : "fma(-mean, scale, bias)")
-                                     : "bias - mean * scale");
-  src += R"(
-template <class V> __forceinline__ V imin(V a, V b) { return a < b ? a : b; }
-template <class V> __device__ V block_sum(V v, V* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) shared[threadIdx.x / 32] = v;
-  __syncthreads();
-  V t = 0;
-  for (int w = 0; w < (int)(blockDim.x / 32); ++w) t += shared[w];
-  return t;
-}
-)";
-  return src;
-}
 
 // ---------------- batch norm ----------------
 
@@ -392,27 +368,27 @@ std::string mask_line(ReluMask mask) { return fmt::format("constexpr int kMask =
 }  // namespace
 
 std::string batch_norm_backward_reduce_source(DType dtype, bool i32, ReluMask mask) {
-  return header(dtype, i32) + mask_line(mask) + kBatchNormOperands + kReduceBody;
+  return norm_header(dtype, i32) + mask_line(mask) + kBatchNormOperands + kReduceBody;
 }
 
 std::string batch_norm_backward_finalize_source(DType dtype, DType param_dtype) {
-  return header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kFinalizeBody;
+  return norm_header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kFinalizeBody;
 }
 
 std::string batch_norm_backward_apply_source(DType dtype, bool i32, ReluMask mask, bool rows_formula, bool train,
                                              bool rows_order) {
-  return header(dtype, i32) + mask_line(mask) +
+  return norm_header(dtype, i32) + mask_line(mask) +
          fmt::format("constexpr bool kRowsFormula = {};\nconstexpr bool kTrain = {};\nconstexpr bool kRowsOrder = {};\n",
                      rows_formula, train, rows_order) +
          kBatchNormOperands + kApplyBody;
 }
 
 std::string layer_norm_backward_source(DType dtype, DType param_dtype) {
-  return header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kLayerNormBody;
+  return norm_header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kLayerNormBody;
 }
 
 std::string group_norm_backward_source(DType dtype, DType param_dtype) {
-  return header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kGroupNormBody;
+  return norm_header(dtype, false) + fmt::format("using PT = {};\n", cuda_type(param_dtype)) + kGroupNormBody;
 }
 
 namespace {

@@ -99,12 +99,6 @@ bool norm_uses_fma() {
 #endif
 }
 
-namespace {
-
-constexpr int kBlock = 256;
-
-// ---------------- generated sources ----------------
-
 std::string norm_header(DType dtype, bool i32) {
   std::string src = pool_norm_preamble();
   const char* acc = cuda_opmath_type(dtype);
@@ -132,6 +126,13 @@ template <class V> __device__ V block_sum(V v, V* shared) {
 )";
   return src;
 }
+
+namespace {
+
+constexpr int kBlock = 256;
+
+// ---------------- generated sources ----------------
+
 
 constexpr const char* kStatsBody = R"(
 struct Params {

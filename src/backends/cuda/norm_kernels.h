@@ -29,6 +29,10 @@ bool batch_norm_prefers_rows(const Tensor& out);
 // Whether the affine maps round once (fma), as the CPU's do (norm_loops.h KILN_NORM_FMA).
 bool norm_uses_fma();
 
+// The start of every generated norm source, forward and backward: the preamble, T/Acc/I, the
+// affine maps (rounded as norm_uses_fma() says) and the block helpers (imin, block_sum).
+std::string norm_header(DType dtype, bool i32);
+
 // How a batch-norm backward reads its gradient: as is, masked by the relu's result, or masked by
 // the relu's result recomputed from the input.
 enum class ReluMask { none = 0, result = 1, recompute = 2 };
