@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "compiler/codegen/expr_text.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/pointwise_rules.h"
 
@@ -18,12 +19,6 @@ namespace kiln::compiler::lower {
 
 namespace {
 
-// prefix + n, built with += (GCC 12 warns falsely (-Wrestrict) on `"e" + std::to_string(n)`).
-std::string numbered(const char* prefix, int64_t n) {
-  std::string s = prefix;
-  s += std::to_string(n);
-  return s;
-}
 
 constexpr int64_t kParallelThreshold = 32768;  // elements; below this a kernel runs on one thread
 
@@ -104,21 +99,6 @@ std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const 
   return idx.empty() ? "0" : idx;
 }
 
-std::string substitute(const std::string& code, const std::vector<int>& args) {
-  std::string out;
-  for (size_t i = 0; i < code.size(); ++i) {
-    if (code[i] == '$' && i + 1 < code.size() && std::isdigit(static_cast<unsigned char>(code[i + 1]))) {
-      size_t j = i + 1;
-      int n = 0;
-      while (j < code.size() && std::isdigit(static_cast<unsigned char>(code[j]))) n = n * 10 + (code[j++] - '0');
-      out += numbered("e", args.at(n));
-      i = j - 1;
-    } else {
-      out += code[i];
-    }
-  }
-  return out;
-}
 
 // One loop nest computing kernel `k` (its buffers b0, b1, ... are declared by the caller).
 void emit_nest(std::ostringstream& os, const Kernel& k) {

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "compiler/codegen/expr_text.h"
 #include "compiler/lower/pointwise_rules.h"
 
 namespace kiln::compiler::lower {
@@ -35,11 +36,6 @@ template <class T> __device__ __forceinline__ T unpack(const void* slot) { T v; 
 // Whether buffer b is a host value passed by value (Kernel::host_buffers may be left empty).
 bool host(const Kernel& k, int b) { return static_cast<size_t>(b) < k.host_buffers.size() && k.host_buffers[b]; }
 
-std::string numbered(const char* prefix, int64_t n) {
-  std::string s = prefix;
-  s += std::to_string(n);
-  return s;
-}
 
 // A literal of type t. NaN and infinities by their bits (no <limits> under NVRTC).
 std::string literal(double v, DType t) {
@@ -55,21 +51,6 @@ std::string literal(double v, DType t) {
   return std::string("static_cast<") + c + ">(" + buf + ")";
 }
 
-std::string substitute(const std::string& code, const std::vector<int>& args) {
-  std::string out;
-  for (size_t i = 0; i < code.size(); ++i) {
-    if (code[i] == '$' && i + 1 < code.size() && std::isdigit(static_cast<unsigned char>(code[i + 1]))) {
-      size_t j = i + 1;
-      int n = 0;
-      while (j < code.size() && std::isdigit(static_cast<unsigned char>(code[j]))) n = n * 10 + (code[j++] - '0');
-      out += numbered("e", args.at(n));
-      i = j - 1;
-    } else {
-      out += code[i];
-    }
-  }
-  return out;
-}
 
 // The code of a call: ExprBuilder::cast's "static_cast<T>($0)" becomes kg::convert (the CPU's
 // conversion semantics); everything else is the functor string as the CPU code generator emits it.
