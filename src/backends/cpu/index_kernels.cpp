@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "backends/cpu/loops.h"
+#include "ops/index_plan.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
@@ -62,6 +63,13 @@ Tensor checked_index(const Tensor& index, int64_t size, int64_t dim, bool wrap, 
     return w.view(idx.sizes());
   }
   return idx;
+}
+
+using kiln::detail::IndexPlan;
+
+// plan_index's check on the CPU: bounds-checked int64 indices, negatives wrapped.
+auto cpu_index_check(const std::string& op) {
+  return [op](const Tensor& index, int64_t size, int64_t dim) { return checked_index(index, size, dim, true, op); };
 }
 
 // ---------------- a counter over a shape, keeping one element offset per operand ----------------
@@ -308,54 +316,7 @@ void scatter_kernel(const OpCall& call, std::span<Tensor> outs, Mode mode, bool 
 
 // ---------------- index / index_put ----------------
 
-// Where the result of self[indices] comes from: the indexed dims of self with their checked
-// int64 indices, and per result dim the self dim it walks (-1 for the broadcast index dims).
-struct IndexPlan {
-  std::vector<int64_t> dims;
-  std::vector<Tensor> idx;
-  std::vector<int64_t> result_sizes;
-  std::vector<int64_t> self_dim_of;   // per result dim
-  std::vector<std::vector<int64_t>> idx_strides;  // per index, per result dim
-};
-
-IndexPlan plan_index(const Tensor& self, std::span<const Tensor> indices, const std::string& op) {
-  IndexPlan plan;
-  bool adjacent = true;
-  for (size_t i = 0; i < indices.size(); ++i) {
-    if (!indices[i].defined()) continue;
-    int64_t d = static_cast<int64_t>(i);
-    if (!plan.dims.empty() && plan.dims.back() != d - 1) adjacent = false;
-    plan.dims.push_back(d);
-    plan.idx.push_back(checked_index(indices[i], self.sizes()[d], d, true, op));
-  }
-  std::vector<int64_t> bshape;
-  for (const Tensor& t : plan.idx) bshape = detail::broadcast_sizes(bshape, t.sizes(), op);
-  const int64_t nb = static_cast<int64_t>(bshape.size());
-  auto is_indexed = [&](int64_t d) { return std::find(plan.dims.begin(), plan.dims.end(), d) != plan.dims.end(); };
-  int64_t bpos = 0;
-  if (plan.dims.empty()) {
-    for (int64_t d = 0; d < self.dim(); ++d) plan.self_dim_of.push_back(d);
-  } else if (adjacent) {
-    for (int64_t d = 0; d < plan.dims.front(); ++d) plan.self_dim_of.push_back(d);
-    bpos = static_cast<int64_t>(plan.self_dim_of.size());
-    for (int64_t b = 0; b < nb; ++b) plan.self_dim_of.push_back(-1);
-    for (int64_t d = plan.dims.back() + 1; d < self.dim(); ++d) plan.self_dim_of.push_back(d);
-  } else {
-    for (int64_t b = 0; b < nb; ++b) plan.self_dim_of.push_back(-1);
-    for (int64_t d = 0; d < self.dim(); ++d)
-      if (!is_indexed(d)) plan.self_dim_of.push_back(d);
-  }
-  const int64_t nr = static_cast<int64_t>(plan.self_dim_of.size());
-  for (int64_t r = 0; r < nr; ++r)
-    plan.result_sizes.push_back(plan.self_dim_of[r] >= 0 ? self.sizes()[plan.self_dim_of[r]] : bshape[r - bpos]);
-  for (const Tensor& t : plan.idx) {
-    std::vector<int64_t> bs = detail::broadcast_strides(t.sizes(), t.strides(), bshape);
-    std::vector<int64_t> st(nr, 0);
-    for (int64_t b = 0; b < nb; ++b) st[bpos + b] = bs[b];
-    plan.idx_strides.push_back(std::move(st));
-  }
-  return plan;
-}
+// The result's layout comes from detail::plan_index (ops/index_plan.h, shared with CUDA).
 
 // The strides of `t` (self or the output) over the result shape: 0 along the broadcast dims.
 std::vector<int64_t> restride(const Tensor& t, const IndexPlan& plan) {
@@ -412,7 +373,7 @@ void walk_index(const IndexPlan& plan, const Tensor& indexed, const std::vector<
 void index_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& self = call.input(0);
   Tensor& result = outs[0];
-  IndexPlan plan = plan_index(self, call.inputs.subspan(1), "index");
+  detail::IndexPlan plan = detail::plan_index(self, call.inputs.subspan(1), "index", cpu_index_check("index"));
   if (result.numel() == 0) return;
   // One index tensor (with adjacent placement, trivially): rows of a contiguous self.
   if (plan.idx.size() == 1 && self.is_contiguous() && result.is_contiguous()) {
@@ -489,7 +450,7 @@ void index_put_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& values = call.input(1);  // inputs: self, values, indices...
   const bool accumulate = call.bool_attr(0);
   Tensor& out = outs[0];
-  IndexPlan plan = plan_index(self, call.inputs.subspan(2), "index_put");
+  detail::IndexPlan plan = detail::plan_index(self, call.inputs.subspan(2), "index_put", cpu_index_check("index_put"));
   if (!out.same(self)) out.copy_(self);
   const char* vbase = static_cast<const char*>(values.impl().data());
   char* obase = static_cast<char*>(out.impl().data());

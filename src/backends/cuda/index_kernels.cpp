@@ -29,6 +29,7 @@
 #include "backends/cuda/elementwise.h"
 #include "backends/cuda/jit.h"
 #include "backends/cuda/misc_kernels.h"
+#include "ops/index_plan.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
@@ -176,6 +177,15 @@ Tensor checked_index(const Tensor& index, int64_t size, int64_t dim, bool wrap, 
                      std::to_string(dim) + " with size " + std::to_string(size) + ".");
   }
   return out;
+}
+
+using kiln::detail::IndexPlan;
+
+// plan_index's check on the GPU: bounds-checked int64 indices on `device`, negatives wrapped.
+auto cuda_index_check(const std::string& op, Device device) {
+  return [op, device](const Tensor& index, int64_t size, int64_t dim) {
+    return checked_index(index, size, dim, true, op, device);
+  };
 }
 
 // ---------------- the move kernel ----------------
@@ -438,56 +448,7 @@ void scatter_kernel(const OpCall& call, std::span<Tensor> outs, Move mode, bool 
 
 // ---------------- index / index_put ----------------
 
-// Where the result of self[indices] comes from (the CPU's IndexPlan): the indexed dims of self
-// with their checked int64 indices, and per result dim the self dim it walks (-1 for the
-// broadcast index dims).
-struct IndexPlan {
-  std::vector<int64_t> dims;
-  std::vector<Tensor> idx;
-  std::vector<int64_t> result_sizes;
-  std::vector<int64_t> self_dim_of;
-  std::vector<std::vector<int64_t>> idx_strides;
-};
-
-IndexPlan plan_index(const Tensor& self, std::span<const Tensor> indices, const std::string& op) {
-  IndexPlan plan;
-  bool adjacent = true;
-  for (size_t i = 0; i < indices.size(); ++i) {
-    if (!indices[i].defined()) continue;
-    int64_t d = static_cast<int64_t>(i);
-    if (!plan.dims.empty() && plan.dims.back() != d - 1) adjacent = false;
-    plan.dims.push_back(d);
-    plan.idx.push_back(checked_index(indices[i], self.sizes()[d], d, true, op, self.device()));
-  }
-  std::vector<int64_t> bshape;
-  for (const Tensor& t : plan.idx) bshape = kiln::detail::broadcast_sizes(bshape, t.sizes(), op);
-  const int64_t nb = static_cast<int64_t>(bshape.size());
-  auto is_indexed = [&](int64_t d) { return std::find(plan.dims.begin(), plan.dims.end(), d) != plan.dims.end(); };
-  int64_t bpos = 0;
-  if (plan.dims.empty()) {
-    for (int64_t d = 0; d < self.dim(); ++d) plan.self_dim_of.push_back(d);
-  } else if (adjacent) {
-    for (int64_t d = 0; d < plan.dims.front(); ++d) plan.self_dim_of.push_back(d);
-    bpos = static_cast<int64_t>(plan.self_dim_of.size());
-    for (int64_t b = 0; b < nb; ++b) plan.self_dim_of.push_back(-1);
-    for (int64_t d = plan.dims.back() + 1; d < self.dim(); ++d) plan.self_dim_of.push_back(d);
-  } else {
-    for (int64_t b = 0; b < nb; ++b) plan.self_dim_of.push_back(-1);
-    for (int64_t d = 0; d < self.dim(); ++d)
-      if (!is_indexed(d)) plan.self_dim_of.push_back(d);
-  }
-  const int64_t nr = static_cast<int64_t>(plan.self_dim_of.size());
-  for (int64_t r = 0; r < nr; ++r)
-    plan.result_sizes.push_back(plan.self_dim_of[r] >= 0 ? self.sizes()[plan.self_dim_of[r]] : bshape[r - bpos]);
-  for (const Tensor& t : plan.idx) {
-    std::vector<int64_t> bs = kiln::detail::broadcast_strides(t.sizes(), t.strides(), bshape);
-    std::vector<int64_t> st(nr, 0);
-    for (int64_t b = 0; b < nb; ++b) st[bpos + b] = bs[b];
-    plan.idx_strides.push_back(std::move(st));
-  }
-  return plan;
-}
-
+// The move of self[indices] that detail::plan_index (ops/index_plan.h, shared with the CPU) laid out.
 Indexed indexed_of(const IndexPlan& plan, std::vector<int64_t> b_strides) {
   Indexed ix;
   ix.sizes = plan.result_sizes;
@@ -502,7 +463,7 @@ Indexed indexed_of(const IndexPlan& plan, std::vector<int64_t> b_strides) {
 void index_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& self = call.input(0);
   Tensor& result = outs[0];
-  IndexPlan plan = plan_index(self, call.inputs.subspan(1), "index");
+  kiln::detail::IndexPlan plan = kiln::detail::plan_index(self, call.inputs.subspan(1), "index", cuda_index_check("index", self.device()));
   if (result.numel() == 0) return;
   run_move(Move::gather, indexed_of(plan, strides_of(result)), self, result, "index");
 }
@@ -512,7 +473,7 @@ void index_put_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Tensor& values = call.input(1);  // inputs: self, values, indices...
   const bool accumulate_values = call.bool_attr(0);
   Tensor& out = outs[0];
-  IndexPlan plan = plan_index(self, call.inputs.subspan(2), "index_put");
+  kiln::detail::IndexPlan plan = kiln::detail::plan_index(self, call.inputs.subspan(2), "index_put", cuda_index_check("index_put", self.device()));
   if (!out.same(self)) out.copy_(self);
   Indexed ix = indexed_of(plan, kiln::detail::broadcast_strides(values.sizes(), values.strides(), plan.result_sizes));
   if (accumulate_values) accumulate(ix, out, values, "index_put");
