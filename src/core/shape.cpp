@@ -1,8 +1,8 @@
 #include "core/shape.h"
 
-#include "kiln/detail/tensor_impl.h"
-
 #include <algorithm>
+
+#include "kiln/detail/tensor_impl.h"
 
 namespace kiln {
 
@@ -209,6 +209,23 @@ int64_t storage_span(IntArrayRef sizes, IntArrayRef strides) {
     span += (sizes[d] - 1) * strides[d];
   }
   return span;
+}
+
+std::vector<int64_t> memory_order(IntArrayRef strides) {
+  std::vector<int64_t> order(strides.size());
+  for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return strides[a] > strides[b]; });
+  return order;
+}
+
+bool dense_in(IntArrayRef sizes, IntArrayRef strides, const std::vector<int64_t>& order) {
+  int64_t expected = 1;
+  for (auto d = order.rbegin(); d != order.rend(); ++d) {
+    if (sizes[*d] == 1) continue;
+    if (strides[*d] != expected) return false;
+    expected *= sizes[*d];
+  }
+  return true;
 }
 
 }  // namespace detail

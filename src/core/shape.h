@@ -52,5 +52,10 @@ std::vector<int64_t> format_strides(IntArrayRef sizes, bool channels_last);
 // The layout of a new 4-D result of `sizes` that follows `like` (conv, batch norm, pooling):
 // channels-last strides when `like` is 4-D and suggests channels_last, else empty (contiguous).
 std::vector<int64_t> strides_following(IntArrayRef like_sizes, IntArrayRef like_strides, IntArrayRef sizes);
+// The dims from the largest stride to the smallest (ties keep dim order): the memory order.
+std::vector<int64_t> memory_order(IntArrayRef strides);
+// Whether sizes/strides fill one block laid out in `order` (outermost first); size-1 dims may
+// have any stride.
+bool dense_in(IntArrayRef sizes, IntArrayRef strides, const std::vector<int64_t>& order);
 
 }  // namespace kiln::detail

@@ -50,27 +50,6 @@ void copy_blocks(const std::vector<CopyBlock>& blocks, int64_t total_bytes) {
   });
 }
 
-// t's dims from the largest stride to the smallest (ties keep dim order): its memory order.
-std::vector<int64_t> memory_order(const Tensor& t) {
-  std::vector<int64_t> order(static_cast<size_t>(t.dim()));
-  for (int64_t d = 0; d < t.dim(); ++d) order[d] = d;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return t.strides()[a] > t.strides()[b]; });
-  return order;
-}
-
-// Whether t's elements fill one block laid out in `order` (outermost first); size-1 dims may
-// have any stride.
-bool dense_in(const Tensor& t, const std::vector<int64_t>& order) {
-  int64_t expected = 1;
-  for (auto d = order.rbegin(); d != order.rend(); ++d) {
-    if (t.sizes()[*d] == 1) continue;
-    if (t.strides()[*d] != expected) return false;
-    expected *= t.sizes()[*d];
-  }
-  return true;
-}
-
 void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor& out = outs[0];
   if (out.numel() == 0) return;
@@ -84,8 +63,8 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   const int64_t dim = detail::wrap_dim(call.int_attr(0), ref->dim(), "cat");
   const int64_t isz = out.element_size();
   // Rows: the dims outside `dim` in out's memory order; each row holds every input's slice.
-  const std::vector<int64_t> order = memory_order(out);
-  const bool out_dense = dense_in(out, order);
+  const std::vector<int64_t> order = detail::memory_order(out.strides());
+  const bool out_dense = detail::dense_in(out.sizes(), out.strides(), order);
   int64_t outer = 1, inner = 1;
   bool outside = true;
   for (int64_t d : order) {
@@ -102,7 +81,7 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   for (const Tensor& t : call.inputs) {
     if (t.numel() == 0) continue;  // contributes no elements (legacy empty or size 0 along dim)
     int64_t len = t.sizes()[dim];
-    if (out_dense && dense_in(t, order) && t.dtype() == out.dtype()) {
+    if (out_dense && detail::dense_in(t.sizes(), t.strides(), order) && t.dtype() == out.dtype()) {
       fast.push_back({static_cast<const char*>(t.impl().data()), offset * inner * isz, len * inner * isz});
     } else {
       slow.emplace_back(out.narrow(dim, offset, len), t);

@@ -9,6 +9,7 @@
 
 #include "backends/cuda/cuda_runtime.h"
 #include "backends/cuda/elementwise.h"
+#include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
@@ -19,17 +20,7 @@ namespace {
 
 // Whether `t`'s elements fill [data, data + numel * itemsize) exactly once, in some order.
 bool is_dense(const Tensor& t) {
-  if (t.is_contiguous()) return true;
-  int64_t expected = 1;
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
-  for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.sizes()[d] != 1) dims.emplace_back(t.strides()[d], t.sizes()[d]);
-  std::sort(dims.begin(), dims.end());
-  for (auto [stride, size] : dims) {
-    if (stride != expected) return false;
-    expected *= size;
-  }
-  return true;
+  return t.is_contiguous() || kiln::detail::dense_in(t.sizes(), t.strides(), kiln::detail::memory_order(t.strides()));
 }
 
 // Same dtype, dense, and the same strides wherever sizes exceed 1: a byte copy is element-exact.

@@ -188,26 +188,6 @@ void eye_kernel(const OpCall&, std::span<Tensor> outs) {
 
 // ---------------- cat / constant_pad_nd ----------------
 
-// t's dims from the largest stride to the smallest (ties keep dim order): its memory order.
-std::vector<int64_t> memory_order(const Tensor& t) {
-  std::vector<int64_t> order(static_cast<size_t>(t.dim()));
-  for (int64_t d = 0; d < t.dim(); ++d) order[d] = d;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return t.strides()[a] > t.strides()[b]; });
-  return order;
-}
-
-// Whether t's elements fill one block laid out in `order` (outermost first); size-1 dims may
-// have any stride.
-bool dense_in(const Tensor& t, const std::vector<int64_t>& order) {
-  int64_t expected = 1;
-  for (auto d = order.rbegin(); d != order.rend(); ++d) {
-    if (t.sizes()[*d] == 1) continue;
-    if (t.strides()[*d] != expected) return false;
-    expected *= t.sizes()[*d];
-  }
-  return true;
-}
-
 void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor& out = outs[0];
   if (out.numel() == 0) return;
@@ -221,8 +201,8 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   const int64_t dim = kiln::detail::wrap_dim(call.int_attr(0), ref->dim(), "cat");
   const int64_t isz = out.element_size();
   // Rows: the dims outside `dim` in out's memory order; each row holds every input's slice.
-  const std::vector<int64_t> order = memory_order(out);
-  const bool out_dense = dense_in(out, order);
+  const std::vector<int64_t> order = kiln::detail::memory_order(out.strides());
+  const bool out_dense = kiln::detail::dense_in(out.sizes(), out.strides(), order);
   int64_t outer = 1, inner = 1;
   bool outside = true;
   for (int64_t d : order) {
@@ -240,7 +220,8 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
     if (t.numel() == 0) continue;  // contributes no elements (legacy empty or size 0 along dim)
     const int64_t len = t.sizes()[dim];
     const int64_t row_bytes = len * inner * isz;
-    const bool rows = out_dense && t.dtype() == out.dtype() && t.device() == out.device() && dense_in(t, order) &&
+    const bool rows = out_dense && t.dtype() == out.dtype() && t.device() == out.device() &&
+                      kiln::detail::dense_in(t.sizes(), t.strides(), order) &&
                       (outer == 1 || out_row_bytes <= max_pitch);
     if (rows) {
       DeviceGuard guard(device);
