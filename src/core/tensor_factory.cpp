@@ -15,6 +15,9 @@ Tensor make_empty(std::vector<int64_t> sizes, DType dtype, Device device) {
 Tensor make_empty_strided(std::vector<int64_t> sizes, std::vector<int64_t> strides, DType dtype,
                           Device device) {
   check_sizes_nonnegative(sizes, "empty");
+  KILN_CHECK(strides.size() == sizes.size(), ShapeError,
+             "[kiln::empty_strided] " + std::to_string(sizes.size()) + " sizes but " + std::to_string(strides.size()) +
+                 " strides.");
   int64_t numel = checked_numel(sizes, "empty");
   int64_t span = 0;  // elements needed to cover the largest offset
   if (numel > 0) {

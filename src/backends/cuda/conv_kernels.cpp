@@ -375,9 +375,11 @@ MemoryFormat format_of(bool channels_last) {
 // `out` itself when it is dense in `format`, else a new tensor that is.
 Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
   if (out.is_contiguous(format)) return out;
-  return kiln::detail::make_empty_strided(
-      out.sizes().vec(), kiln::detail::format_strides(out.sizes(), format == kiln::channels_last),
-      out.dtype(), out.device());
+  const bool channels_last = format == kiln::channels_last;
+  return kiln::detail::make_empty_strided(out.sizes().vec(),
+                                          channels_last ? kiln::detail::channels_last_strides(out.sizes())
+                                                        : kiln::detail::contiguous_strides(out.sizes().vec()),
+                                          out.dtype(), out.device());
 }
 
 // The scaling factors of a cuDNN call: double for float64 data, float otherwise.
@@ -510,7 +512,10 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   }
   static std::mutex mutex;
   static auto* cache = new std::unordered_map<FoldKey, Folded, FoldKeyHash>;
-  {
+  // While a CUDA graph records, the fold is computed by kernels in the graph, so that every replay
+  // folds the parameters' values of that moment (a cached fold would bake in today's values).
+  const bool recording = capturing(w.device().index);
+  if (!recording) {
     std::lock_guard lock(mutex);
     if (auto it = cache->find(key); it != cache->end()) {
       bool alive = true;
@@ -529,6 +534,7 @@ std::pair<Tensor, Tensor> fold_batch_norm(const OpCall& call) {
   Tensor folded_b =
       (bias.defined() ? bias.to(w.dtype()) - mean.to(w.dtype()) : -mean.to(w.dtype())) * scale;
   if (bn_bias.defined()) folded_b = folded_b + bn_bias.to(w.dtype());
+  if (recording) return {folded_w, folded_b};
   Folded entry;
   for (int i = 0; i < 6; ++i)
     if (params[i]->defined()) entry.sources[i] = params[i]->impl().storage;
