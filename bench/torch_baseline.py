@@ -60,6 +60,15 @@ def cuda_median_ms(fn, warmup, iters):
     return statistics.median(times)
 
 
+def profile_once(fn):
+    """--profile: one more call with the CUDA profilers collecting (ncu --profile-from-start off)."""
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
 def cuda_model(a, model, x, y):
     """Inference and the Adam step on a GPU: eager and torch.compile modes, side by side."""
     import copy
@@ -82,6 +91,8 @@ def cuda_model(a, model, x, y):
             torch.cuda.reset_peak_memory_stats()
             r["inference_ms"] = cuda_median_ms(lambda: fn(x), a.warmup, a.iters)
             r["inference_peak_bytes"] = torch.cuda.max_memory_allocated()
+            if a.profile == "infer":
+                profile_once(lambda: fn(x))
     if a.train:
         for mode in a.train_modes.split(","):
             m = copy.deepcopy(model).train()
@@ -106,6 +117,8 @@ def cuda_model(a, model, x, y):
             torch.cuda.reset_peak_memory_stats()
             r["train_step_ms"] = cuda_median_ms(fn, a.warmup, a.iters)
             r["train_peak_bytes"] = torch.cuda.max_memory_allocated()
+            if a.profile == "train":
+                profile_once(fn)
     return out
 
 
@@ -182,6 +195,8 @@ def main():
     p.add_argument("--batches", type=int, default=7, help="toy only: the time is the median batch")
     p.add_argument("--modes", default="eager,default,reduce-overhead", help="cuda only: inference modes")
     p.add_argument("--train-modes", default="eager,default", help="cuda only: training-step modes")
+    p.add_argument("--profile", choices=["infer", "train"],
+                   help="cuda only: one more such call per mode inside torch.cuda.profiler.start/stop, for ncu")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -20,6 +20,10 @@ int current_device();
 void set_device(int index);
 // Waits for all work queued on `device` (-1: the current device).
 void synchronize(int device = -1);
+// Starts and stops the CUDA profilers' collection (cudaProfilerStart/Stop), so that a profiler
+// run with collection off at start (`ncu --profile-from-start off`) sees only the code between.
+void profiler_start();
+void profiler_stop();
 
 // The GPU's name and the numbers kernels are sized by.
 struct DeviceProperties {

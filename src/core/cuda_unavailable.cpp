@@ -19,6 +19,8 @@ namespace {
 int current_device() { unavailable("current_device"); }
 void set_device(int) { unavailable("set_device"); }
 void synchronize(int) { unavailable("synchronize"); }
+void profiler_start() { unavailable("profiler_start"); }
+void profiler_stop() { unavailable("profiler_stop"); }
 DeviceProperties get_device_properties(int) { unavailable("get_device_properties"); }
 Stream Stream::current(int) { unavailable("Stream::current"); }
 Stream Stream::default_stream(int) { unavailable("Stream::default_stream"); }

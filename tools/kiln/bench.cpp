@@ -11,7 +11,11 @@
 // on a shared machine hits each alike: each timing is the median (and min) of --iters rounds after
 // --warmup rounds. Inference runs in eval mode under NoGradGuard; the training step is Adam +
 // cross-entropy (zero_grad, forward, backward, step) in train mode, one Adam per mode over the
-// same model.
+// same model. On the CPU a call is timed by the wall clock until its result is read; on a GPU by
+// CUDA events around the call, as bench/torch_baseline.py times PyTorch. `--profile infer|train`
+// (GPU) runs one more call per mode between cuda::profiler_start()/stop(), for
+// `ncu --profile-from-start off --graph-profiling node kiln bench ... --profile infer`
+// (bench/kernel_table.py sums the result per kernel).
 //
 //   kiln bench toy --json --iters 2000 --threads 1
 //
@@ -48,6 +52,7 @@ struct BenchArgs {
   std::vector<std::string> modes = {"eager"};
   bool train = false;
   bool json = false;
+  std::string profile;  // "infer" or "train": one more such call per mode inside cuda::profiler_start()/stop()
   int warmup = 2;
   int iters = 5;
   int threads = 0;
@@ -96,11 +101,14 @@ BenchArgs parse(const std::vector<std::string>& args) {
     else if (k == "--modes") a.modes = split_commas(value());
     else if (k == "--train") a.train = true;
     else if (k == "--json") a.json = true;
+    else if (k == "--profile") a.profile = value();
     else if (k == "--warmup") a.warmup = static_cast<int>(to_int(k, value()));
     else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
     else if (k == "--threads") a.threads = static_cast<int>(to_int(k, value()));
     else throw ValueError("[kiln bench] unknown option '" + k + "'. See `kiln help`.");
   }
+  KILN_CHECK(a.profile.empty() || a.profile == "infer" || (a.profile == "train" && a.train), ValueError,
+             "[kiln bench] --profile takes infer or train (train needs --train).");
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
@@ -377,13 +385,26 @@ struct TimedMode {
 // Times every mode's inference, then every mode's training step, in interleaved rounds (mode A,
 // mode B, ..., then again), so that load on a shared machine hits every mode alike.
 void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
+  // On a GPU a call is timed by CUDA events around it, as bench/torch_baseline.py times PyTorch;
+  // on the CPU by the wall clock (each call synchronizes on its result).
+  auto time_ms = [&](const std::function<void()>& fn) {
+    if (a.device.is_cuda()) {
+      cuda::Event start(a.device.index), stop(a.device.index);
+      start.record();
+      fn();
+      stop.record();
+      stop.synchronize();
+      return static_cast<double>(start.elapsed_ms(stop));
+    }
+    auto t0 = std::chrono::steady_clock::now();
+    fn();
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
   auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms) {
     for (int i = 0; i < a.warmup + a.iters; ++i)
       for (TimedMode& m : modes) {
-        auto t0 = std::chrono::steady_clock::now();
-        (m.*fn)();
-        if (i >= a.warmup)
-          (m.*ms).push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        const double t = time_ms(m.*fn);
+        if (i >= a.warmup) (m.*ms).push_back(t);
       }
   };
   model->eval();
@@ -391,6 +412,23 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
   if (a.train) {
     model->train();
     rounds(&TimedMode::train, &TimedMode::train_ms);
+  }
+}
+
+// --profile infer|train: one more inference or training step per mode with the CUDA profilers
+// collecting, for `ncu --profile-from-start off kiln bench ... --profile infer`.
+void profile_once(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
+  KILN_CHECK(a.device.is_cuda(), ValueError, "[kiln bench] --profile needs --device cuda.");
+  const bool train = a.profile == "train";
+  if (train) model->train();
+  else model->eval();
+  for (TimedMode& m : modes) {
+    cuda::synchronize(a.device.index);
+    cuda::profiler_start();
+    if (train) m.train();
+    else m.infer();
+    cuda::synchronize(a.device.index);
+    cuda::profiler_stop();
   }
 }
 
@@ -420,25 +458,36 @@ int run_bench(const std::vector<std::string>& args) {
     TimedMode t{.name = mode, .opt = std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3})};
     auto step = adam_step(model, *t.opt, y);
     auto forward = [model](const Tensor& images) { return model->forward(images); };
+    // On the CPU each call synchronizes on its result; on a GPU the timer's events do.
+    const bool sync = !a.device.is_cuda();
     if (mode == "eager") {
-      t.infer = [forward, x] {
+      t.infer = [forward, x, sync] {
         NoGradGuard ng;
-        forward(x).sum().item<float>();  // synchronize on the result
+        Tensor out = forward(x);
+        if (sync) out.sum().item<float>();
       };
-      t.train = [step, x] { step(x).item<float>(); };
+      t.train = [step, x, sync] {
+        Tensor loss = step(x);
+        if (sync) loss.item<float>();
+      };
     } else {
       const CompileOptions options{.backend = std::string("kiln"), .mode = compile_mode(mode)};
       auto infer = compile(forward, options);
       auto train = compile(step, options);
-      t.infer = [infer, x]() mutable {
+      t.infer = [infer, x, sync]() mutable {
         NoGradGuard ng;
-        infer(x).sum().item<float>();
+        Tensor out = infer(x);
+        if (sync) out.sum().item<float>();
       };
-      t.train = [train, x]() mutable { train(x).item<float>(); };
+      t.train = [train, x, sync]() mutable {
+        Tensor loss = train(x);
+        if (sync) loss.item<float>();
+      };
     }
     timed.push_back(std::move(t));
   }
   time_interleaved(a, model, timed);
+  if (!a.profile.empty()) profile_once(a, model, timed);
   if (a.device.is_cuda()) {
     // Peak memory per mode, each measured alone (weights, optimizer state and caches included,
     // as torch.cuda.max_memory_allocated counts them).

@@ -1,6 +1,8 @@
 // Devices, streams and events (kiln/cuda.h) over the CUDA runtime API.
 #include "backends/cuda/cuda_runtime.h"
 
+#include <cuda_profiler_api.h>
+
 #include <array>
 #include <memory>
 #include <mutex>
@@ -86,6 +88,17 @@ void synchronize(int device) {
   detail::DeviceGuard guard(device);
   detail::check(cudaDeviceSynchronize(), "cuda::synchronize");
 }
+
+namespace detail {
+bool capturing(int device) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(current_stream(device), &status), "CUDA graph capture status");
+  return status != cudaStreamCaptureStatusNone;
+}
+}  // namespace detail
+
+void profiler_start() { detail::check(cudaProfilerStart(), "cuda::profiler_start"); }
+void profiler_stop() { detail::check(cudaProfilerStop(), "cuda::profiler_stop"); }
 
 DeviceProperties get_device_properties(int device) {
   device = detail::resolve_device(device, "cuda::get_device_properties");

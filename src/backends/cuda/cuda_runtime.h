@@ -41,6 +41,9 @@ class DeviceGuard {
 // StreamGuard is active).
 cudaStream_t current_stream(int device);
 void set_current_stream(int device, cudaStream_t stream);
+// Whether `device`'s current stream is recording a CUDA graph (what runs now is replayed later:
+// values computed on the host from tensors, or cached from their current values, go stale).
+bool capturing(int device);
 
 const cudaDeviceProp& properties(int device);
 
