@@ -355,6 +355,31 @@ TEST(CudaCodegen, BroadcastingAndNonContiguous) {
   EXPECT_GE(compiler::counters().kernel_runs, 2);
 }
 
+// A DenseNet-style growing concatenation feeding a per-channel affine + relu: the cat fuses into
+// the pointwise kernel, which picks each element's source by its channel (NCHW and channels-last,
+// segments of unequal widths, a cat along the last dim too).
+TEST(CudaCodegen, FusedCatPicksEachElementsSegment) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  auto f = [](const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& scale) {
+    return relu(cat({a, b, c}, 1) * scale.view({1, -1, 1, 1}) + 1);
+  };
+  auto compiled = compile(f, kKiln);
+  for (bool channels_last : {false, true}) {
+    auto make = [&](int64_t ch) {
+      Tensor t = gpu_randn({3, ch, 5, 7});
+      return channels_last ? t.contiguous(MemoryFormat::channels_last) : t;
+    };
+    Tensor a = make(4), b = make(32), c = make(3), scale = gpu_randn({39});
+    EXPECT_TRUE(same(compiled(a, b, c, scale), f(a, b, c, scale))) << "channels_last " << channels_last;
+  }
+  auto g = [](const Tensor& a, const Tensor& b) { return cat({a, b}, -1).exp(); };
+  auto compiled_g = compile(g, kKiln);
+  Tensor a = gpu_randn({6, 5}), b = gpu_randn({6, 9});
+  EXPECT_TRUE(same(compiled_g(a, b), g(a, b)));
+  EXPECT_GE(compiler::counters().kernel_runs, 3);
+}
+
 TEST(CudaCodegen, MixedDtypeChain) {
   SKIP_WITHOUT_GPU();
   compiler::reset();

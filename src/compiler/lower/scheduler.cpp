@@ -92,6 +92,7 @@ struct Builder {
 
   int load(Group& grp, int v) {
     if (auto it = grp.expr_of.find(v); it != grp.expr_of.end()) return it->second;
+    if (deferred[v] >= 0) return inline_deferred(grp, v);
     Expr e;
     e.kind = Expr::load;
     e.buffer = buffer(grp, v);
@@ -227,6 +228,53 @@ struct Builder {
     return -1;
   }
 
+  // Deferred nodes (GPU only): small pointwise nodes whose every reader is a pointwise node over a
+  // larger shape it broadcasts into (a batch norm's rsqrt(running_var + eps) per channel, read by
+  // the normalization over N x C x H x W). They get no kernel of their own: each group reading
+  // the value computes it in place from its inputs. On a GPU a kernel launch costs more than
+  // recomputing a few operations per element; on the CPU the separate tiny loop is cheaper.
+  std::vector<int> deferred;  // per value: the node computing it where deferred, else -1
+
+  bool deferrable(int node) {
+    const Node& n = g.nodes[node];
+    if (n.outputs.size() != 1 || n.inplace || n.has_side_effects()) return false;
+    const int v = n.outputs[0];
+    const ValueInfo& vi = g.values[v];
+    if (!vi.device.is_cuda() || is_output[v] || consumers[v].empty()) return false;
+    auto numel = [](const ValueInfo& x) {
+      int64_t n = 1;
+      for (int64_t d : x.sizes) n *= d;
+      return n;
+    };
+    for (int c : consumers[v]) {
+      if (is_lowerable_cat(g, c) || !is_lowerable_pointwise(g, c)) return false;
+      const ValueInfo& out = g.values[g.nodes[c].outputs[0]];
+      if (out.device != vi.device || numel(out) < 16 * std::max<int64_t>(numel(vi), 1)) return false;
+    }
+    return true;
+  }
+
+  void defer(int node) {
+    const Node& n = g.nodes[node];
+    // Its inputs that open groups compute are stored first (a deferred value reads only memory
+    // or other deferred values).
+    close_producers_of(n);
+    deferred[n.outputs[0]] = node;
+    ++p.fused_nodes;
+  }
+
+  int inline_deferred(Group& grp, int v) {
+    const int node = deferred[v];
+    const Node& n = g.nodes[node];
+    std::vector<int> in;
+    for (int u : n.inputs) in.push_back(u >= 0 ? load(grp, u) : -1);
+    ExprBuilder b(grp.kernel, g);
+    const int e = lower_pointwise(b, g, node, in);
+    grp.expr_of[v] = e;
+    grp.kernel.ops.push_back(n.name.empty() ? n.op->name : n.name);
+    return e;
+  }
+
   // Strides of value v (of the epilogue's shape, or broadcast to it) over the reduction kernel's
   // iteration dims: the result's dims map to the kept dims, reduced dims get stride 0.
   std::vector<int64_t> epilogue_strides(const Group& grp, int v) const {
@@ -256,7 +304,7 @@ struct Builder {
       for (int v : n.inputs) {
         if (v < 0) continue;
         if (r.result_or_epilogue(v)) related = true;
-        else if (producer_group(v) >= 0) loadable = false;  // not in memory before this kernel ends
+        else if (producer_group(v) >= 0 || deferred[v] >= 0) loadable = false;  // not in memory
       }
       if (related && loadable) return static_cast<int>(i);
     }
@@ -384,11 +432,16 @@ struct Builder {
       for (int v : g.nodes[i].inputs)
         if (v >= 0) consumers[v].push_back(static_cast<int>(i));
     for (int v : g.outputs) is_output[v] = true;
+    deferred.assign(g.values.size(), -1);
 
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       const int node = static_cast<int>(i);
       const Node& n = g.nodes[i];
       const bool cat = is_lowerable_cat(g, node);
+      if (!cat && is_lowerable_pointwise(g, node) && deferrable(node)) {
+        defer(node);
+        continue;
+      }
       if (!cat && is_lowerable_pointwise(g, node)) {
         if (int r = epilogue_group_for(node); r >= 0) {
           add_epilogue(open[r], node);

@@ -138,11 +138,17 @@ bool fits_int32(const Space& s, const std::vector<int64_t>& offsets) {
   return true;
 }
 
-// One grid-stride loop computing kernel `k` (no cats left) over its iteration space.
-void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot) {
+// One grid-stride loop computing kernel `k` over its iteration space. A fused cat (Expr::cat,
+// along `cat_dim`) reads the segment its index along that dim falls in: the dim is kept apart
+// when dims merge, and each cat expression picks its segment's buffer with a chain of
+// comparisons. Neighbouring threads walk neighbouring elements of the output, so a warp spans one
+// or two segments (in channels-last memory, where channels are innermost).
+// Returns false when the cat dim vanished (size 1): the caller emits one loop per segment.
+bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot, int cat_dim = -1) {
   std::vector<const std::vector<int64_t>*> accesses;
   std::vector<int64_t> offsets;
   std::vector<int> load_access(k.exprs.size(), -1);
+  std::vector<int> segment_access(k.exprs.size(), -1);  // a cat's first segment access
   for (size_t e = 0; e < k.exprs.size(); ++e) {
     const Expr& x = k.exprs[e];
     if (x.kind == Expr::load && !host(k, x.buffer)) {
@@ -156,10 +162,29 @@ void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
     accesses.push_back(&s.strides);
     offsets.push_back(s.offset);
   }
-  Space sp = coalesce(k.sizes, accesses, first_store);
+  for (size_t e = 0; e < k.exprs.size(); ++e) {
+    const Expr& x = k.exprs[e];
+    if (x.kind != Expr::cat) continue;
+    segment_access[e] = static_cast<int>(accesses.size());
+    for (const Expr::Segment& seg : x.segments) {
+      accesses.push_back(&seg.strides);
+      offsets.push_back(0);
+    }
+  }
+  // The cat dim is marked "reduced" so that it merges with no other dim.
+  std::vector<bool> marked;
+  if (cat_dim >= 0) {
+    marked.assign(k.sizes.size(), false);
+    marked[static_cast<size_t>(cat_dim)] = true;
+  }
+  Space sp = coalesce(k.sizes, accesses, first_store, marked);
+  int cat_pos = -1;
+  for (size_t d = 0; d < sp.reduced.size(); ++d)
+    if (sp.reduced[d]) cat_pos = static_cast<int>(d);
+  if (cat_dim >= 0 && cat_pos < 0) return false;
   int64_t total = 1;
   for (int64_t n : sp.sizes) total *= n;
-  if (total == 0) return;
+  if (total == 0) return true;
   const char* idx = fits_int32(sp, offsets) ? "int" : "long long";
   const size_t rank = sp.sizes.size();
   std::vector<std::string> vars;
@@ -170,7 +195,7 @@ void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
   std::vector<bool> varies(k.exprs.size(), false);
   for (size_t e = 0; e < k.exprs.size(); ++e) {
     const Expr& x = k.exprs[e];
-    if (load_access[e] >= 0) varies[e] = true;
+    if (load_access[e] >= 0 || x.kind == Expr::cat) varies[e] = true;
     for (int a : x.args) varies[e] = varies[e] || varies[a];
   }
   auto emit_expr = [&](size_t e, const char* indent) {
@@ -186,8 +211,23 @@ void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
         break;
       case Expr::constant: os << literal(x.value, x.dtype); break;
       case Expr::call: os << call_code(x); break;
-      case Expr::cat:
-      case Expr::reduced: break;  // not in CUDA kernels (emit_kernel splits cats; no reductions)
+      case Expr::cat: {
+        // [&]{...}(): the segment whose range holds the index along the cat dim.
+        os << "[&]() -> " << ctype(x.dtype) << " {\n";
+        std::vector<std::string> shifted = vars;
+        for (size_t s = 0; s < x.segments.size(); ++s) {
+          const Expr::Segment& seg = x.segments[s];
+          if (seg.end == seg.start) continue;
+          shifted[cat_pos] = "(" + vars[cat_pos] + " - " + std::to_string(seg.start) + ")";
+          const bool last = s + 1 == x.segments.size();
+          os << indent << "  " << (last ? "" : "if (" + vars[cat_pos] + " < " + std::to_string(seg.end) + ") ")
+             << "return b" << seg.buffer << "["
+             << index_of(sp.strides[segment_access[e] + s], 0, shifted, idx) << "];\n";
+        }
+        os << indent << "  return " << ctype(x.dtype) << "(0);\n" << indent << "}()";
+        break;
+      }
+      case Expr::reduced: break;  // not in pointwise kernels
     }
     os << ";\n";
   };
@@ -214,6 +254,7 @@ void emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
        << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
   }
   os << "    }\n  }\n";
+  return true;
 }
 
 // The identity of a reduction in its accumulator type (no <limits> under NVRTC).
@@ -445,9 +486,11 @@ CudaKernelSource generate_cuda(const Kernel& k) {
     emit_reduction(os, k, slot_of);
   } else if (!cat) {
     emit_loop(os, k, slot_of);
+  } else if (std::ostringstream loop; emit_loop(loop, k, slot_of, cat->cat_dim)) {
+    os << loop.str();
   } else {
-    // A fused cat: one loop per segment, in which the cat reads one input like a plain load (as
-    // the CPU code generator splits its loop nest).
+    // A cat along a dim of size 1 (one non-empty segment): one loop per segment, in which the cat
+    // reads one input like a plain load (as the CPU code generator splits its loop nest).
     const size_t d = static_cast<size_t>(cat->cat_dim);
     for (size_t s = 0; s < cat->segments.size(); ++s) {
       const int64_t start = cat->segments[s].start, len = cat->segments[s].end - start;

@@ -1,6 +1,6 @@
 // Layout optimization for convolution networks (DESIGN §2.5): convolutions run on channels-last
 // (NHWC) activations, where oneDNN needs no reorders and is about twice as fast on this kind of
-// CPU (docs/memory_format.md). The pass converts the input of the first convolution that reads a
+// CPU (docs/memory_format.md), and where cuDNN's tensor-core kernels need no transposes on a GPU. The pass converts the input of the first convolution that reads a
 // row-major activation into channels-last with a `copy` node; the ops' metas then carry the
 // layout on (convolutions, batch norm, pooling, pointwise ops and cat keep channels-last), so one
 // conversion usually covers the whole network, forward and backward. Graph outputs keep the
@@ -26,11 +26,18 @@ bool is_convolution_backward(const Node& n) {
   return n.op && !n.inplace && n.op->name == "convolution_backward" && n.inputs.size() >= 2;
 }
 
-// A 4-D CPU activation in a dtype oneDNN runs, row-major-like, whose layout channels-last
-// would change (one channel or a 1x1 image lie the same in both).
+// A 4-D activation in a dtype the device's convolutions run fastest channels-last (oneDNN on the
+// CPU; cuDNN's NHWC tensor-core kernels on a GPU, which otherwise transpose NCHW operands on
+// every call), row-major-like, whose layout channels-last would change (one channel or a 1x1
+// image lie the same in both).
 bool wants_channels_last(const ValueInfo& x) {
-  if (x.sizes.size() != 4 || !x.device.is_cpu()) return false;
-  if (x.dtype != DType::float32 && x.dtype != DType::bfloat16) return false;
+  if (x.sizes.size() != 4) return false;
+  if (x.device.is_cpu()) {
+    if (x.dtype != DType::float32 && x.dtype != DType::bfloat16) return false;
+  } else if (!x.device.is_cuda() ||
+             (x.dtype != DType::float32 && x.dtype != DType::float16 && x.dtype != DType::bfloat16)) {
+    return false;
+  }
   if (x.sizes[0] == 0 || x.sizes[1] <= 1 || x.sizes[2] * x.sizes[3] <= 1) return false;
   return !kiln::detail::strides_like_channels_last(x.sizes, x.strides);
 }

@@ -64,9 +64,19 @@ Tensors batch_norm(const OpCall& c, Scalars s) {
     if (running_var.defined()) running_var.copy_(running_var * (1 - momentum) + var * unbias * momentum);
   } else {
     if (!running_mean.defined() || !running_var.defined()) return {};
+    // The per-channel math runs on [1, C, 1, ...] views, the normalization's broadcast shape, so
+    // that the scheduler can compute it inside the normalization's kernel on a GPU (one kernel
+    // instead of a tiny per-channel one before it). The statistics outputs are computed apart
+    // (outputs may not be views), and removed as dead code when nothing reads them.
+    const Tensor mean_c = running_mean.to(st).view(shape);
+    const Tensor invstd_c = rsqrt(running_var.to(st).view(shape) + eps);
     mean = running_mean.to(st, /*copy=*/true);
     invstd = rsqrt(running_var.to(st) + eps);
-    centered = xs - mean.view(shape);
+    centered = xs - mean_c;
+    Tensor y = centered * invstd_c;
+    if (weight.defined()) y = y * weight.view(shape);
+    if (bias.defined()) y = y + bias.view(shape);
+    return {y.to(x.dtype()), mean, invstd};
   }
   Tensor y = centered * invstd.view(shape);
   if (weight.defined()) y = y * weight.view(shape);
