@@ -380,6 +380,7 @@ struct TimedMode {
   std::shared_ptr<optim::Adam> opt;  // this mode's own optimizer state
   std::function<void()> infer, train;
   std::vector<double> infer_ms, train_ms;
+  std::vector<double> infer_host_ms, train_host_ms;  // GPU: until the call returned (launch work)
 };
 
 // Times every mode's inference, then every mode's training step, in interleaved rounds (mode A,
@@ -387,31 +388,40 @@ struct TimedMode {
 void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
   // On a GPU a call is timed by CUDA events around it, as bench/torch_baseline.py times PyTorch;
   // on the CPU by the wall clock (each call synchronizes on its result).
-  auto time_ms = [&](const std::function<void()>& fn) {
+  // On a GPU the host's share is recorded too: the time until the call returned, i.e. what it
+  // spent launching (and waiting on the host); near the event time means the host bounds it.
+  auto time_ms = [&](const std::function<void()>& fn, double& host_ms) {
+    auto t0 = std::chrono::steady_clock::now();
+    auto host_since = [&] { return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(); };
     if (a.device.is_cuda()) {
       cuda::Event start(a.device.index), stop(a.device.index);
       start.record();
+      t0 = std::chrono::steady_clock::now();
       fn();
+      host_ms = host_since();
       stop.record();
       stop.synchronize();
       return static_cast<double>(start.elapsed_ms(stop));
     }
-    auto t0 = std::chrono::steady_clock::now();
     fn();
-    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return host_ms = host_since();
   };
-  auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms) {
+  auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms,
+                    std::vector<double> TimedMode::*host) {
     for (int i = 0; i < a.warmup + a.iters; ++i)
       for (TimedMode& m : modes) {
-        const double t = time_ms(m.*fn);
-        if (i >= a.warmup) (m.*ms).push_back(t);
+        double host_ms = 0;
+        const double t = time_ms(m.*fn, host_ms);
+        if (i < a.warmup) continue;
+        (m.*ms).push_back(t);
+        (m.*host).push_back(host_ms);
       }
   };
   model->eval();
-  rounds(&TimedMode::infer, &TimedMode::infer_ms);
+  rounds(&TimedMode::infer, &TimedMode::infer_ms, &TimedMode::infer_host_ms);
   if (a.train) {
     model->train();
-    rounds(&TimedMode::train, &TimedMode::train_ms);
+    rounds(&TimedMode::train, &TimedMode::train_ms, &TimedMode::train_host_ms);
   }
 }
 
@@ -511,9 +521,11 @@ int run_bench(const std::vector<std::string>& args) {
     nlohmann::json& m = result["modes"][t.name];
     m["inference_ms"] = median(t.infer_ms);
     m["inference_min_ms"] = *std::min_element(t.infer_ms.begin(), t.infer_ms.end());
+    if (a.device.is_cuda()) m["inference_host_ms"] = median(t.infer_host_ms);
     if (a.train) {
       m["train_step_ms"] = median(t.train_ms);
       m["train_step_min_ms"] = *std::min_element(t.train_ms.begin(), t.train_ms.end());
+      if (a.device.is_cuda()) m["train_step_host_ms"] = median(t.train_host_ms);
     }
   }
 

@@ -390,7 +390,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
         CudaKernel& ck = ex->cuda_kernels[todo[j]];
         const std::string& source = cuda_sources[todo[j]].source;
         try {
-          ck.function = cuda::detail::jit_function(ck.device, source, lower::kCudaKernelName, [&] { return source; });
+          ck.function = cuda::detail::jit_function(ck.device, source, cuda_sources[todo[j]].name.c_str(), [&] { return source; });
         } catch (...) {
           errors[j] = std::current_exception();
         }

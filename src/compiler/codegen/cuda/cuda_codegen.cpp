@@ -2,6 +2,7 @@
 #include "compiler/codegen/cuda/cuda_codegen.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -466,7 +467,15 @@ CudaKernelSource generate_cuda(const Kernel& k) {
   os << "// fuses";
   for (const auto& op : k.ops) os << " " << op;
   os << "\n";
-  os << "extern \"C\" __global__ void __launch_bounds__(" << kCudaBlock << ") " << kCudaKernelName << "(Params p) {\n";
+  out.name = kCudaKernelName;
+  for (size_t i = 0; i < k.ops.size() && i < 5; ++i) {
+    std::string op;
+    for (char ch : k.ops[i])
+      if (std::isalpha(static_cast<unsigned char>(ch)) || ch == '_') op += ch;  // "relu_3" -> "relu_"
+    while (!op.empty() && op.back() == '_') op.pop_back();
+    if (!op.empty()) out.name += "_" + op;
+  }
+  os << "extern \"C\" __global__ void __launch_bounds__(" << kCudaBlock << ") " << out.name << "(Params p) {\n";
   std::set<int> stored;
   for (const Store& s : k.stores) stored.insert(s.buffer);
   for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);

@@ -18,11 +18,14 @@
 
 namespace kiln::compiler::lower {
 
+// Generated kernels are named "kiln_fused_" + the first fused ops ("kiln_fused_cat_sub_mul_relu"),
+// so that profilers (ncu, bench/kernel_table.py) tell them apart.
 inline constexpr const char* kCudaKernelName = "kiln_fused";
 inline constexpr int kCudaBlock = 256;
 
 struct CudaKernelSource {
   std::string source;
+  std::string name;          // the kernel's entry point in `source`
   std::vector<int> scalars;  // Graph::scalars indices the kernel reads, in slot order
   int64_t numel = 0;         // work items (0: nothing to launch): elements of the iteration
                              // space, or a reduction's kept positions (per_block)
