@@ -15,7 +15,9 @@
 // CUDA events around the call, as bench/torch_baseline.py times PyTorch. `--profile infer|train`
 // (GPU) runs one more call per mode between cuda::profiler_start()/stop(), for
 // `ncu --profile-from-start off --graph-profiling node kiln bench ... --profile infer`
-// (bench/kernel_table.py sums the result per kernel).
+// (bench/kernel_table.py sums the result per kernel). `--pure` compiles the timed inference with
+// CompileOptions::pure: after two identical captures a call replays the graph without running
+// the forward's C++ body (whose lazy re-run is most of a compiled call's host time).
 //
 //   kiln bench toy --json --iters 2000 --threads 1
 //
@@ -52,6 +54,7 @@ struct BenchArgs {
   std::vector<std::string> modes = {"eager"};
   bool train = false;
   bool json = false;
+  bool pure = false;  // compiled inference with CompileOptions::pure (the training step never)
   std::string profile;  // "infer" or "train": one more such call per mode inside cuda::profiler_start()/stop()
   int warmup = 2;
   int iters = 5;
@@ -102,6 +105,7 @@ BenchArgs parse(const std::vector<std::string>& args) {
     else if (k == "--train") a.train = true;
     else if (k == "--json") a.json = true;
     else if (k == "--profile") a.profile = value();
+    else if (k == "--pure") a.pure = true;
     else if (k == "--warmup") a.warmup = static_cast<int>(to_int(k, value()));
     else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
     else if (k == "--threads") a.threads = static_cast<int>(to_int(k, value()));
@@ -454,7 +458,8 @@ int run_bench(const std::vector<std::string>& args) {
 
   nlohmann::json result = {{"model", a.model},   {"device", a.device.str()}, {"batch", a.batch},
                            {"size", a.size},     {"threads", get_num_threads()},
-                           {"warmup", a.warmup}, {"iters", a.iters}};
+                           {"warmup", a.warmup}, {"iters", a.iters},
+                           {"pure_inference", a.pure}};
   // Compile times first (each compiled mode from an empty cache, then from the disk cache); then
   // every mode's callables, timed in interleaved rounds.
   for (const auto& mode : a.modes) {
@@ -482,7 +487,12 @@ int run_bench(const std::vector<std::string>& args) {
       };
     } else {
       const CompileOptions options{.backend = std::string("kiln"), .mode = compile_mode(mode)};
-      auto infer = compile(forward, options);
+      // --pure: a model's forward is a pure function of its input and parameters, so after two
+      // identical captures the call replays the compiled graph without running the body (the
+      // training step stays as is: backward() sets the parameters' .grad, a host side effect).
+      CompileOptions infer_options = options;
+      infer_options.pure = a.pure;
+      auto infer = compile(forward, infer_options);
       auto train = compile(step, options);
       t.infer = [infer, x, sync]() mutable {
         NoGradGuard ng;

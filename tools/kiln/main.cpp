@@ -21,8 +21,9 @@ commands:
   ops [--json]         list the op table: name, schema, devices with kernels, derivative, lowering
   bench MODEL [opts]   time a model: --device cpu --batch 16 --size 128 --modes eager --train
                        --iters 5 --warmup 2 --threads N --json --profile infer|train
-                       (models: densenet121, densenet169, resnet18, resnet50; --profile:
-                       one more call per mode inside cuda::profiler_start/stop, for ncu)
+                       --pure (models: densenet121, densenet169, resnet18, resnet50; --profile:
+                       one more call per mode inside cuda::profiler_start/stop, for ncu;
+                       --pure: compiled inference with CompileOptions::pure)
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
                        compiled pure (us per call). --iters 2000 (calls per batch) --batches 7
                        --warmup 3 --threads N --device cpu|cuda --json

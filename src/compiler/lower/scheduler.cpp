@@ -233,10 +233,15 @@ struct Builder {
   // the normalization over N x C x H x W). They get no kernel of their own: each group reading
   // the value computes it in place from its inputs. On a GPU a kernel launch costs more than
   // recomputing a few operations per element; on the CPU the separate tiny loop is cheaper.
-  std::vector<int> deferred;  // per value: the node computing it where deferred, else -1
+  std::vector<int> deferred;        // per value: the node computing it where deferred, else -1
+  std::vector<bool> deferrable_node;  // per node, decided before scheduling (consumers first)
 
-  bool deferrable(int node) {
+  // Whether `node` may be deferred: every reader is a pointwise node over a shape at least 16
+  // times larger, or a deferrable node itself (rsqrt(var + eps): the add is read by the rsqrt,
+  // only the rsqrt by the normalization).
+  bool deferrable(int node) const {
     const Node& n = g.nodes[node];
+    if (is_lowerable_cat(g, node) || !is_lowerable_pointwise(g, node)) return false;
     if (n.outputs.size() != 1 || n.inplace || n.has_side_effects()) return false;
     const int v = n.outputs[0];
     const ValueInfo& vi = g.values[v];
@@ -249,7 +254,8 @@ struct Builder {
     for (int c : consumers[v]) {
       if (is_lowerable_cat(g, c) || !is_lowerable_pointwise(g, c)) return false;
       const ValueInfo& out = g.values[g.nodes[c].outputs[0]];
-      if (out.device != vi.device || numel(out) < 16 * std::max<int64_t>(numel(vi), 1)) return false;
+      if (out.device != vi.device) return false;
+      if (numel(out) < 16 * std::max<int64_t>(numel(vi), 1) && !deferrable_node[c]) return false;
     }
     return true;
   }
@@ -433,12 +439,14 @@ struct Builder {
         if (v >= 0) consumers[v].push_back(static_cast<int>(i));
     for (int v : g.outputs) is_output[v] = true;
     deferred.assign(g.values.size(), -1);
+    deferrable_node.assign(g.nodes.size(), false);
+    for (size_t i = g.nodes.size(); i-- > 0;) deferrable_node[i] = deferrable(static_cast<int>(i));
 
     for (size_t i = 0; i < g.nodes.size(); ++i) {
       const int node = static_cast<int>(i);
       const Node& n = g.nodes[i];
       const bool cat = is_lowerable_cat(g, node);
-      if (!cat && is_lowerable_pointwise(g, node) && deferrable(node)) {
+      if (deferrable_node[i]) {
         defer(node);
         continue;
       }
