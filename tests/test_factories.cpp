@@ -64,7 +64,7 @@ TEST(Arange, BadInputs) {
   EXPECT_THROW(arange(0.0, std::numeric_limits<double>::infinity()), ValueError);
   EXPECT_THROW(arange(0, 1, 0.5, kInt64), ValueError);  // the step truncates to 0 in int64
   EXPECT_THROW(arange(0, 3, 1, kBool), DTypeError);
-  EXPECT_THROW(arange(0, 3, 1, cuda_device()), DeviceError);
+  EXPECT_THROW(arange(0, 3, 1, cuda_device(4096)), DeviceError);
 }
 
 // ---------------- linspace ----------------

@@ -378,5 +378,5 @@ TEST(RandomBadInputs, ThrowTheRightErrorKind) {
   EXPECT_THROW(dropout(f, 1.5), ValueError);
   EXPECT_THROW(dropout(f, -0.5, false), ValueError);
   EXPECT_THROW(dropout(tensor<int64_t>({1, 2}), 0.5), DTypeError);
-  EXPECT_THROW(rand({2}, cuda_device()), DeviceError);
+  EXPECT_THROW(rand({2}, cuda_device(4096)), DeviceError);
 }
