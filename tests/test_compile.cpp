@@ -922,6 +922,27 @@ TEST_F(Compile, PureReplayRebuildsMixedResults) {
   EXPECT_GE(count, 2);
 }
 
+// A result that views a graph output (a transpose, a row) is rebuilt on the replay's output.
+TEST_F(Compile, PureReplayRebuildsViewsOfOutputs) {
+  int count = 0;
+  auto f = kiln::compile(
+      [&](const Tensor& x) {
+        ++count;
+        Tensor s = sin(x);
+        return std::make_tuple(s.t(), s.select(0, 1));
+      },
+      {.pure = true});
+  for (int i = 0; i < 5; ++i) {
+    Tensor x = randn({3, 4});
+    auto [t, row] = f(x);
+    EXPECT_TRUE(close(t, sin(x).t())) << "call " << i;
+    EXPECT_TRUE(close(row, sin(x)[1])) << "call " << i;
+    EXPECT_EQ(t.strides(), sin(x).t().strides()) << "call " << i;
+  }
+  EXPECT_EQ(count, 2);
+  EXPECT_EQ(compiler::counters().replays, 3);
+}
+
 TEST_F(Compile, PureReplayKeepsInPlaceUpdatesOfArguments) {
   int count = 0;
   auto f = kiln::compile(
@@ -988,6 +1009,96 @@ TEST_F(Compile, PureFunctionWithAHostReadKeepsRunningTheBody) {
   EXPECT_EQ(count, 5);
   EXPECT_EQ(d.now().replays, 0);
   EXPECT_GE(d.now().graph_runs, 5);
+}
+
+// A training step (zero_grad, forward, backward, optimizer step) consumes its autograd history
+// inside the call: a pure step replays, setting each parameter's .grad to the replay's gradient.
+struct NormedMLP : nn::Module {
+  std::shared_ptr<nn::Linear> fc1, fc2;
+  std::shared_ptr<nn::BatchNorm1d> bn;
+  NormedMLP() {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(4, 8));
+    bn = register_module("bn", std::make_shared<nn::BatchNorm1d>(8));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(8, 3));
+  }
+  Tensor forward(const Tensor& x) override { return fc2->forward(bn->forward(relu(fc1->forward(x)))); }
+};
+
+void check_pure_training_step(bool set_to_none) {
+  auto model = std::make_shared<NormedMLP>();
+  auto twin = std::make_shared<NormedMLP>();
+  twin->load_state_dict(model->state_dict());
+  optim::Adam opt(model->parameters(), {.lr = 0.05});
+  optim::Adam twin_opt(twin->parameters(), {.lr = 0.05});
+  Tensor y = tensor({0, 2, 1, 1, 0, 2}, kInt64);
+  int count = 0;
+  auto step = kiln::compile(
+      [&](const Tensor& x) {
+        ++count;
+        opt.zero_grad(set_to_none);
+        Tensor loss = cross_entropy(model->forward(x), y);
+        loss.backward();
+        opt.step();
+        return loss;
+      },
+      {.pure = true});
+  Delta d;
+  for (int i = 0; i < 7; ++i) {
+    Tensor x = randn({6, 4});
+    Tensor loss = step(x);
+    twin_opt.zero_grad(set_to_none);
+    Tensor expected = cross_entropy(twin->forward(x), y);
+    expected.backward();
+    twin_opt.step();
+    EXPECT_TRUE(close(loss, expected)) << "step " << i;
+    EXPECT_TRUE(loss.requires_grad()) << "step " << i;
+    EXPECT_EQ(loss.grad_fn_name(), expected.grad_fn_name()) << "step " << i;
+    const auto params = model->named_parameters(), twin_params = twin->named_parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& [name, p] = params[k];
+      const Tensor& q = twin_params[k].second;
+      EXPECT_TRUE(close(p, q)) << name << " after step " << i;
+      ASSERT_TRUE(p.grad().defined()) << name << " after step " << i;
+      EXPECT_TRUE(close(p.grad(), q.grad())) << name << ".grad after step " << i;
+    }
+    const auto buffers = model->named_buffers(), twin_buffers = twin->named_buffers();
+    for (size_t k = 0; k < buffers.size(); ++k)
+      EXPECT_TRUE(close(buffers[k].second, twin_buffers[k].second)) << buffers[k].first << " after step " << i;
+    // As in eager, the step's backward freed what the loss's graph saved.
+    EXPECT_THROW(loss.backward(), Error) << "step " << i;
+  }
+  // The first call creates Adam's state (new tensors kept in the optimizer), the next two capture
+  // the same plan, the rest replay.
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(d.now().replays, 4);
+}
+
+TEST_F(Compile, PureTrainingStepReplaysAndSetsTheGradients) { check_pure_training_step(true); }
+TEST_F(Compile, PureTrainingStepReplaysWithGradientsZeroedInPlace) { check_pure_training_step(false); }
+
+// A compiled forward whose backward runs after the call leaves autograd history behind: a pure
+// function then keeps capturing (its results need their graph).
+TEST_F(Compile, PureForwardWithALaterBackwardKeepsRunningTheBody) {
+  auto model = std::make_shared<MLP>(4, 8, 3);
+  int count = 0;
+  auto forward = kiln::compile(
+      [&](const Tensor& x) {
+        ++count;
+        return model->forward(x);
+      },
+      {.pure = true});
+  Delta d;
+  for (int i = 0; i < 4; ++i) {
+    Tensor x = randn({2, 4});
+    model->zero_grad();
+    forward(x).sum().backward();
+    Tensor g = model->fc1->weight.grad().clone();
+    model->zero_grad();
+    model->forward(x).sum().backward();
+    EXPECT_TRUE(close(g, model->fc1->weight.grad())) << "call " << i;
+  }
+  EXPECT_EQ(count, 4);
+  EXPECT_EQ(d.now().replays, 0);
 }
 
 TEST_F(Compile, ExplicitGraphBreak) {

@@ -59,14 +59,18 @@ SavedTensor::SavedTensor(const Tensor& t, bool is_output) : is_output_(is_output
   }
 }
 
+void throw_backward_twice() {
+  throw Error(
+      "[kiln::autograd] Trying to backward through the graph a second time (or directly access "
+      "saved tensors after they have already been freed). Saved intermediate values of the graph "
+      "are freed when you call backward() or autograd::grad(). Pass retain_graph=true if you need "
+      "to backward through the graph a second time.");
+}
+
+TensorList SpentNode::apply(TensorList&&) { throw_backward_twice(); }
+
 Tensor SavedTensor::unpack(const std::shared_ptr<Node>& owner) const {
-  if (released_) {
-    throw Error(
-        "[kiln::autograd] Trying to backward through the graph a second time (or directly access "
-        "saved tensors after they have already been freed). Saved intermediate values of the graph "
-        "are freed when you call backward() or autograd::grad(). Pass retain_graph=true if you need "
-        "to backward through the graph a second time.");
-  }
+  if (released_) throw_backward_twice();
   if (!data_.defined()) return data_;
   if (data_.version() != version_) {
     throw Error("[kiln::autograd] one of the tensors needed for gradient computation has been modified by "

@@ -112,6 +112,18 @@ struct OpNode final : Node {
   std::string forward_op() const override { return op->name; }
 };
 
+// Stands in for a node whose saved values a backward already freed, on a result that a pure
+// replay rebuilds (the captured call's result had that node): the tensor keeps its grad_fn name,
+// and a backward through it throws as the freed node would.
+struct SpentNode final : Node {
+  std::string label;
+  std::string name() const override { return label; }
+  TensorList apply(TensorList&&) override;
+};
+
+// "Trying to backward through the graph a second time ...".
+[[noreturn]] void throw_backward_twice();
+
 // Accumulates into a leaf's .grad().
 struct AccumulateGrad final : Node {
   std::shared_ptr<detail::TensorImpl> leaf;

@@ -15,9 +15,10 @@
 // CUDA events around the call, as bench/torch_baseline.py times PyTorch. `--profile infer|train`
 // (GPU) runs one more call per mode between cuda::profiler_start()/stop(), for
 // `ncu --profile-from-start off --graph-profiling node kiln bench ... --profile infer`
-// (bench/kernel_table.py sums the result per kernel). `--pure` compiles the timed inference with
-// CompileOptions::pure: after two identical captures a call replays the graph without running
-// the forward's C++ body (whose lazy re-run is most of a compiled call's host time).
+// (bench/kernel_table.py sums the result per kernel). `--pure` compiles the timed inference and
+// training step with CompileOptions::pure: after two identical captures a call replays the graph
+// without running the C++ body (whose lazy re-run is most of a compiled call's host time; the
+// step's replay sets each parameter's .grad as its backward did).
 //
 //   kiln bench toy --json --iters 2000 --threads 1
 //
@@ -54,7 +55,7 @@ struct BenchArgs {
   std::vector<std::string> modes = {"eager"};
   bool train = false;
   bool json = false;
-  bool pure = false;  // compiled inference with CompileOptions::pure (the training step never)
+  bool pure = false;  // compiled inference and training step with CompileOptions::pure
   std::string profile;  // "infer" or "train": one more such call per mode inside cuda::profiler_start()/stop()
   int warmup = 2;
   int iters = 5;
@@ -459,7 +460,7 @@ int run_bench(const std::vector<std::string>& args) {
   nlohmann::json result = {{"model", a.model},   {"device", a.device.str()}, {"batch", a.batch},
                            {"size", a.size},     {"threads", get_num_threads()},
                            {"warmup", a.warmup}, {"iters", a.iters},
-                           {"pure_inference", a.pure}};
+                           {"pure", a.pure}};
   // Compile times first (each compiled mode from an empty cache, then from the disk cache); then
   // every mode's callables, timed in interleaved rounds.
   for (const auto& mode : a.modes) {
@@ -487,13 +488,13 @@ int run_bench(const std::vector<std::string>& args) {
       };
     } else {
       const CompileOptions options{.backend = std::string("kiln"), .mode = compile_mode(mode)};
-      // --pure: a model's forward is a pure function of its input and parameters, so after two
-      // identical captures the call replays the compiled graph without running the body (the
-      // training step stays as is: backward() sets the parameters' .grad, a host side effect).
-      CompileOptions infer_options = options;
-      infer_options.pure = a.pure;
-      auto infer = compile(forward, infer_options);
-      auto train = compile(step, options);
+      // --pure: a model's forward, and the training step, are pure functions of the input, the
+      // parameters and the optimizer state, so after two identical captures a call replays the
+      // compiled graph without running the body (the step's replay sets the .grad tensors).
+      CompileOptions pure_options = options;
+      pure_options.pure = a.pure;
+      auto infer = compile(forward, pure_options);
+      auto train = compile(step, pure_options);
       t.infer = [infer, x, sync]() mutable {
         NoGradGuard ng;
         Tensor out = infer(x);

@@ -23,7 +23,7 @@ commands:
                        --iters 5 --warmup 2 --threads N --json --profile infer|train
                        --pure (models: densenet121, densenet169, resnet18, resnet50; --profile:
                        one more call per mode inside cuda::profiler_start/stop, for ncu;
-                       --pure: compiled inference with CompileOptions::pure)
+                       --pure: compiled inference and step with CompileOptions::pure)
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
                        compiled pure (us per call). --iters 2000 (calls per batch) --batches 7
                        --warmup 3 --threads N --device cpu|cuda --json

@@ -109,12 +109,19 @@ struct Params {{
   const in_t* in;
   long long* out;
   unsigned long long* bad;
-  long long n, lo, hi, ignore, has_ignore;
+  long long n, lo, hi, ignore, has_ignore, trap;
 }};
+// trap: inside a CUDA graph, where nothing can be read back, a bad value stops the kernel (a
+// device-side assert, as PyTorch's CUDA kernels have) instead of being reported to the host.
 extern "C" __global__ void __launch_bounds__({}) kiln_check_index(Params p) {{
   for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < p.n; i += (long long)gridDim.x * blockDim.x) {{
     const long long v = static_cast<long long>(p.in[i]);
     const bool ok = (p.has_ignore && v == p.ignore) || (v >= p.lo && v < p.hi);
+    if (!ok && p.trap) {{
+      printf("[kiln] index %lld at position %lld is out of bounds [%lld, %lld) (device-side check in a CUDA graph)\n",
+             v, i, p.lo, p.hi);
+      __trap();
+    }}
     if (!ok) atomicMin(p.bad, static_cast<unsigned long long>(i));
     if (p.out) p.out[i] = v < 0 ? v + p.hi : v;
   }}
@@ -133,6 +140,9 @@ int64_t first_bad_index(const Tensor& index, int64_t lo, int64_t hi, const int64
              std::string("[kiln::") + op + "] the CUDA index check takes a contiguous int32/int64 device tensor. "
              "This is a Kiln bug.");
   const int device = index.device().index;
+  // While a CUDA graph records, no value can come back to the host: the check runs on the
+  // device and a bad index stops the kernel (then the graph's replay fails with a CUDA error).
+  const bool recording = capturing(device);
   Tensor bad = kiln::detail::make_empty({1}, kInt64, index.device());
   {
     DeviceGuard guard(device);
@@ -149,7 +159,9 @@ int64_t first_bad_index(const Tensor& index, int64_t lo, int64_t hi, const int64
   p.add(hi);
   p.add(ignore ? *ignore : int64_t{0});
   p.add(int64_t{ignore != nullptr});
+  p.add(int64_t{recording});
   launch_misc(f, n, device, p, op);
+  if (recording) return -1;
   return bad.to(kCPU).item<int64_t>();
 }
 

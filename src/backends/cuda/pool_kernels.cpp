@@ -49,6 +49,7 @@ struct PoolParams {
   long long kernel[2], stride[2], pad[2], dilation[2];
   long long divisor;  // avg: divisor_override, 0 for none
   long long count_include_pad, tiled, total;
+  long long trap;  // max backward scatter inside a CUDA graph: an index outside the plane traps
 };
 
 constexpr const char* kParamsSource = R"(
@@ -62,6 +63,7 @@ struct Params {
   long long kernel[2], stride[2], pad[2], dilation[2];
   long long divisor;
   long long count_include_pad, tiled, total;
+  long long trap;
 };
 template <class I> __forceinline__ I imin(I a, I b) { return a < b ? a : b; }
 template <class I> __forceinline__ I imax(I a, I b) { return a > b ? a : b; }
@@ -255,7 +257,14 @@ extern "C" __global__ void __launch_bounds__(256) kiln_max_pool2d_scatter(Params
     I n, c, oh, ow;
     split<false>(i, C, OH, OW, n, c, oh, ow);
     const long long q = p.indices[offset<I>(p.index_stride, n, c, oh, ow)];
-    if (q < 0 || q >= (long long)(H * W)) continue;
+    if (q < 0 || q >= (long long)(H * W)) {
+      if (p.trap) {
+        printf("[kiln::max_pool2d_with_indices_backward] index %lld is out of range for an input plane of %lld "
+               "elements (device-side check in a CUDA graph)\n", q, (long long)(H * W));
+        __trap();
+      }
+      continue;
+    }
     atomicAdd(acc + offset<I>(p.out_stride, n, c, (I)q / W, (I)q % W),
               static_cast<Acc>(g[offset<I>(p.in_stride, n, c, oh, ow)]));
   }
@@ -429,9 +438,12 @@ void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   const std::string key = backward_key(PoolKind::max, t, i32, cl);
   auto source = [&] { return pool_backward_source(PoolKind::max, t, i32, cl); };
 
-  // The gather below finds an index only inside its own window: check that they all are.
-  int bad = 0;
-  if (grad.numel() > 0) {
+  // The gather below finds an index only inside its own window: check that they all are. While a
+  // CUDA graph records, the flag cannot come back to the host: take the scatter, which is right
+  // for any index in the plane, and let it trap on one outside.
+  const bool recording = capturing(device);
+  int bad = recording ? 2 : 0;
+  if (grad.numel() > 0 && !recording) {
     Tensor flag = zeros({1}, TensorOptions{DType::int32, dx.device()});
     PoolParams checker = p;
     checker.flag = static_cast<int*>(flag.impl().data());
@@ -458,6 +470,7 @@ void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   scatter.out = acc.impl().data();
   put_strides(scatter.out_stride, dims4(acc));
   scatter.total = grad.numel();
+  scatter.trap = recording;
   launch_pool(key, "kiln_max_pool2d_scatter", source, device, scatter);
   dx.copy_(acc);
 }

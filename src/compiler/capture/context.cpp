@@ -252,8 +252,9 @@ void tag_autograd_nodes(CaptureContext& cap, std::span<Tensor> outputs) {
   std::shared_ptr<autograd::Node> last;
   for (Tensor& o : outputs) {
     auto* m = autograd::meta_if_exists(o);
-    if (m && m->grad_fn && m->grad_fn != last && cap.segment) {
-      cap.segment->autograd_nodes.push_back(m->grad_fn);  // what it saves: the partition's input
+    if (m && m->grad_fn && m->grad_fn != last) {
+      if (cap.segment) cap.segment->autograd_nodes.push_back(m->grad_fn);  // what it saves: the partition's input
+      cap.recorded_nodes.push_back(m->grad_fn);
       last = m->grad_fn;
     }
     if (m && m->grad_fn && !m->grad_fn->compiled_owner) {

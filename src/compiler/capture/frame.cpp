@@ -4,10 +4,13 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <unordered_map>
 
+#include "autograd/node.h"
 #include "compiler/capture/runtime.h"
 #include "core/shape.h"
+#include "core/tensor_factory.h"
 #include "kiln/autograd.h"
 
 namespace kiln::compiler::detail {
@@ -91,6 +94,18 @@ Scalar read_scalar(const Tensor& t) {
 }
 }  // namespace
 
+namespace {
+// A tensor the call left behind, as a graph output: the output itself or a view of its storage
+// (a bias gradient is `sum_to`'s [1, C] result viewed as [C]).
+struct OutputRef {
+  int output = -1;
+  bool view = false;  // then sizes, strides and the storage offset relative to the output's
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  bool operator==(const OutputRef&) const = default;
+};
+}  // namespace
+
 struct FrameEntry::Replay {
   std::shared_ptr<CompiledGraph> graph;
   struct Input {
@@ -101,18 +116,30 @@ struct FrameEntry::Replay {
   std::vector<Input> inputs;
   std::vector<Attr> scalars;
   struct Result {
-    int output = -1;  // graph output index, or
+    OutputRef output;  // a graph output (or a view of one), or
     int leaf = -1;    // an argument leaf, or
     Tensor fixed;     // a fixed tensor; non-tensor leaves come from `consts`
+    // A graph output whose captured tensor had a grad_fn (a backward inside the call freed it):
+    // the replayed result gets a stand-in with its name.
+    std::shared_ptr<autograd::SpentNode> spent;
   };
   std::vector<Result> results;
+  // The .grad each input leaf that requires grad had when the call returned (a training step:
+  // zero_grad, backward, optimizer step). A replay sets them again.
+  struct GradSet {
+    int input = -1;  // index into `inputs`
+    enum class Kind { none, keep, output } kind = Kind::none;  // none: zero_grad(set_to_none);
+    OutputRef output;  // keep: the tensor it held before (accumulated in place)
+    bool operator==(const GradSet&) const = default;
+  };
+  std::vector<GradSet> grads;
   std::vector<Leaf> consts;
   std::vector<std::string> strings;
   bool confirmed = false;  // seen twice in a row: later calls replay
 
   bool same_plan(const Replay& o) const {
     if (graph != o.graph || inputs.size() != o.inputs.size() || results.size() != o.results.size() ||
-        scalars != o.scalars)
+        scalars != o.scalars || grads != o.grads)
       return false;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Input& a = inputs[i];
@@ -122,7 +149,7 @@ struct FrameEntry::Replay {
     }
     for (size_t i = 0; i < results.size(); ++i)
       if (results[i].output != o.results[i].output || results[i].leaf != o.results[i].leaf ||
-          !results[i].fixed.same(o.results[i].fixed))
+          !results[i].fixed.same(o.results[i].fixed) || !results[i].spent != !o.results[i].spent)
         return false;
     return true;
   }
@@ -130,9 +157,71 @@ struct FrameEntry::Replay {
 
 namespace {
 
+// The elements [first, last] a layout reaches in its storage (nothing when it has none).
+std::optional<std::pair<int64_t, int64_t>> extent(const std::vector<int64_t>& sizes,
+                                                  const std::vector<int64_t>& strides, int64_t offset) {
+  int64_t lo = offset, hi = offset;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return std::nullopt;
+    const int64_t reach = (sizes[d] - 1) * strides[d];
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return std::pair{lo, hi};
+}
+
+// Which graph output `t` is, or which output's elements it views. `found`: false when `t` is
+// not on any output's storage; a view reaching past its output's elements is not replayable
+// (the replay's copy of the output would not hold them).
+std::optional<OutputRef> find_output(const CaptureContext& ctx, const Graph& g, const Tensor& t, bool& found) {
+  const kiln::detail::TensorImpl* impl = t.unsafe_impl();
+  found = false;
+  std::optional<OutputRef> view;
+  for (size_t k = 0; k < ctx.last_output_storages.size(); ++k) {
+    if (impl->storage.get() != ctx.last_output_storages[k]) continue;
+    found = true;
+    const ValueInfo& v = g.values[g.outputs[k]];
+    if (impl->sizes == v.sizes && impl->strides == v.strides && impl->storage_offset == v.storage_offset)
+      return OutputRef{.output = static_cast<int>(k)};
+    auto inner = extent(impl->sizes, impl->strides, impl->storage_offset);
+    auto outer = extent(v.sizes, v.strides, v.storage_offset);
+    if (!view && inner && outer && inner->first >= outer->first && inner->second <= outer->second &&
+        impl->storage_offset >= v.storage_offset)
+      view = OutputRef{.output = static_cast<int>(k), .view = true, .sizes = impl->sizes,
+                       .strides = impl->strides, .offset = impl->storage_offset - v.storage_offset};
+  }
+  return view;
+}
+
+// The replay's tensor for `ref`: the output, or the view of it. An output returned with other
+// strides than captured is first copied into the captured layout.
+Tensor resolve_output(const std::vector<Tensor>& outs, const Graph& g, const OutputRef& ref) {
+  const Tensor& out = outs.at(ref.output);
+  if (!ref.view) return out;
+  const ValueInfo& v = g.values[g.outputs[ref.output]];
+  Tensor base = out;
+  if (!(out.strides() == IntArrayRef(v.strides))) {
+    base = kiln::detail::make_empty_strided(v.sizes, v.strides, v.dtype, v.device);
+    base.copy_(out);
+  }
+  return kiln::detail::make_view(base, ref.sizes, ref.strides, base.storage_offset() + ref.offset);
+}
+
+// Whether a backward inside the call freed every autograd node the call recorded (or they are
+// gone): then no history is left for a backward after the call, and replays need none.
+bool history_consumed(const CaptureContext& ctx) {
+  for (const auto& w : ctx.recorded_nodes) {
+    std::shared_ptr<autograd::Node> n = w.lock();
+    if (!n) continue;
+    auto* op = dynamic_cast<autograd::OpNode*>(n.get());
+    if (!op || !op->released) return false;
+  }
+  return true;
+}
+
 // After a pure call: can later calls with the same guards skip the body? Only a capture of one
-// graph with no host reads, no autograd history, no random ops, whose every live output is part
-// of the result, and the same plan on two calls in a row.
+// graph with no host reads, no autograd history left for later (a backward inside the call may
+// consume it: a training step), no random ops, whose every live output is part of the result or
+// an input leaf's .grad, and the same plan on two calls in a row.
 void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vector<Leaf>& leaves,
                         CallHooks& hooks) {
   std::lock_guard lock(entry.replay_mutex);
@@ -146,7 +235,8 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
   };
   if (ctx.breaks != 0 || ctx.host_reads) return reject("the body has graph breaks or host reads");
   if (ctx.flushes != 1 || !ctx.last_graph) return reject("the body captured no single graph");
-  if (ctx.autograd) return reject("the body records autograd history");
+  if (ctx.autograd && !history_consumed(ctx))
+    return reject("the body leaves autograd history for a backward after the call");
   if (ctx.random) return reject("the body draws random numbers");
   if (ctx.last_graph->id == "eager") return reject("the graph ran uncompiled (stance or limit)");
   auto plan = std::make_shared<FrameEntry::Replay>();
@@ -173,23 +263,22 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     FrameEntry::Replay::Result r;
     if (l.kind == Leaf::tensor) {
       const kiln::detail::TensorImpl* impl = l.t.unsafe_impl();
-      bool found = false;
-      for (size_t k = 0; k < ctx.last_output_storages.size() && !found; ++k) {
-        const ValueInfo& v = g.values[g.outputs[k]];
-        if (impl->storage.get() == ctx.last_output_storages[k] && impl->sizes == v.sizes &&
-            impl->strides == v.strides && impl->storage_offset == v.storage_offset) {
-          r.output = static_cast<int>(k);
-          output_used[k] = true;
-          found = true;
+      bool on_output = false;
+      if (std::optional<OutputRef> ref = find_output(ctx, g, l.t, on_output)) {
+        r.output = *ref;
+        output_used[ref->output] = true;
+        if (std::shared_ptr<autograd::Node> fn = l.t.grad_fn()) {
+          r.spent = std::make_shared<autograd::SpentNode>();
+          r.spent->label = fn->name();
+          r.spent->output_shapes = fn->output_shapes;
         }
-      }
-      if (!found) {
+      } else {
         if (auto it = leaf_of.find(impl); it != leaf_of.end()) {
           r.leaf = it->second;
-        } else if (!l.t.impl().lazy) {
+        } else if (!on_output && !l.t.impl().lazy) {
           r.fixed = l.t;
         } else {
-          return reject("the result holds a view of a graph output");
+          return reject("the result holds a view past a graph output's elements");
         }
       }
     }
@@ -197,8 +286,27 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     plan->consts.push_back(l);
     plan->strings.push_back(l.kind == Leaf::string ? *l.s : std::string());
   }
+  for (size_t k = 0; k < ctx.last_inputs.size(); ++k) {
+    const Tensor& t = ctx.last_inputs[k];
+    if (!t.requires_grad() || !t.is_leaf()) continue;
+    FrameEntry::Replay::GradSet set{.input = static_cast<int>(k)};
+    const Tensor grad = t.grad();
+    if (grad.defined()) {
+      bool on_output = false;
+      if (std::optional<OutputRef> ref = find_output(ctx, g, grad, on_output)) {
+        set.kind = FrameEntry::Replay::GradSet::Kind::output;
+        set.output = *ref;
+        output_used[ref->output] = true;
+      } else if (on_output || grad.impl().lazy) {
+        return reject("a .grad holds a view past a graph output's elements");
+      } else {
+        set.kind = FrameEntry::Replay::GradSet::Kind::keep;
+      }
+    }
+    plan->grads.push_back(set);
+  }
   for (bool used : output_used)
-    if (!used) return reject("a graph output is kept somewhere other than the result");
+    if (!used) return reject("a graph output is kept somewhere other than the result or a .grad");
   for (Leaf& c : plan->consts) {
     c.t = Tensor();
     c.s = nullptr;
@@ -239,12 +347,27 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
     NoGradGuard no_grad;
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
+  using GradKind = FrameEntry::Replay::GradSet::Kind;
+  for (const auto& set : plan->grads) {
+    if (set.kind == GradKind::output) inputs[set.input].set_grad(resolve_output(outs, g, set.output));
+    else if (set.kind == GradKind::none) inputs[set.input].set_grad(Tensor());
+  }
   std::vector<Tensor> tensors(plan->results.size());
   for (size_t i = 0; i < plan->results.size(); ++i) {
     const auto& r = plan->results[i];
-    if (r.output >= 0) tensors[i] = outs.at(r.output);
-    else if (r.leaf >= 0) tensors[i] = leaves[r.leaf].t;
-    else tensors[i] = r.fixed;
+    if (r.output.output >= 0) {
+      tensors[i] = resolve_output(outs, g, r.output);
+      if (r.spent) {
+        // Each call's result gets its own handle (an earlier result may still be held).
+        tensors[i] = tensors[i].detach();
+        tensors[i].impl().requires_grad = true;
+        autograd::meta(tensors[i]).grad_fn = r.spent;
+      }
+    } else if (r.leaf >= 0) {
+      tensors[i] = leaves[r.leaf].t;
+    } else {
+      tensors[i] = r.fixed;
+    }
   }
   std::vector<Leaf> consts = plan->consts;
   std::vector<std::string> strings = plan->strings;

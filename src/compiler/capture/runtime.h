@@ -13,6 +13,10 @@
 
 #include "compiler/capture/capture.h"
 
+namespace kiln::autograd {
+struct Node;
+}
+
 namespace kiln::compiler::detail {
 
 // ---- stances ----
@@ -138,7 +142,10 @@ struct CaptureContext {
   int flushes = 0;       // segments that ran
   int breaks = 0;        // graph breaks
   bool host_reads = false;
-  bool autograd = false;  // an op recorded autograd history, or a leaf received a gradient
+  bool autograd = false;  // an op recorded autograd history
+  // Every autograd node the call recorded: a pure replay needs each one freed by a backward
+  // inside the call (no history left for a backward after it).
+  std::vector<std::weak_ptr<autograd::Node>> recorded_nodes;
   bool random = false;    // a random op (fresh counters each call: not replayable)
   bool record_stacks = false;  // remember where breaks happen (explain, logs, fullgraph)
   ExplainRecorder* explain = nullptr;
