@@ -94,17 +94,111 @@ TEST(CudaGraphs, ChangingScalarsRecordAgainThenRunNormally) {
   EXPECT_EQ(compiler::counters().cuda_graph_replays, 4);
 }
 
-TEST(CudaGraphs, GraphsThatReadBackToTheHostRunNormally) {
+TEST(CudaGraphs, IndexChecksRunOnTheDeviceInsideAGraph) {
   SKIP_WITHOUT_GPU();
   compiler::reset();
-  // index_select checks its indices on the host: not recordable, and still correct.
+  // index_select checks its indices; while a graph records, on the device (a bad index in a
+  // replay is a device-side assert), so the graph records.
   Tensor table = gpu_randn({10, 4});
   auto compiled = compile([&](const Tensor& idx) { return index_select(table, 0, idx) * 2; }, kReduceOverhead);
   Tensor idx = tensor<int64_t>({3, 1, 7}, {3}).cuda();
-  for (int i = 0; i < 3; ++i) EXPECT_TRUE(near(compiled(idx), index_select(table, 0, idx) * 2));
-  EXPECT_EQ(compiler::counters().cuda_graph_replays, 0);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(near(compiled(idx), index_select(table, 0, idx) * 2));
+  EXPECT_EQ(compiler::counters().cuda_graph_captures, 1);
+  EXPECT_EQ(compiler::counters().cuda_graph_replays, 3);  // the first call warms up
+  // A new signature's first call runs normally: the host check raises the CPU's error.
   EXPECT_THROW(compiled(tensor<int64_t>({3, 11}, {2}).cuda()), IndexError);
 }
+
+// A whole training step (zero_grad, forward, backward, Adam) compiled pure with reduce_overhead:
+// after the captures it replays one CUDA graph per call, with nll_loss's target check and
+// max-pool's backward done on the device, and matches an eager twin step for step. The models
+// grow layer by layer, so that a failure names the first layer kind a recording gets wrong.
+enum class StepModel { linear, conv, conv_bn, conv_bn_pool };
+
+class CudaGraphTrainingStep : public ::testing::TestWithParam<StepModel> {};
+
+std::shared_ptr<nn::Sequential> step_model(StepModel kind) {
+  auto m = std::make_shared<nn::Sequential>();
+  int64_t features = 3 * 8 * 8;
+  if (kind != StepModel::linear) {
+    // No bias before a batch norm: its gradient is rounding noise that Adam would amplify.
+    m->push_back(std::make_shared<nn::Conv2d>(nn::Conv2dOptions{
+        .in_channels = 3, .out_channels = 4, .kernel_size = 3, .padding = 1, .bias = kind == StepModel::conv}));
+    features = 4 * 8 * 8;
+  }
+  if (kind == StepModel::conv_bn || kind == StepModel::conv_bn_pool) m->push_back(std::make_shared<nn::BatchNorm2d>(4));
+  if (kind != StepModel::linear) m->push_back(std::make_shared<nn::ReLU>());
+  if (kind == StepModel::conv_bn_pool) {
+    m->push_back(std::make_shared<nn::MaxPool2d>(3, 2, 1));
+    features = 4 * 4 * 4;
+  }
+  m->push_back(std::make_shared<nn::Flatten>());
+  m->push_back(std::make_shared<nn::Linear>(features, 5));
+  m->to(cuda_device());
+  return m;
+}
+
+float max_difference(const Tensor& a, const Tensor& b) { return (a.cpu() - b.cpu()).abs().max().item<float>(); }
+
+TEST_P(CudaGraphTrainingStep, PureStepReplaysAsOneCudaGraphAndMatchesEager) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  manual_seed(0);
+  auto model = step_model(GetParam()), twin = step_model(GetParam());
+  twin->load_state_dict(model->state_dict());
+  optim::Adam opt(model->parameters(), {.lr = 0.01});
+  optim::Adam twin_opt(twin->parameters(), {.lr = 0.01});
+  Tensor y = tensor<int64_t>({0, 4, 1, 3, 2, 2}, {6}).cuda();
+  CompileOptions options = kReduceOverhead;
+  options.pure = true;
+  auto step = compile(
+      [&](const Tensor& x) {
+        opt.zero_grad();
+        Tensor loss = cross_entropy(model->forward(x), y);
+        loss.backward();
+        opt.step();
+        return loss;
+      },
+      options);
+  std::vector<Tensor> inputs;  // kept alive: every call's input has its own address
+  for (int i = 0; i < 7; ++i) {
+    inputs.push_back(gpu_randn({6, 3, 8, 8}));
+    const Tensor& x = inputs.back();
+    Tensor loss = step(x);
+    twin_opt.zero_grad();
+    Tensor expected = cross_entropy(twin->forward(x), y);
+    expected.backward();
+    twin_opt.step();
+    EXPECT_LT(max_difference(loss, expected), 1e-4) << "step " << i;
+    const auto params = model->named_parameters(), twin_params = twin->named_parameters();
+    for (size_t k = 0; k < params.size(); ++k) {
+      const auto& [name, p] = params[k];
+      const Tensor& q = twin_params[k].second;
+      ASSERT_TRUE(p.grad().defined()) << name << ", step " << i;
+      EXPECT_LT(max_difference(p.grad(), q.grad()), 1e-4) << name << ".grad, step " << i;
+      EXPECT_LT(max_difference(p, q), 1e-4) << name << ", step " << i;
+    }
+  }
+  const auto c = compiler::counters();
+  EXPECT_EQ(c.replays, 4) << "calls 1-3 run the body (Adam's state appears on the first)";
+  EXPECT_EQ(c.cuda_graph_captures, 1);
+  EXPECT_EQ(c.cuda_graph_replays, 5);
+}
+
+std::string step_model_name(const ::testing::TestParamInfo<StepModel>& info) {
+  switch (info.param) {
+    case StepModel::linear: return "Linear";
+    case StepModel::conv: return "Conv";
+    case StepModel::conv_bn: return "ConvBatchNorm";
+    case StepModel::conv_bn_pool: return "ConvBatchNormMaxPool";
+  }
+  return "Unknown";
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, CudaGraphTrainingStep,
+                         ::testing::Values(StepModel::linear, StepModel::conv, StepModel::conv_bn,
+                                           StepModel::conv_bn_pool),
+                         step_model_name);
 
 TEST(CudaGraphs, DefaultModeRecordsNothing) {
   SKIP_WITHOUT_GPU();

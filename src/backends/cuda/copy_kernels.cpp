@@ -53,6 +53,19 @@ void device_copy(Tensor& dst, const Tensor& src) {
 }
 
 void upload(Tensor& dst, const Tensor& src) {
+  if (capturing(dst.device().index)) {
+    // While a CUDA graph records, a copy from host memory is replayed from that address later,
+    // long after the source (often a staging tensor) is gone. One value (a host scalar, such as
+    // a fused relu backward's threshold) becomes a fill whose kernel arguments carry it; anything
+    // larger cannot be recorded (the graph then runs normally).
+    KILN_CHECK(src.numel() == 1, Error,
+               "[kiln::copy] a host-to-device copy of " + std::to_string(src.numel()) +
+                   " elements cannot be recorded into a CUDA graph: the replay would read the host memory again.");
+    Tensor in[1] = {src.reshape({}).to(dst.dtype())};
+    DType types[1] = {dst.dtype()};
+    launch_elementwise("fill", "a0", dst, in, types);
+    return;
+  }
   if (byte_copyable(dst, src)) {
     memcpy_async(dst.impl().data(), dense_begin(src), dst.numel() * dst.element_size(), cudaMemcpyHostToDevice,
                  dst.device().index);
