@@ -23,7 +23,8 @@
 //   kiln bench toy --json --iters 2000 --threads 1
 //
 // `toy` measures what compile() costs per call on a function too small for kernels to matter:
-// the set_stance recipe's three 5x5 matmuls, eager vs compile(fn) vs compile(fn, {.pure = true}).
+// the set_stance recipe's three 5x5 matmuls, eager vs compile(fn) vs compile(fn, {.pure = true})
+// vs pure with mode = reduce_overhead (one CUDA graph launch per call on a GPU).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -211,12 +212,15 @@ int run_toy_bench(const std::vector<std::string>& args) {
   auto eager = [](const Tensor& p, const Tensor& q) { return toy_model(p, q); };
   auto compiled = compile(toy_model);
   auto compiled_pure = compile(toy_model, {.pure = true});
+  // reduce_overhead: on a GPU the replayed graph is one CUDA graph launch (elsewhere the same as
+  // compiled_pure).
+  auto compiled_pure_ro = compile(toy_model, {.mode = Mode::reduce_overhead, .pure = true});
 
   // Warm up. The first compiled call captures and compiles; a pure frame replays from its third
   // call on (two identical captures confirm it). Each compiled mode must equal eager.
   for (int i = 0; i < a.warmup; ++i) eager(x, y);
   for (int i = 0; i < std::max(a.warmup, 3); ++i) {
-    for (const Tensor& out : {compiled(x, y), compiled_pure(x, y)})
+    for (const Tensor& out : {compiled(x, y), compiled_pure(x, y), compiled_pure_ro(x, y)})
       KILN_CHECK(allclose(out.cpu(), expected.cpu(), 1.3e-6, 1e-5), Error,
                  "[kiln bench toy] a compiled mode computed a different result than eager. This is a Kiln bug.");
   }
@@ -227,13 +231,15 @@ int run_toy_bench(const std::vector<std::string>& args) {
     std::vector<double> us;
     int64_t graph_runs = 0, replays = 0, eager_frames = 0;
   };
-  ModeRun runs[3];
+  constexpr int kModes = 4;
+  ModeRun runs[kModes];
   for (int b = 0; b < a.batches; ++b) {
-    for (int m = 0; m < 3; ++m) {
+    for (int m = 0; m < kModes; ++m) {
       compiler::Counters before = compiler::counters();
-      double us = m == 0 ? time_batch_us(a.iters, eager, x, y)
+      double us = m == 0   ? time_batch_us(a.iters, eager, x, y)
                   : m == 1 ? time_batch_us(a.iters, compiled, x, y)
-                           : time_batch_us(a.iters, compiled_pure, x, y);
+                  : m == 2 ? time_batch_us(a.iters, compiled_pure, x, y)
+                           : time_batch_us(a.iters, compiled_pure_ro, x, y);
       compiler::Counters after = compiler::counters();
       runs[m].us.push_back(us);
       runs[m].graph_runs += after.graph_runs - before.graph_runs;
@@ -243,16 +249,16 @@ int run_toy_bench(const std::vector<std::string>& args) {
   }
 
   const int64_t calls = static_cast<int64_t>(a.iters) * a.batches;
-  const char* names[3] = {"eager", "compiled", "compiled_pure"};
+  const char* names[kModes] = {"eager", "compiled", "compiled_pure", "compiled_pure_ro"};
   KILN_CHECK(runs[0].graph_runs == 0, Error, "[kiln bench toy] the eager mode ran compiled graphs. This is a Kiln bug.");
-  for (int m = 1; m < 3; ++m) {
+  for (int m = 1; m < kModes; ++m) {
     KILN_CHECK(runs[m].graph_runs == calls && runs[m].eager_frames == 0, Error,
                std::string("[kiln bench toy] mode '") + names[m] + "' did not go through the compiler: " +
                    std::to_string(calls) + " calls ran " + std::to_string(runs[m].graph_runs) + " graphs and " +
                    std::to_string(runs[m].eager_frames) +
                    " eager frames, so its timing would mean nothing. Check the stance and KILN_* settings.");
   }
-  KILN_CHECK(runs[1].replays == 0 && runs[2].replays == calls, Error,
+  KILN_CHECK(runs[1].replays == 0 && runs[2].replays == calls && runs[3].replays == calls, Error,
              "[kiln bench toy] compiled_pure replayed " + std::to_string(runs[2].replays) + " of " +
                  std::to_string(calls) + " calls (compiled: " + std::to_string(runs[1].replays) +
                  "); a pure one-graph function skips its body on every call after the second. This is a Kiln bug.");
@@ -268,7 +274,7 @@ int run_toy_bench(const std::vector<std::string>& args) {
                            {"batches", a.batches},
                            {"graph_compiles", total.graph_compiles}};
   const double eager_us = median(runs[0].us);
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < kModes; ++m) {
     nlohmann::ordered_json j = {{"us_per_call", median(runs[m].us)}};
     if (m > 0) {
       j["overhead_us"] = median(runs[m].us) - eager_us;
@@ -375,6 +381,12 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
     auto t1 = std::chrono::steady_clock::now();
     compiled_step(x).item<float>();
     m["train_compile_cold_s"] = since(t1);
+    // Where the cold compile went (seconds per phase, summed over the step's graphs).
+    for (const auto& row : compiler::compile_time_table()) {
+      double total = 0;
+      for (double sec : row.seconds) total += sec;
+      m["train_compile_phases_s"][row.phase] = total;
+    }
   }
   return m;
 }
@@ -386,7 +398,27 @@ struct TimedMode {
   std::function<void()> infer, train;
   std::vector<double> infer_ms, train_ms;
   std::vector<double> infer_host_ms, train_host_ms;  // GPU: until the call returned (launch work)
+  int64_t infer_peak_bytes = -1, train_peak_bytes = -1;  // GPU
 };
+
+// Device bytes the caching allocator holds for an optimizer's state (each tensor's request
+// rounded up to the allocator's 512-byte granule, as its statistics count it).
+int64_t state_bytes(const nn::Module& model, const optim::Optimizer& opt) {
+  int64_t bytes = 0;
+  for (const Tensor& p : model.parameters())
+    for (const auto& [name, t] : opt.state(p)) bytes += std::max<int64_t>(1, (t.numel() * t.element_size() + 511) / 512) * 512;
+  return bytes;
+}
+
+// Peak memory of one call of `fn`, as torch.cuda.max_memory_allocated reports it: what was
+// allocated before the call (weights, optimizer state) plus the call's own high-water mark.
+int64_t peak_bytes(const BenchArgs& a, const std::function<void()>& fn) {
+  cuda::synchronize(a.device.index);
+  cuda::reset_peak_memory_stats(a.device.index);
+  fn();
+  cuda::synchronize(a.device.index);
+  return cuda::max_memory_allocated(a.device.index);
+}
 
 // Times every mode's inference, then every mode's training step, in interleaved rounds (mode A,
 // mode B, ..., then again), so that load on a shared machine hits every mode alike.
@@ -424,9 +456,25 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
   };
   model->eval();
   rounds(&TimedMode::infer, &TimedMode::infer_ms, &TimedMode::infer_host_ms);
+  if (a.device.is_cuda()) {
+    // Inference peaks before any training round, as bench/torch_baseline.py measures them: no
+    // gradients and no optimizer state held (the compile-time step left gradients behind).
+    model->zero_grad();
+    for (TimedMode& m : modes) m.infer_peak_bytes = peak_bytes(a, m.infer);
+  }
   if (a.train) {
     model->train();
     rounds(&TimedMode::train, &TimedMode::train_ms, &TimedMode::train_host_ms);
+    if (a.device.is_cuda()) {
+      // Each mode keeps its own Adam state alive (the modes alternate); a mode's training peak
+      // leaves out the other modes' state, which a program training one way would not hold.
+      for (TimedMode& m : modes) {
+        int64_t others = 0;
+        for (const TimedMode& o : modes)
+          if (&o != &m) others += state_bytes(*model, *o.opt);
+        m.train_peak_bytes = peak_bytes(a, m.train) - others;
+      }
+    }
   }
 }
 
@@ -510,22 +558,13 @@ int run_bench(const std::vector<std::string>& args) {
   time_interleaved(a, model, timed);
   if (!a.profile.empty()) profile_once(a, model, timed);
   if (a.device.is_cuda()) {
-    // Peak memory per mode, each measured alone (weights, optimizer state and caches included,
-    // as torch.cuda.max_memory_allocated counts them).
+    // Peak memory per mode (weights, optimizer state and caches included, as
+    // torch.cuda.max_memory_allocated counts them), measured by time_interleaved.
     result["gpu"] = cuda::get_device_properties(a.device.index).name;
     for (TimedMode& t : timed) {
       nlohmann::json& m = result["modes"][t.name];
-      model->eval();
-      cuda::synchronize(a.device.index);
-      cuda::reset_peak_memory_stats(a.device.index);
-      t.infer();
-      m["inference_peak_bytes"] = cuda::max_memory_allocated(a.device.index);
-      if (a.train) {
-        model->train();
-        cuda::reset_peak_memory_stats(a.device.index);
-        t.train();
-        m["train_peak_bytes"] = cuda::max_memory_allocated(a.device.index);
-      }
+      m["inference_peak_bytes"] = t.infer_peak_bytes;
+      if (a.train) m["train_peak_bytes"] = t.train_peak_bytes;
     }
   }
   for (TimedMode& t : timed) {

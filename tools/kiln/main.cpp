@@ -25,7 +25,7 @@ commands:
                        one more call per mode inside cuda::profiler_start/stop, for ncu;
                        --pure: compiled inference and step with CompileOptions::pure)
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
-                       compiled pure (us per call). --iters 2000 (calls per batch) --batches 7
+                       compiled pure, pure reduce_overhead (us per call). --iters 2000 (calls per batch) --batches 7
                        --warmup 3 --threads N --device cpu|cuda --json
   version              print the version
   help                 show this message

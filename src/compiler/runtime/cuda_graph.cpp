@@ -62,6 +62,7 @@ struct CudaGraphRunner::Impl {
   // The recorded graph.
   int device = 0;
   cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;  // orders a replay after and before the caller's work
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   std::shared_ptr<cu::PrivatePool> pool;  // destroyed after the tensors below (declared first)
@@ -86,6 +87,12 @@ struct CudaGraphRunner::Impl {
       cudaStreamDestroy(stream);
       stream = nullptr;
     }
+    for (cudaEvent_t* e : {&ready, &done})
+      if (*e) {
+        cu::DeviceGuard guard(device);
+        cudaEventDestroy(*e);
+        *e = nullptr;
+      }
   }
 
   void disable(const std::string& why) {
@@ -106,6 +113,8 @@ struct CudaGraphRunner::Impl {
     // Work queued for the inputs on the caller's stream finishes before recording starts.
     cu::check(cudaStreamSynchronize(cu::current_stream(device)), "compile (CUDA graph)");
     cu::check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "compile (CUDA graph)");
+    cu::check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "compile (CUDA graph)");
+    cu::check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "compile (CUDA graph)");
     pool = cu::create_private_pool(device);
     const size_t n = args.tensors.size();
     in_place.assign(n, false);
@@ -192,16 +201,11 @@ struct CudaGraphRunner::Impl {
       if (!in_place[i] && args.tensors[i].defined()) static_inputs[i].copy_(args.tensors[i]);
     // The graph runs on its own stream, ordered after the caller's work and before what the caller
     // queues next.
-    cudaEvent_t ready = nullptr, done = nullptr;
-    cu::check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "compile (CUDA graph replay)");
-    cu::check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "compile (CUDA graph replay)");
     cu::check(cudaEventRecord(ready, caller), "compile (CUDA graph replay)");
     cu::check(cudaStreamWaitEvent(stream, ready, 0), "compile (CUDA graph replay)");
     cu::check(cudaGraphLaunch(exec, stream), "compile (CUDA graph replay)");
     cu::check(cudaEventRecord(done, stream), "compile (CUDA graph replay)");
     cu::check(cudaStreamWaitEvent(caller, done, 0), "compile (CUDA graph replay)");
-    cudaEventDestroy(ready);
-    cudaEventDestroy(done);
     detail::counter_set().cuda_graph_replays.fetch_add(1, std::memory_order_relaxed);
     for (size_t i = 0; i < static_inputs.size(); ++i)
       if (!in_place[i] && i < written_inputs.size() && written_inputs[i] && args.tensors[i].defined()) {
