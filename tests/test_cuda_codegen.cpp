@@ -292,6 +292,43 @@ TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
   EXPECT_EQ(lower::generate_cuda(zp.kernels[2]).numel, 0);
 }
 
+// The kiln backend compiles a graph's kernels in batches, one NVRTC program each: kernels with
+// the same entry point name and their own Params structs share one translation unit.
+TEST(CudaJit, BatchedKernelsShareOneProgram) {
+  std::vector<lower::CudaKernelSource> kernels;
+  for (const char* unary : {"sin", "sin", "exp"}) {
+    Graph g;
+    int x = g.add_input(value({4, 8}));
+    int y = g.add_input(value({4, 8}));
+    int u = call(g, unary, {x}, {}, value({4, 8}));
+    g.outputs = {call(g, "mul", {u, y}, {}, value({4, 8}))};
+    lower::Program p = lower::schedule(std::move(g));
+    ASSERT_EQ(p.kernels.size(), 1u);
+    kernels.push_back(lower::generate_cuda(p.kernels[0]));
+  }
+  // A reduction too: its helpers must not clash with the pointwise kernels' definitions.
+  {
+    Graph g;
+    int x = g.add_input(value({16, 32}));
+    g.outputs = {call(g, "sum", {x}, {std::vector<int64_t>{1}, false}, value({16}))};
+    lower::Program p = lower::schedule(std::move(g));
+    ASSERT_EQ(p.kernels.size(), 1u);
+    kernels.push_back(lower::generate_cuda(p.kernels[0]));
+  }
+  EXPECT_EQ(kernels[0].name, kernels[1].name);
+  std::vector<const lower::CudaKernelSource*> members;
+  for (const auto& k : kernels) members.push_back(&k);
+  lower::CudaModuleSource m = lower::batch_cuda(members);
+  ASSERT_EQ(m.names.size(), 4u);
+  for (size_t i = 0; i < m.names.size(); ++i) {
+    EXPECT_EQ(m.names[i], kernels[i].name + "_" + std::to_string(i));
+    EXPECT_TRUE(contains(m.source, " " + m.names[i] + "(Params p)")) << m.names[i];
+  }
+#ifdef KILN_WITH_CUDA
+  EXPECT_NO_THROW(cuda::detail::compile_cubin(m.source, 90, "batch")) << m.source;
+#endif
+}
+
 TEST(CudaJit, RejectsWhatItDoesNotHandle) {
   lower::Kernel k;
   k.device = kCPU;

@@ -238,7 +238,7 @@ std::string target_for(int device) {
 
 struct Entry {
   std::once_flag once;
-  JitFunction function = nullptr;
+  std::vector<JitFunction> functions;
   std::exception_ptr error;
 };
 
@@ -246,9 +246,18 @@ struct Entry {
 
 JitFunction jit_function(int device, const std::string& key, const char* name,
                          const std::function<std::string()>& source) {
+  return jit_functions(device, key, {name}, source)[0];
+}
+
+std::vector<JitFunction> jit_functions(int device, const std::string& key, const std::vector<std::string>& names,
+                                       const std::function<std::string()>& source) {
   static std::mutex mutex;
   static auto* entries = new std::unordered_map<std::string, std::shared_ptr<Entry>>();  // modules live forever
-  std::string full_key = std::to_string(device) + '\0' + name + '\0' + key;
+  KILN_CHECK(!names.empty(), Error, "[kiln::cuda::jit] a module needs at least one function. This is a Kiln bug.");
+  std::string full_key = std::to_string(device);
+  for (const std::string& n : names) full_key += '\0' + n;
+  full_key += '\0' + key;
+  const std::string label = names.size() == 1 ? names[0] : names[0] + "+" + std::to_string(names.size() - 1);
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard lock(mutex);
@@ -264,23 +273,25 @@ JitFunction jit_function(int device, const std::string& key, const char* name,
       std::string text = source();
       compiler::runtime::BlobRequest req;
       req.kind = "cuda";
-      req.label = name;
+      req.label = label;
       req.key_fields = {{"nvrtc", nvrtc_version()}, {"target", target}, {"source", text}};
       for (const auto& o : options(target)) req.key_fields.emplace_back("option", o);
       for (const auto& [n, t] : jit_headers()) req.key_fields.emplace_back(std::string(n), std::string(t));
-      std::string binary = compiler::runtime::load_or_build_blob(req, [&] { return compile(text, target, name).binary; });
+      std::string binary = compiler::runtime::load_or_build_blob(req, [&] { return compile(text, target, label).binary; });
       CUmodule module = nullptr;
       check_driver(driver().module_load_data(&module, binary.data()), "jit (cuModuleLoadData)");
       ++g_loads;
-      CUfunction f = nullptr;
-      check_driver(driver().module_get_function(&f, module, name), "jit (cuModuleGetFunction)");
-      entry->function = f;
+      for (const std::string& n : names) {
+        CUfunction f = nullptr;
+        check_driver(driver().module_get_function(&f, module, n.c_str()), "jit (cuModuleGetFunction)");
+        entry->functions.push_back(f);
+      }
     } catch (...) {
       entry->error = std::current_exception();
     }
   });
   if (entry->error) std::rethrow_exception(entry->error);
-  return entry->function;
+  return entry->functions;
 }
 
 void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes, cudaStream_t stream, void** args) {

@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace kiln::cuda::detail {
 
@@ -25,6 +26,10 @@ using JitFunction = void*;
 // log and the source on failure.
 JitFunction jit_function(int device, const std::string& key, const char* name,
                          const std::function<std::string()>& source);
+// The functions `names` of one module (one NVRTC program: the headers are parsed once for all
+// of them), in the order given. Otherwise as jit_function.
+std::vector<JitFunction> jit_functions(int device, const std::string& key, const std::vector<std::string>& names,
+                                       const std::function<std::string()>& source);
 
 // Launches `f` on `stream` with one by-value parameter block: `args` points at each parameter.
 void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes, cudaStream_t stream,

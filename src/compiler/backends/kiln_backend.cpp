@@ -1,6 +1,7 @@
 // The `kiln` backend (alias "inductor"): graph passes → scheduler (fusion) → C++ code generation →
 // system compiler (cached on disk) → an executable that runs the generated kernels and dispatches
 // the remaining nodes (DESIGN §2.5).
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <fstream>
 #include <unistd.h>
 
+#include <map>
 #include <optional>
 #include <thread>
 
@@ -376,34 +378,59 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
 #endif
   }
 #ifdef KILN_WITH_CUDA
-  // NVRTC compiles one kernel on one core (tens of milliseconds each, hundreds for a model):
-  // kernels compile side by side, one worker per core. Errors are rethrown here, in kernel order.
+  // NVRTC spends most of a lone kernel's time (about 70 of 90 ms) parsing the headers, so the
+  // kernels compile in batches, one NVRTC program per batch of up to kMaxBatch kernels of one
+  // device, and the batches side by side, one worker per core. Identical sources compile once.
+  // Errors are rethrown here, in batch order.
   {
+    constexpr size_t kMaxBatch = 32;
     auto t0 = std::chrono::steady_clock::now();
-    std::vector<size_t> todo;
+    std::map<std::pair<int, std::string>, std::vector<size_t>> by_source;  // (device, source) -> kernels
     for (size_t i = 0; i < ex->program.kernels.size(); ++i)
-      if (!ex->program.kernels[i].device.is_cpu()) todo.push_back(i);
-    std::vector<std::exception_ptr> errors(todo.size());
+      if (!ex->program.kernels[i].device.is_cpu())
+        by_source[{ex->cuda_kernels[i].device, cuda_sources[i].source}].push_back(i);
+    std::vector<std::vector<const std::vector<size_t>*>> per_device;  // unique sources, by device
+    std::map<int, size_t> device_slot;
+    for (const auto& [key, kernels] : by_source) {
+      auto [it, fresh] = device_slot.emplace(key.first, per_device.size());
+      if (fresh) per_device.emplace_back();
+      per_device[it->second].push_back(&kernels);
+    }
+    const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::vector<const std::vector<size_t>*>> batches;
+    for (const auto& sources_of_device : per_device) {
+      // Enough batches to keep every core busy, none larger than kMaxBatch.
+      const size_t size = std::clamp<size_t>((sources_of_device.size() + cores - 1) / cores, 1, kMaxBatch);
+      for (size_t b = 0; b < sources_of_device.size(); b += size)
+        batches.emplace_back(sources_of_device.begin() + b,
+                             sources_of_device.begin() + std::min(b + size, sources_of_device.size()));
+    }
+    std::vector<std::exception_ptr> errors(batches.size());
     std::atomic<size_t> next{0};
     auto work = [&] {
-      for (size_t j; (j = next.fetch_add(1)) < todo.size();) {
-        CudaKernel& ck = ex->cuda_kernels[todo[j]];
-        const std::string& source = cuda_sources[todo[j]].source;
+      for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
         try {
-          ck.function = cuda::detail::jit_function(ck.device, source, cuda_sources[todo[j]].name.c_str(), [&] { return source; });
+          std::vector<const lower::CudaKernelSource*> members;
+          for (const std::vector<size_t>* same : batches[j]) members.push_back(&cuda_sources[same->front()]);
+          const lower::CudaModuleSource module = lower::batch_cuda(members);
+          const int device = ex->cuda_kernels[batches[j].front()->front()].device;
+          std::vector<cuda::detail::JitFunction> fns =
+              cuda::detail::jit_functions(device, module.source, module.names, [&] { return module.source; });
+          for (size_t m = 0; m < batches[j].size(); ++m)
+            for (size_t i : *batches[j][m]) ex->cuda_kernels[i].function = fns[m];
         } catch (...) {
           errors[j] = std::current_exception();
         }
       }
     };
-    size_t workers = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
+    size_t workers = std::min(batches.size(), cores);
     std::vector<std::thread> pool;
     for (size_t w = 1; w < workers; ++w) pool.emplace_back(work);
     work();
     for (auto& t : pool) t.join();
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
-    if (!todo.empty())
+    if (!batches.empty())
       detail::record_phase("cuda_build (kiln)",
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }

@@ -128,8 +128,10 @@ struct FrameEntry::Replay {
   // zero_grad, backward, optimizer step). A replay sets them again.
   struct GradSet {
     int input = -1;  // index into `inputs`
-    enum class Kind { none, keep, output } kind = Kind::none;  // none: zero_grad(set_to_none);
-    OutputRef output;  // keep: the tensor it held before (accumulated in place)
+    // none: no gradient (zero_grad(set_to_none)); keep: the tensor it held before (accumulated
+    // in place); output: the graph output (or view) `output`.
+    enum class Kind { none, keep, output } kind = Kind::none;
+    OutputRef output;
     bool operator==(const GradSet&) const = default;
   };
   std::vector<GradSet> grads;

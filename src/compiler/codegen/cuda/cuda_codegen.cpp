@@ -427,6 +427,25 @@ bool cuda_codegen_supports(const Kernel& k) {
   return true;
 }
 
+CudaModuleSource batch_cuda(const std::vector<const CudaKernelSource*>& kernels) {
+  const size_t preamble = std::strlen(kPreamble);
+  CudaModuleSource m;
+  m.source = kPreamble;
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    const CudaKernelSource& k = *kernels[i];
+    const std::string entry = " " + k.name + "(Params p)";
+    const size_t at = k.source.find(entry);
+    KILN_CHECK(k.source.compare(0, preamble, kPreamble) == 0 && at != std::string::npos, CompileError,
+               "[kiln::compile] " + k.name + " is not a generate_cuda() source. This is a Kiln bug.");
+    std::string body = k.source.substr(preamble);
+    std::string name = k.name + "_" + std::to_string(i);
+    body.replace(at - preamble + 1, k.name.size(), name);
+    m.source += "namespace kiln_kernel_" + std::to_string(i) + " {\n" + body + "}\n";
+    m.names.push_back(std::move(name));
+  }
+  return m;
+}
+
 CudaKernelSource generate_cuda(const Kernel& k) {
   KILN_CHECK(cuda_codegen_supports(k), CompileError,
              "[kiln::compile] the CUDA code generator handles pointwise and sum/max/min kernels on CUDA devices only (got " +
