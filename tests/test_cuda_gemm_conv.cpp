@@ -659,4 +659,43 @@ TEST(CudaConv, BadOperandsThrowTheMetaErrors) {
   EXPECT_THROW(conv2d(ones({1, 3, 5, 5}, o), ones({4, 3, 3, 3})), DeviceError);
 }
 
+#ifdef KILN_WITH_CUDNN
+// compile()'s max_autotune times cuDNN's algorithms (cudnnFind*) for each configuration and
+// direction at a graph's first run, caches the winners, and the compiled step matches eager.
+TEST(CudaConv, MaxAutotuneTimesTheAlgorithmsAndMatchesEager) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  manual_seed(3);
+  const TensorOptions o(kFloat32, cuda_device());
+  Tensor w = randn({12, 7, 3, 3}, o).mul_(0.2).requires_grad_(true);
+  Tensor b = randn({12}, o).requires_grad_(true);
+  auto step = [&](const Tensor& x) {
+    Tensor r = relu(conv2d(x, w, b, {1, 1}, {1, 1}));
+    Tensor loss = (r * r).mean();
+    loss.backward();
+    return loss;
+  };
+  auto tuned = compile(step, CompileOptions{.backend = std::string("kiln"), .mode = Mode::max_autotune});
+  const int64_t before = cuda::detail::conv_plans_timed();
+  for (int i = 0; i < 3; ++i) {
+    Tensor x = randn({3, 7, 11, 13}, o).requires_grad_(true);
+    w.set_grad(Tensor());
+    b.set_grad(Tensor());
+    Tensor loss = tuned(x);
+    Tensor gw = w.grad().clone(), gb = b.grad().clone(), gx = x.grad().clone();
+    w.set_grad(Tensor());
+    b.set_grad(Tensor());
+    x.set_grad(Tensor());
+    Tensor expected = step(x);
+    EXPECT_TRUE(allclose(loss.cpu(), expected.cpu(), 1e-3, 1e-5)) << "call " << i;
+    EXPECT_TRUE(allclose(gw.cpu(), w.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    EXPECT_TRUE(allclose(gb.cpu(), b.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    EXPECT_TRUE(allclose(gx.cpu(), x.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+  }
+  // Forward, backward-data and backward-filter of the configuration were timed.
+  EXPECT_GE(cuda::detail::conv_plans_timed() - before, 3);
+  EXPECT_GE(compiler::counters().graph_runs, 3);
+}
+#endif
+
 #endif  // KILN_WITH_CUDA

@@ -17,7 +17,11 @@
 //
 // Plans (descriptors and the algorithm cudnnGet*Algorithm_v7 ranks first among those cuDNN
 // supports for the configuration and precision setting; the next one when cuDNN refuses it at
-// run time) are cached per configuration, layout and direction. cuDNN's legacy API takes int
+// run time) are cached per configuration, layout and direction. Under compile()'s max_autotune
+// (the kiln backend's ConvAutotuneScope, which covers GPU convolutions too) a configuration's
+// first plan is chosen by timing instead: cudnnFind*Algorithm runs every algorithm cuDNN has for
+// it and ranks them by measured time; the winner is cached as its own plan (never while a CUDA
+// graph records: the search synchronizes). cuDNN's legacy API takes int
 // sizes: tensors of 2^31 elements or more are refused with a ShapeError.
 #ifdef KILN_WITH_CUDNN
 
@@ -26,6 +30,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <climits>
 #include <functional>
 #include <memory>
@@ -35,6 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/cpu/conv_autotune.h"
 #include "backends/cuda/conv_kernels.h"
 #include "backends/cuda/cuda_runtime.h"
 #include "backends/cuda/elementwise.h"
@@ -219,8 +225,10 @@ bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf3
 
 // Builds the plan of `p` for `direction`, skipping the `excluded` algorithms; nullptr when cuDNN
 // has no algorithm for it.
+std::atomic<int64_t> g_timed_plans{0};
+
 std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direction,
-                                           bool allow_tf32, uint32_t excluded) {
+                                           bool allow_tf32, uint32_t excluded, bool timed) {
   auto plan = std::make_shared<ConvPlan>();
   plan->excluded = excluded;
   const DType t = p.dtype;
@@ -252,9 +260,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
   switch (direction) {
     case Direction::forward: {
       std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> perf{};
-      check_cudnn(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d,
-                                                         plan->y.d, static_cast<int>(perf.size()),
-                                                         &count, perf.data()),
+      const int n = static_cast<int>(perf.size());
+      check_cudnn(timed ? cudnnFindConvolutionForwardAlgorithm(handle, plan->x.d, plan->w.d, plan->conv.d,
+                                                               plan->y.d, n, &count, perf.data())
+                        : cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d,
+                                                                 plan->y.d, n, &count, perf.data()),
                   "conv2d");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
         return cudnnGetConvolutionForwardWorkspaceSize(
@@ -265,9 +275,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
     }
     case Direction::backward_data: {
       std::array<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT> perf{};
-      check_cudnn(cudnnGetConvolutionBackwardDataAlgorithm_v7(
-                      handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
-                      static_cast<int>(perf.size()), &count, perf.data()),
+      const int n = static_cast<int>(perf.size());
+      check_cudnn(timed ? cudnnFindConvolutionBackwardDataAlgorithm(handle, plan->w.d, plan->y.d, plan->conv.d,
+                                                                    plan->x.d, n, &count, perf.data())
+                        : cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w.d, plan->y.d, plan->conv.d,
+                                                                      plan->x.d, n, &count, perf.data()),
                   "convolution_backward");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
         return cudnnGetConvolutionBackwardDataWorkspaceSize(
@@ -279,9 +291,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
     case Direction::backward_filter: {
       std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>
           perf{};
-      check_cudnn(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-                      handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
-                      static_cast<int>(perf.size()), &count, perf.data()),
+      const int n = static_cast<int>(perf.size());
+      check_cudnn(timed ? cudnnFindConvolutionBackwardFilterAlgorithm(handle, plan->x.d, plan->y.d, plan->conv.d,
+                                                                      plan->w.d, n, &count, perf.data())
+                        : cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x.d, plan->y.d, plan->conv.d,
+                                                                        plan->w.d, n, &count, perf.data()),
                   "convolution_backward");
       found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(
@@ -291,6 +305,7 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
       break;
     }
   }
+  if (found && timed) g_timed_plans.fetch_add(1, std::memory_order_relaxed);
   return found ? plan : nullptr;
 }
 
@@ -314,6 +329,10 @@ struct PlanKeyHash {
 std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction direction,
                                           const ConvPlan* failed = nullptr) {
   const bool allow_tf32 = p.dtype == DType::float32 && cudnn_allow_tf32();
+  // max_autotune times the algorithms (cudnnFind*). A CUDA graph recording cannot time (the
+  // search synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
+  bool timed = kiln::cpu::conv_autotune_active();
+  const bool recording = capturing(p.device);
   PlanKey key;
   key.v = {p.device,
            static_cast<int64_t>(p.dtype),
@@ -335,7 +354,8 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
            p.groups,
            p.channels_last,
            static_cast<int64_t>(direction),
-           allow_tf32};
+           allow_tf32,
+           timed};
   static std::mutex mutex;
   static auto* cache =
       new std::unordered_map<PlanKey, std::shared_ptr<const ConvPlan>, PlanKeyHash>;
@@ -343,9 +363,15 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
     std::lock_guard lock(mutex);
     if (auto it = cache->find(key); it != cache->end()) return it->second;
   }
+  if (timed && recording) {
+    timed = false;
+    key.v[21] = 0;
+    std::lock_guard lock(mutex);
+    if (auto it = cache->find(key); !failed && it != cache->end()) return it->second;
+  }
   const uint32_t excluded =
       failed ? failed->excluded | (failed->algorithm < 32 ? 1u << failed->algorithm : 0u) : 0u;
-  auto plan = build_plan(p, direction, allow_tf32, excluded);
+  auto plan = build_plan(p, direction, allow_tf32, excluded, timed);
   std::lock_guard lock(mutex);
   if (cache->size() >= 4096) cache->clear();  // shapes of a dynamic workload pile up otherwise
   (*cache)[key] = plan;
@@ -692,6 +718,8 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 std::string conv_bias_grad_source_for_test(DType t) {
   return bias_grad_source(t);
 }
+
+int64_t conv_plans_timed() { return g_timed_plans.load(std::memory_order_relaxed); }
 
 }  // namespace kiln::cuda::detail
 
