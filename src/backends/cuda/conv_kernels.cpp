@@ -19,9 +19,9 @@
 // supports for the configuration and precision setting; the next one when cuDNN refuses it at
 // run time) are cached per configuration, layout and direction. Under compile()'s max_autotune
 // (the kiln backend's ConvAutotuneScope, which covers GPU convolutions too) a configuration's
-// first plan is chosen by timing instead: cudnnFind*Algorithm runs every algorithm cuDNN has for
-// it and ranks them by measured time; the winner is cached as its own plan (never while a CUDA
-// graph records: the search synchronizes). cuDNN's legacy API takes int
+// first plan is chosen by timing instead: every algorithm the heuristics offer runs on zeroed
+// scratch operands and the fastest is cached as its own plan (never while a CUDA graph records:
+// timing synchronizes; a recording takes the plan its warm-up run timed). cuDNN's legacy API takes int
 // sizes: tensors of 2^31 elements or more are refused with a ShapeError.
 #ifdef KILN_WITH_CUDNN
 
@@ -223,6 +223,90 @@ bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf3
   return false;
 }
 
+// Zeroed operands of one configuration for timing candidates (x, w, y: input, weight, output in
+// the plan's layout; a backward direction reads and writes the same three), and the scales.
+struct Scratch {
+  Tensor xt, wt, yt;
+  void *x, *w, *y;
+  const void *one, *zero;
+  float one_f = 1, zero_f = 0;
+  double one_d = 1, zero_d = 0;
+  explicit Scratch(const ConvParams& p) {
+    const Device d = cuda_device(p.device);
+    auto make = [&](std::vector<int64_t> sizes) {
+      Tensor t = zeros(sizes, TensorOptions(p.dtype, d));
+      return p.channels_last ? t.contiguous(MemoryFormat::channels_last) : t;
+    };
+    xt = make({p.n, p.c, p.h, p.w});
+    wt = make({p.o, p.c / p.groups, p.kh, p.kw});
+    yt = make({p.n, p.o, p.oh, p.ow});
+    x = xt.impl().data();
+    w = wt.impl().data();
+    y = yt.impl().data();
+    one = p.dtype == DType::float64 ? static_cast<const void*>(&one_d) : &one_f;
+    zero = p.dtype == DType::float64 ? static_cast<const void*>(&zero_d) : &zero_f;
+  }
+};
+
+// max_autotune: runs every candidate choose() would accept (up to 8, in the heuristics' order)
+// on zeroed scratch operands, one untimed run then the fastest of three timed with CUDA events,
+// and takes the fastest; the heuristics' first pick keeps its place unless another beats it by
+// 3% (timing noise must not trade a good algorithm for an equal one). Sets the winner's math mode.
+template <class Perf, class Run>
+bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams& p, bool allow_tf32,
+                  const std::function<cudnnStatus_t(int, size_t*)>& workspace_size, Run run) {
+  struct Candidate {
+    int algo;
+    cudnnMathType_t math;
+    size_t bytes;
+    float ms;
+  };
+  std::vector<Candidate> candidates;
+  for (int i = 0; i < count && candidates.size() < 8; ++i) {
+    const int algo = static_cast<int>(perf[i].algo);
+    if (perf[i].status != CUDNN_STATUS_SUCCESS || (algo < 32 && (plan.excluded >> algo) & 1u)) continue;
+    const std::optional<cudnnMathType_t> math = math_mode(perf[i].mathType, p.dtype, allow_tf32);
+    if (!math || cudnnSetConvolutionMathType(plan.conv.d, *math) != CUDNN_STATUS_SUCCESS) continue;
+    size_t bytes = 0;
+    if (workspace_size(algo, &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspace) continue;
+    candidates.push_back({algo, *math, bytes, -1.0f});
+  }
+  if (candidates.empty()) return false;
+  Scratch m(p);
+  cudaStream_t stream = current_stream(p.device);
+  cudaEvent_t start = nullptr, stop = nullptr;
+  check(cudaEventCreate(&start), "conv2d (max_autotune)");
+  check(cudaEventCreate(&stop), "conv2d (max_autotune)");
+  for (Candidate& c : candidates) {
+    check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, c.math), "conv2d (max_autotune)");
+    Tensor ws = workspace(static_cast<int64_t>(c.bytes), cuda_device(p.device));
+    void* ws_data = ws.defined() ? ws.impl().data() : nullptr;
+    if (run(c.algo, ws_data, c.bytes, m) != CUDNN_STATUS_SUCCESS) continue;  // refused: not a candidate
+    for (int rep = 0; rep < 3; ++rep) {
+      check(cudaEventRecord(start, stream), "conv2d (max_autotune)");
+      const cudnnStatus_t status = run(c.algo, ws_data, c.bytes, m);
+      check(cudaEventRecord(stop, stream), "conv2d (max_autotune)");
+      check(cudaEventSynchronize(stop), "conv2d (max_autotune)");
+      if (status != CUDNN_STATUS_SUCCESS) break;
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, start, stop), "conv2d (max_autotune)");
+      c.ms = c.ms < 0 ? ms : std::min(c.ms, ms);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  const Candidate* best = nullptr;
+  for (const Candidate& c : candidates)
+    if (c.ms >= 0 && (!best || c.ms < best->ms)) best = &c;
+  if (!best) return false;
+  const Candidate& first = candidates.front();
+  if (first.ms >= 0 && best->ms > 0.97f * first.ms) best = &first;
+  check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, best->math), "conv2d (max_autotune)");
+  plan.algorithm = best->algo;
+  plan.workspace = best->bytes;
+  return true;
+}
+
 // Builds the plan of `p` for `direction`, skipping the `excluded` algorithms; nullptr when cuDNN
 // has no algorithm for it.
 std::atomic<int64_t> g_timed_plans{0};
@@ -261,47 +345,61 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
     case Direction::forward: {
       std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> perf{};
       const int n = static_cast<int>(perf.size());
-      check_cudnn(timed ? cudnnFindConvolutionForwardAlgorithm(handle, plan->x.d, plan->w.d, plan->conv.d,
-                                                               plan->y.d, n, &count, perf.data())
-                        : cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d,
-                                                                 plan->y.d, n, &count, perf.data()),
+      check_cudnn(cudnnGetConvolutionForwardAlgorithm_v7(handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d, n,
+                                                         &count, perf.data()),
                   "conv2d");
-      found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionForwardWorkspaceSize(
-            handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
-            static_cast<cudnnConvolutionFwdAlgo_t>(algo), bytes);
-      });
+      auto bytes_of = [&](int algo, size_t* bytes) {
+        return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
+                                                       static_cast<cudnnConvolutionFwdAlgo_t>(algo), bytes);
+      };
+      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
+                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
+                                     return cudnnConvolutionForward(
+                                         handle, m.one, plan->x.d, m.x, plan->w.d, m.w, plan->conv.d,
+                                         static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, bytes, m.zero, plan->y.d, m.y);
+                                   })
+                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
       break;
     }
     case Direction::backward_data: {
       std::array<cudnnConvolutionBwdDataAlgoPerf_t, CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT> perf{};
       const int n = static_cast<int>(perf.size());
-      check_cudnn(timed ? cudnnFindConvolutionBackwardDataAlgorithm(handle, plan->w.d, plan->y.d, plan->conv.d,
-                                                                    plan->x.d, n, &count, perf.data())
-                        : cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w.d, plan->y.d, plan->conv.d,
-                                                                      plan->x.d, n, &count, perf.data()),
+      check_cudnn(cudnnGetConvolutionBackwardDataAlgorithm_v7(handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
+                                                              n, &count, perf.data()),
                   "convolution_backward");
-      found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionBackwardDataWorkspaceSize(
-            handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
-            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), bytes);
-      });
+      auto bytes_of = [&](int algo, size_t* bytes) {
+        return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
+                                                            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), bytes);
+      };
+      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
+                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
+                                     return cudnnConvolutionBackwardData(
+                                         handle, m.one, plan->w.d, m.w, plan->y.d, m.y, plan->conv.d,
+                                         static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, bytes, m.zero, plan->x.d,
+                                         m.x);
+                                   })
+                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
       break;
     }
     case Direction::backward_filter: {
       std::array<cudnnConvolutionBwdFilterAlgoPerf_t, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT>
           perf{};
       const int n = static_cast<int>(perf.size());
-      check_cudnn(timed ? cudnnFindConvolutionBackwardFilterAlgorithm(handle, plan->x.d, plan->y.d, plan->conv.d,
-                                                                      plan->w.d, n, &count, perf.data())
-                        : cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x.d, plan->y.d, plan->conv.d,
-                                                                        plan->w.d, n, &count, perf.data()),
+      check_cudnn(cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x.d, plan->y.d, plan->conv.d,
+                                                                plan->w.d, n, &count, perf.data()),
                   "convolution_backward");
-      found = choose(*plan, perf.data(), count, t, allow_tf32, [&](int algo, size_t* bytes) {
-        return cudnnGetConvolutionBackwardFilterWorkspaceSize(
-            handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
-            static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), bytes);
-      });
+      auto bytes_of = [&](int algo, size_t* bytes) {
+        return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
+                                                              static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), bytes);
+      };
+      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
+                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
+                                     return cudnnConvolutionBackwardFilter(
+                                         handle, m.one, plan->x.d, m.x, plan->y.d, m.y, plan->conv.d,
+                                         static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), ws, bytes, m.zero, plan->w.d,
+                                         m.w);
+                                   })
+                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
       break;
     }
   }
