@@ -19,8 +19,8 @@
 // supports for the configuration and precision setting; the next one when cuDNN refuses it at
 // run time) are cached per configuration, layout and direction. Under compile()'s max_autotune
 // (the kiln backend's ConvAutotuneScope, which covers GPU convolutions too) a configuration's
-// first plan is chosen by timing instead: every algorithm the heuristics offer runs on zeroed
-// scratch operands and the fastest is cached as its own plan (never while a CUDA graph records:
+// first plan is chosen by timing instead: every algorithm the heuristics offer runs on scratch
+// operands and the fastest is cached as its own plan (never while a CUDA graph records:
 // timing synchronizes; a recording takes the plan its warm-up run timed). cuDNN's legacy API takes int
 // sizes: tensors of 2^31 elements or more are refused with a ShapeError.
 #ifdef KILN_WITH_CUDNN
@@ -223,8 +223,11 @@ bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf3
   return false;
 }
 
-// Zeroed operands of one configuration for timing candidates (x, w, y: input, weight, output in
-// the plan's layout; a backward direction reads and writes the same three), and the scales.
+// Operands of one configuration for timing candidates (x, w, y: input, weight, output in the
+// plan's layout; a backward direction reads and writes the same three), and the scales. They
+// hold 0.5, not zeros: cuDNN's direct engines skip zero weights, so zeroed operands made them
+// look several times faster than they are (DenseNet inference under max_autotune ran 2.3x
+// slower than under reduce_overhead). No random fill: timing must not move the RNG streams.
 struct Scratch {
   Tensor xt, wt, yt;
   void *x, *w, *y;
@@ -234,7 +237,7 @@ struct Scratch {
   explicit Scratch(const ConvParams& p) {
     const Device d = cuda_device(p.device);
     auto make = [&](std::vector<int64_t> sizes) {
-      Tensor t = zeros(sizes, TensorOptions(p.dtype, d));
+      Tensor t = full(sizes, 0.5, TensorOptions(p.dtype, d));
       return p.channels_last ? t.contiguous(MemoryFormat::channels_last) : t;
     };
     xt = make({p.n, p.c, p.h, p.w});
@@ -249,7 +252,7 @@ struct Scratch {
 };
 
 // max_autotune: runs every candidate choose() would accept (up to 8, in the heuristics' order)
-// on zeroed scratch operands, one untimed run then the fastest of three timed with CUDA events,
+// on scratch operands, one untimed run then the fastest of three timed with CUDA events,
 // and takes the fastest; the heuristics' first pick keeps its place unless another beats it by
 // 3% (timing noise must not trade a good algorithm for an equal one). Sets the winner's math mode.
 template <class Perf, class Run>
