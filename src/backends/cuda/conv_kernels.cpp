@@ -371,6 +371,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
   cudnnHandle_t handle = cudnn_handle(p.device);
   int count = 0;
   bool found = false;
+  // The heuristics' ranking, taken as is or timed (max_autotune).
+  auto pick = [&](const auto* perf, const std::function<cudnnStatus_t(int, size_t*)>& bytes_of, auto run) {
+    return timed ? choose_timed(*plan, perf, count, p, allow_tf32, bytes_of, run)
+                 : choose(*plan, perf, count, t, allow_tf32, bytes_of);
+  };
   switch (direction) {
     case Direction::forward: {
       std::array<cudnnConvolutionFwdAlgoPerf_t, CUDNN_CONVOLUTION_FWD_ALGO_COUNT> perf{};
@@ -382,13 +387,10 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
         return cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x.d, plan->w.d, plan->conv.d, plan->y.d,
                                                        static_cast<cudnnConvolutionFwdAlgo_t>(algo), bytes);
       };
-      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
-                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
-                                     return cudnnConvolutionForward(
-                                         handle, m.one, plan->x.d, m.x, plan->w.d, m.w, plan->conv.d,
-                                         static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, bytes, m.zero, plan->y.d, m.y);
-                                   })
-                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
+      found = pick(perf.data(), bytes_of, [&](int algo, void* ws, size_t bytes, Scratch& m) {
+        return cudnnConvolutionForward(handle, m.one, plan->x.d, m.x, plan->w.d, m.w, plan->conv.d,
+                                       static_cast<cudnnConvolutionFwdAlgo_t>(algo), ws, bytes, m.zero, plan->y.d, m.y);
+      });
       break;
     }
     case Direction::backward_data: {
@@ -401,14 +403,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
         return cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w.d, plan->y.d, plan->conv.d, plan->x.d,
                                                             static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), bytes);
       };
-      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
-                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
-                                     return cudnnConvolutionBackwardData(
-                                         handle, m.one, plan->w.d, m.w, plan->y.d, m.y, plan->conv.d,
-                                         static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, bytes, m.zero, plan->x.d,
-                                         m.x);
-                                   })
-                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
+      found = pick(perf.data(), bytes_of, [&](int algo, void* ws, size_t bytes, Scratch& m) {
+        return cudnnConvolutionBackwardData(handle, m.one, plan->w.d, m.w, plan->y.d, m.y, plan->conv.d,
+                                            static_cast<cudnnConvolutionBwdDataAlgo_t>(algo), ws, bytes, m.zero,
+                                            plan->x.d, m.x);
+      });
       break;
     }
     case Direction::backward_filter: {
@@ -422,14 +421,11 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
         return cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x.d, plan->y.d, plan->conv.d, plan->w.d,
                                                               static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), bytes);
       };
-      found = timed ? choose_timed(*plan, perf.data(), count, p, allow_tf32, bytes_of,
-                                   [&](int algo, void* ws, size_t bytes, Scratch& m) {
-                                     return cudnnConvolutionBackwardFilter(
-                                         handle, m.one, plan->x.d, m.x, plan->y.d, m.y, plan->conv.d,
-                                         static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), ws, bytes, m.zero, plan->w.d,
-                                         m.w);
-                                   })
-                    : choose(*plan, perf.data(), count, t, allow_tf32, bytes_of);
+      found = pick(perf.data(), bytes_of, [&](int algo, void* ws, size_t bytes, Scratch& m) {
+        return cudnnConvolutionBackwardFilter(handle, m.one, plan->x.d, m.x, plan->y.d, m.y, plan->conv.d,
+                                              static_cast<cudnnConvolutionBwdFilterAlgo_t>(algo), ws, bytes, m.zero,
+                                              plan->w.d, m.w);
+      });
       break;
     }
   }
