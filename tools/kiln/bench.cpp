@@ -399,6 +399,7 @@ struct TimedMode {
   std::vector<double> infer_ms, train_ms;
   std::vector<double> infer_host_ms, train_host_ms;  // GPU: until the call returned (launch work)
   int64_t infer_peak_bytes = -1, train_peak_bytes = -1;  // GPU
+  int64_t infer_resident_bytes = -1;  // GPU: allocated before the measured inference
 };
 
 // Device bytes the caching allocator holds for an optimizer's state (each tensor's request
@@ -412,8 +413,9 @@ int64_t state_bytes(const nn::Module& model, const optim::Optimizer& opt) {
 
 // Peak memory of one call of `fn`, as torch.cuda.max_memory_allocated reports it: what was
 // allocated before the call (weights, optimizer state) plus the call's own high-water mark.
-int64_t peak_bytes(const BenchArgs& a, const std::function<void()>& fn) {
+int64_t peak_bytes(const BenchArgs& a, const std::function<void()>& fn, int64_t* resident = nullptr) {
   cuda::synchronize(a.device.index);
+  if (resident) *resident = cuda::memory_allocated(a.device.index);
   cuda::reset_peak_memory_stats(a.device.index);
   fn();
   cuda::synchronize(a.device.index);
@@ -460,7 +462,7 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
     // Inference peaks before any training round, as bench/torch_baseline.py measures them: no
     // gradients and no optimizer state held (the compile-time step left gradients behind).
     model->zero_grad();
-    for (TimedMode& m : modes) m.infer_peak_bytes = peak_bytes(a, m.infer);
+    for (TimedMode& m : modes) m.infer_peak_bytes = peak_bytes(a, m.infer, &m.infer_resident_bytes);
   }
   if (a.train) {
     model->train();
@@ -564,6 +566,7 @@ int run_bench(const std::vector<std::string>& args) {
     for (TimedMode& t : timed) {
       nlohmann::json& m = result["modes"][t.name];
       m["inference_peak_bytes"] = t.infer_peak_bytes;
+      m["inference_resident_bytes"] = t.infer_resident_bytes;  // what the peak starts from
       if (a.train) m["train_peak_bytes"] = t.train_peak_bytes;
     }
   }
