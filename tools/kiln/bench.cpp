@@ -260,7 +260,8 @@ int run_toy_bench(const std::vector<std::string>& args) {
   }
   KILN_CHECK(runs[1].replays == 0 && runs[2].replays == calls && runs[3].replays == calls, Error,
              "[kiln bench toy] compiled_pure replayed " + std::to_string(runs[2].replays) + " of " +
-                 std::to_string(calls) + " calls (compiled: " + std::to_string(runs[1].replays) +
+                 std::to_string(calls) + " calls, compiled_pure_ro " + std::to_string(runs[3].replays) +
+                 " (compiled: " + std::to_string(runs[1].replays) +
                  "); a pure one-graph function skips its body on every call after the second. This is a Kiln bug.");
 
   compiler::Counters total = compiler::counters();

@@ -203,27 +203,58 @@ std::optional<cudnnMathType_t> math_mode(cudnnMathType_t math, DType t, bool all
 constexpr size_t kMaxWorkspace = size_t{1}
                                  << 30;  // skip algorithms that want more scratch than this
 
-// Picks the first algorithm (cuDNN ranks them by expected speed) that cuDNN supports here, in an
-// acceptable math mode, with bounded scratch; sets its math mode on the descriptor. False: none.
+// An algorithm a plan may take: one cuDNN supports here, in an acceptable math mode, with bounded
+// scratch; `ms` is its timed run (max_autotune), negative until timed.
+struct Candidate {
+  int algo;
+  cudnnMathType_t math;
+  size_t bytes;
+  float ms = -1;
+};
+
+// The first `limit` candidates of a heuristics ranking (cuDNN ranks by expected speed), in its
+// order, skipping the plan's excluded algorithms.
 template <class Perf>
-bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf32,
-            const std::function<cudnnStatus_t(int, size_t*)>& workspace_size) {
-  for (int i = 0; i < count; ++i) {
+std::vector<Candidate> candidates_of(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf32,
+                                     const std::function<cudnnStatus_t(int, size_t*)>& workspace_size,
+                                     size_t limit) {
+  std::vector<Candidate> out;
+  for (int i = 0; i < count && out.size() < limit; ++i) {
     const int algo = static_cast<int>(perf[i].algo);
-    if (perf[i].status != CUDNN_STATUS_SUCCESS || (algo < 32 && (plan.excluded >> algo) & 1u))
-      continue;
+    if (perf[i].status != CUDNN_STATUS_SUCCESS || (algo < 32 && (plan.excluded >> algo) & 1u)) continue;
     const std::optional<cudnnMathType_t> math = math_mode(perf[i].mathType, t, allow_tf32);
     if (!math || cudnnSetConvolutionMathType(plan.conv.d, *math) != CUDNN_STATUS_SUCCESS) continue;
     size_t bytes = 0;
-    if (workspace_size(static_cast<int>(perf[i].algo), &bytes) != CUDNN_STATUS_SUCCESS ||
-        bytes > kMaxWorkspace)
-      continue;
-    plan.algorithm = static_cast<int>(perf[i].algo);
-    plan.workspace = bytes;
-    return true;
+    if (workspace_size(algo, &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspace) continue;
+    out.push_back({algo, *math, bytes});
   }
-  return false;
+  return out;
 }
+
+// Makes `c` the plan's algorithm, its math mode the descriptor's.
+void take(ConvPlan& plan, const Candidate& c) {
+  check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, c.math), "conv2d");
+  plan.algorithm = c.algo;
+  plan.workspace = c.bytes;
+}
+
+// Takes the heuristics' first candidate. False: none.
+template <class Perf>
+bool choose(ConvPlan& plan, const Perf* perf, int count, DType t, bool allow_tf32,
+            const std::function<cudnnStatus_t(int, size_t*)>& workspace_size) {
+  const std::vector<Candidate> first = candidates_of(plan, perf, count, t, allow_tf32, workspace_size, 1);
+  if (first.empty()) return false;
+  take(plan, first.front());
+  return true;
+}
+
+// The scaling factors of a cuDNN call: double for float64 data, float otherwise.
+struct Scale {
+  float f;
+  double d;
+  const void* of(DType t) const { return t == DType::float64 ? static_cast<const void*>(&d) : &f; }
+};
+constexpr Scale kOne{1.0f, 1.0}, kZero{0.0f, 0.0};
 
 // Operands of one configuration for timing candidates (x, w, y: input, weight, output in the
 // plan's layout; a backward direction reads and writes the same three), and the scales. They
@@ -234,9 +265,7 @@ struct Scratch {
   Tensor xt, wt, yt;
   void *x, *w, *y;
   const void *one, *zero;
-  float one_f = 1, zero_f = 0;
-  double one_d = 1, zero_d = 0;
-  explicit Scratch(const ConvParams& p) {
+  explicit Scratch(const ConvParams& p) : one(kOne.of(p.dtype)), zero(kZero.of(p.dtype)) {
     const Device d = cuda_device(p.device);
     auto make = [&](std::vector<int64_t> sizes) {
       Tensor t = full(sizes, 0.5, TensorOptions(p.dtype, d));
@@ -248,8 +277,6 @@ struct Scratch {
     x = xt.impl().data();
     w = wt.impl().data();
     y = yt.impl().data();
-    one = p.dtype == DType::float64 ? static_cast<const void*>(&one_d) : &one_f;
-    zero = p.dtype == DType::float64 ? static_cast<const void*>(&zero_d) : &zero_f;
   }
 };
 
@@ -267,7 +294,7 @@ void spin(int device, cudaStream_t stream) {
   launch(f, 1, 1, 0, stream, args);
 }
 
-// max_autotune: runs every candidate choose() would accept (up to 8, in the heuristics' order)
+// max_autotune: runs the heuristics' first 8 candidates (candidates_of), in their order,
 // on scratch operands, one untimed run then three timed together with CUDA events (behind a
 // spin kernel), and takes the fastest; the heuristics' first pick keeps its place unless another
 // beats it by 3% (timing noise must not trade a good algorithm for an equal one). Sets the
@@ -275,22 +302,7 @@ void spin(int device, cudaStream_t stream) {
 template <class Perf, class Run>
 bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams& p, bool allow_tf32,
                   const std::function<cudnnStatus_t(int, size_t*)>& workspace_size, Run run) {
-  struct Candidate {
-    int algo;
-    cudnnMathType_t math;
-    size_t bytes;
-    float ms;
-  };
-  std::vector<Candidate> candidates;
-  for (int i = 0; i < count && candidates.size() < 8; ++i) {
-    const int algo = static_cast<int>(perf[i].algo);
-    if (perf[i].status != CUDNN_STATUS_SUCCESS || (algo < 32 && (plan.excluded >> algo) & 1u)) continue;
-    const std::optional<cudnnMathType_t> math = math_mode(perf[i].mathType, p.dtype, allow_tf32);
-    if (!math || cudnnSetConvolutionMathType(plan.conv.d, *math) != CUDNN_STATUS_SUCCESS) continue;
-    size_t bytes = 0;
-    if (workspace_size(algo, &bytes) != CUDNN_STATUS_SUCCESS || bytes > kMaxWorkspace) continue;
-    candidates.push_back({algo, *math, bytes, -1.0f});
-  }
+  std::vector<Candidate> candidates = candidates_of(plan, perf, count, p.dtype, allow_tf32, workspace_size, 8);
   if (candidates.empty()) return false;
   Scratch m(p);
   cudaStream_t stream = current_stream(p.device);
@@ -331,15 +343,14 @@ bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams&
     for (const Candidate& c : candidates) line += fmt::format(" algo{}/math{}={:.4f}ms", c.algo, static_cast<int>(c.math), c.ms);
     std::fprintf(stderr, "%s -> algo%d\n", line.c_str(), best->algo);
   }
-  check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, best->math), "conv2d (max_autotune)");
-  plan.algorithm = best->algo;
-  plan.workspace = best->bytes;
+  take(plan, *best);
   return true;
 }
 
+std::atomic<int64_t> g_timed_plans{0};  // conv_plans_timed()
+
 // Builds the plan of `p` for `direction`, skipping the `excluded` algorithms; nullptr when cuDNN
 // has no algorithm for it.
-std::atomic<int64_t> g_timed_plans{0};
 
 std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direction,
                                            bool allow_tf32, uint32_t excluded, bool timed) {
@@ -531,14 +542,6 @@ Tensor dense_buffer(const Tensor& out, MemoryFormat format) {
                                                         : kiln::detail::contiguous_strides(out.sizes().vec()),
                                           out.dtype(), out.device());
 }
-
-// The scaling factors of a cuDNN call: double for float64 data, float otherwise.
-struct Scale {
-  float f;
-  double d;
-  const void* of(DType t) const { return t == DType::float64 ? static_cast<const void*>(&d) : &f; }
-};
-constexpr Scale kOne{1.0f, 1.0}, kZero{0.0f, 0.0};
 
 // [kiln::op] no algorithm: what to do.
 [[noreturn]] void throw_no_algorithm(const std::string& op, const ConvParams& p) {

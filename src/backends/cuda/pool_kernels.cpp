@@ -442,7 +442,7 @@ void max_pool2d_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   // CUDA graph records, the flag cannot come back to the host: take the scatter, which is right
   // for any index in the plane, and let it trap on one outside.
   const bool recording = capturing(device);
-  int bad = recording ? 2 : 0;
+  int bad = recording ? 2 : 0;  // the check's flag bits: 2 (an index outside its window) takes the scatter
   if (grad.numel() > 0 && !recording) {
     Tensor flag = zeros({1}, TensorOptions{DType::int32, dx.device()});
     PoolParams checker = p;

@@ -389,16 +389,11 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     for (size_t i = 0; i < ex->program.kernels.size(); ++i)
       if (!ex->program.kernels[i].device.is_cpu())
         by_source[{ex->cuda_kernels[i].device, cuda_sources[i].source}].push_back(i);
-    std::vector<std::vector<const std::vector<size_t>*>> per_device;  // unique sources, by device
-    std::map<int, size_t> device_slot;
-    for (const auto& [key, kernels] : by_source) {
-      auto [it, fresh] = device_slot.emplace(key.first, per_device.size());
-      if (fresh) per_device.emplace_back();
-      per_device[it->second].push_back(&kernels);
-    }
+    std::map<int, std::vector<const std::vector<size_t>*>> per_device;  // unique sources, by device
+    for (const auto& [key, kernels] : by_source) per_device[key.first].push_back(&kernels);
     const size_t cores = std::max(1u, std::thread::hardware_concurrency());
     std::vector<std::vector<const std::vector<size_t>*>> batches;
-    for (const auto& sources_of_device : per_device) {
+    for (const auto& [device, sources_of_device] : per_device) {
       // Enough batches to keep every core busy, none larger than kMaxBatch.
       const size_t size = std::clamp<size_t>((sources_of_device.size() + cores - 1) / cores, 1, kMaxBatch);
       for (size_t b = 0; b < sources_of_device.size(); b += size)
