@@ -505,6 +505,34 @@ TEST(Decompose, BatchNormKeepsMomentumAndEpsAsRunTimeScalars) {
   }
 }
 
+// Every run-time eps becomes add(0, 1, alpha=eps): the 0 and 1 are one constant each for the
+// whole graph, not one per batch norm (on a GPU each constant takes an allocator block).
+TEST(Decompose, MaterializedScalarsShareOneConstantPerValue) {
+  Graph g;
+  const DType dt = kiln::kFloat32;
+  int x = input(g, {2, 3, 4, 4}, "x", dt);
+  for (int layer = 0; layer < 3; ++layer) {
+    const std::string l = std::to_string(layer);
+    int w = input(g, {3}, "weight" + l, dt), b = input(g, {3}, "bias" + l, dt);
+    int rm = input(g, {3}, "running_mean", dt), rv = input(g, {3}, "running_var", dt);
+    auto bn = call_n(g, "native_batch_norm", {x, w, b, rm, rv}, {false, 0.1, 1e-5},
+                     {info({2, 3, 4, 4}, dt), info({3}, dt), info({3}, dt)});
+    g.scalars.push_back({static_cast<int>(g.nodes.size()) - 1, 2});
+    x = bn[0];
+  }
+  g.outputs = {x};
+  std::vector<Tensor> in = positive_variances(g, dt);
+  Graph h = check_decomposition(g, "native_batch_norm", in, {1e-5, 1e-3, 0.5});
+  int zeros = 0, ones = 0;
+  for (const auto& [v, t] : h.constants) {
+    if (t.dtype() != kiln::kFloat64 || t.numel() != 1 || h.values[v].is_wrapped_number) continue;
+    zeros += t.item<double>() == 0.0;
+    ones += t.item<double>() == 1.0;
+  }
+  EXPECT_EQ(zeros, 1) << h;
+  EXPECT_EQ(ones, 1) << h;
+}
+
 TEST(Decompose, LayerNorm) {
   struct Case {
     std::vector<int64_t> sizes;
