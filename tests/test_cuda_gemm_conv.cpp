@@ -696,6 +696,47 @@ TEST(CudaConv, MaxAutotuneTimesTheAlgorithmsAndMatchesEager) {
   EXPECT_GE(cuda::detail::conv_plans_timed() - before, 3);
   EXPECT_GE(compiler::counters().graph_runs, 3);
 }
+
 #endif
+
+// max_autotune times cuBLASLt's candidates for the forward and backward GEMMs of a linear layer
+// (accumulating ones included: the candidates write scratch, never the accumulated output).
+TEST(CudaGemm, MaxAutotuneTimesTheAlgorithmsAndMatchesEager) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  manual_seed(4);
+  const TensorOptions o(kFloat32, cuda_device());
+  Tensor w = randn({96, 160}, o).mul_(0.1).requires_grad_(true);
+  Tensor b = randn({96}, o).requires_grad_(true);
+  auto step = [&](const Tensor& x) {
+    Tensor h = relu(linear(x, w, b));
+    Tensor loss = (h * h).mean();
+    loss.backward();
+    return loss;
+  };
+  auto tuned = compile(step, CompileOptions{.backend = std::string("kiln"), .mode = Mode::max_autotune});
+  const int64_t before = cuda::detail::gemm_algorithms_timed();
+  for (int i = 0; i < 3; ++i) {
+    Tensor x = randn({64, 160}, o).requires_grad_(true);
+    // The gradients accumulate into earlier ones: GEMMs with beta == 1 where the backward writes
+    // them in place.
+    const Tensor gw0 = randn({96, 160}, o), gb0 = randn({96}, o);
+    w.set_grad(gw0.clone());
+    b.set_grad(gb0.clone());
+    Tensor loss = tuned(x);
+    Tensor gw = w.grad().clone(), gb = b.grad().clone(), gx = x.grad().clone();
+    w.set_grad(gw0.clone());
+    b.set_grad(gb0.clone());
+    x.set_grad(Tensor());
+    Tensor expected = step(x);
+    EXPECT_TRUE(allclose(loss.cpu(), expected.cpu(), 1e-3, 1e-5)) << "call " << i;
+    EXPECT_TRUE(allclose(gw.cpu(), w.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    EXPECT_TRUE(allclose(gb.cpu(), b.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    EXPECT_TRUE(allclose(gx.cpu(), x.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+  }
+  // The forward GEMM and the two backward ones were timed, and the compiled code ran.
+  EXPECT_GE(cuda::detail::gemm_algorithms_timed() - before, 2);
+  EXPECT_GE(compiler::counters().graph_runs, 3);
+}
 
 #endif  // KILN_WITH_CUDA

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "backends/cpu/conv_autotune.h"
+#include "backends/cuda/autotune.h"
 #include "backends/cuda/conv_kernels.h"
 #include "backends/cuda/cuda_runtime.h"
 #include "backends/cuda/elementwise.h"
@@ -280,24 +281,8 @@ struct Scratch {
   }
 };
 
-// Keeps the GPU busy for about a millisecond (two million SM clocks), so that launches queued
-// behind it all wait when it ends.
-void spin(int device, cudaStream_t stream) {
-  JitFunction f = jit_function(device, "kiln_spin", "kiln_spin", [] {
-    return std::string(R"(extern "C" __global__ void kiln_spin(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {}
-})");
-  });
-  long long cycles = 2000000;
-  void* args[] = {&cycles};
-  launch(f, 1, 1, 0, stream, args);
-}
-
-// max_autotune: runs the heuristics' first 8 candidates (candidates_of), in their order,
-// on scratch operands, one untimed run then three timed together with CUDA events (behind a
-// spin kernel), and takes the fastest; the heuristics' first pick keeps its place unless another
-// beats it by 3% (timing noise must not trade a good algorithm for an equal one). Sets the
+// max_autotune: times the heuristics' first 8 candidates (candidates_of), in their order, on
+// scratch operands (time_queued_runs, fastest: autotune.h) and takes the fastest. Sets the
 // winner's math mode.
 template <class Perf, class Run>
 bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams& p, bool allow_tf32,
@@ -306,44 +291,23 @@ bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams&
   if (candidates.empty()) return false;
   Scratch m(p);
   cudaStream_t stream = current_stream(p.device);
-  cudaEvent_t start = nullptr, stop = nullptr;
-  check(cudaEventCreate(&start), "conv2d (max_autotune)");
-  check(cudaEventCreate(&stop), "conv2d (max_autotune)");
+  std::vector<float> ms;
+  std::vector<std::string> labels;
   for (Candidate& c : candidates) {
     check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, c.math), "conv2d (max_autotune)");
     Tensor ws = workspace(static_cast<int64_t>(c.bytes), cuda_device(p.device));
     void* ws_data = ws.defined() ? ws.impl().data() : nullptr;
-    if (run(c.algo, ws_data, c.bytes, m) != CUDNN_STATUS_SUCCESS) continue;  // refused: not a candidate
-    // A legacy cuDNN call costs the host tens of microseconds, more than a small convolution runs:
-    // timed one by one, the host's launching would be measured. A spin kernel holds the GPU while
-    // the runs queue up behind it, so the events time the GPU's work alone.
-    constexpr int kRuns = 3;
-    spin(p.device, stream);
-    check(cudaEventRecord(start, stream), "conv2d (max_autotune)");
-    cudnnStatus_t status = CUDNN_STATUS_SUCCESS;
-    for (int rep = 0; rep < kRuns && status == CUDNN_STATUS_SUCCESS; ++rep) status = run(c.algo, ws_data, c.bytes, m);
-    check(cudaEventRecord(stop, stream), "conv2d (max_autotune)");
-    check(cudaEventSynchronize(stop), "conv2d (max_autotune)");
-    if (status != CUDNN_STATUS_SUCCESS) continue;
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "conv2d (max_autotune)");
-    c.ms = ms / kRuns;
+    // A refused algorithm is not a candidate.
+    c.ms = time_queued_runs(p.device, stream, [&] { return run(c.algo, ws_data, c.bytes, m) == CUDNN_STATUS_SUCCESS; });
+    ms.push_back(c.ms);
+    labels.push_back(fmt::format("algo{}/math{}", c.algo, static_cast<int>(c.math)));
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  const Candidate* best = nullptr;
-  for (const Candidate& c : candidates)
-    if (c.ms >= 0 && (!best || c.ms < best->ms)) best = &c;
-  if (!best) return false;
-  const Candidate& first = candidates.front();
-  if (first.ms >= 0 && best->ms > 0.97f * first.ms) best = &first;
-  if (std::getenv("KILN_CUDA_AUTOTUNE_LOG")) {  // one line per timed configuration, to stderr
-    std::string line = fmt::format("[kiln.cuda autotune] n{} c{} {}x{} o{} k{}x{} s{} {}:", p.n, p.c, p.h, p.w, p.o, p.kh,
-                                   p.kw, p.stride[0], p.channels_last ? "nhwc" : "nchw");
-    for (const Candidate& c : candidates) line += fmt::format(" algo{}/math{}={:.4f}ms", c.algo, static_cast<int>(c.math), c.ms);
-    std::fprintf(stderr, "%s -> algo%d\n", line.c_str(), best->algo);
-  }
-  take(plan, *best);
+  const int best = fastest(ms);
+  log_autotune(fmt::format("conv n{} c{} {}x{} o{} k{}x{} s{} {}", p.n, p.c, p.h, p.w, p.o, p.kh, p.kw, p.stride[0],
+                           p.channels_last ? "nhwc" : "nchw"),
+               labels, ms, best);
+  if (best < 0) return false;
+  take(plan, candidates[best]);
   return true;
 }
 

@@ -16,12 +16,14 @@
 // (RELU_BIAS; unlike Kiln's relu functor it may not keep NaN as NaN); otherwise self is copied
 // into the output and accumulated with beta (C == D), and addmm_relu's relu runs in place after.
 // Heuristic results are cached per configuration (shapes, strides, dtypes, epilogue, operand
-// alignment, device).
+// alignment, device). Under compile()'s max_autotune the heuristics' first 8 candidates are timed
+// on the real operands into a scratch output (autotune.h) and the fastest is cached instead.
 #include <cublasLt.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -30,6 +32,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "backends/cpu/conv_autotune.h"
+#include "backends/cuda/autotune.h"
 #include "backends/cuda/cuda_runtime.h"
 #include "backends/cuda/elementwise.h"
 #include "backends/cuda/gemm_kernels.h"
@@ -174,6 +178,37 @@ std::unordered_map<AlgoKey, CachedAlgo, AlgoKeyHash>& algo_cache() {
   return *cache;
 }
 
+// max_autotune times this many of the heuristics' candidates.
+constexpr int kTimedAlgos = 8;
+std::atomic<int64_t> g_timed_gemms{0};  // gemm_algorithms_timed()
+
+// max_autotune: times `count` heuristic results with `run(result, d, workspace)`, which writes a
+// scratch output `d` of `c_elements` (c itself may be accumulated into: beta != 0) from the real
+// operands, and returns the index of the fastest (time_queued_runs, fastest: autotune.h). A
+// result cuBLASLt refuses is not a candidate.
+template <class Run>
+int time_algorithms(const LtGemm& g, const cublasLtMatmulHeuristicResult_t* results, int count, int64_t c_elements,
+                    Run run, const std::string& what) {
+  if (count < 2) return 0;
+  Tensor scratch = kiln::zeros({c_elements}, TensorOptions(g.dtype, g.device));
+  void* d = scratch.impl().data();
+  std::vector<float> ms;
+  std::vector<std::string> labels;
+  for (int i = 0; i < count; ++i) {
+    const cublasLtMatmulHeuristicResult_t& r = results[i];
+    Tensor ws = workspace(static_cast<int64_t>(r.workspaceSize), g.device);
+    void* ws_data = ws.defined() ? ws.impl().data() : nullptr;
+    ms.push_back(r.state != CUBLAS_STATUS_SUCCESS
+                     ? -1.0f
+                     : time_queued_runs(g.device.index, current_stream(g.device.index), [&] { return run(r, d, ws_data); }));
+    labels.push_back(fmt::format("heuristic{}", i));
+  }
+  const int best = fastest(ms);
+  log_autotune(what, labels, ms, best);
+  g_timed_gemms.fetch_add(1, std::memory_order_relaxed);
+  return std::max(best, 0);
+}
+
 // Runs g on cuBLASLt. Returns false, having done nothing, when cuBLASLt has no algorithm for it
 // (an epilogue it does not support for this dtype, say).
 bool run_cublaslt(const LtGemm& g, const char* op) {
@@ -256,12 +291,31 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
            align_bias,
            static_cast<int64_t>(max_workspace),
            reduction_mask};
+  union {
+    float f;
+    double d;
+  } alpha{}, beta{};
+  if (types.scale == CUDA_R_64F) {
+    alpha.d = g.alpha.to<double>();
+    beta.d = g.beta.to<double>();
+  } else {
+    alpha.f = g.alpha.to<float>();
+    beta.f = g.beta.to<float>();
+  }
   cublasLtHandle_t handle = cublaslt_handle(device);
+  // max_autotune times the heuristics' candidates. A CUDA graph recording cannot time (timing
+  // synchronizes): it takes what its warm-up run timed, else the heuristics' first pick.
+  key.v[22] = kiln::cpu::conv_autotune_active();
+  const bool recording = capturing(device);
   CachedAlgo algo;
   bool cached = false;
   {
     std::lock_guard lock(g_algo_mutex);
     auto it = algo_cache().find(key);
+    if (it == algo_cache().end() && key.v[22] && recording) {
+      key.v[22] = 0;
+      it = algo_cache().find(key);
+    }
     if (it != algo_cache().end()) {
       algo = it->second;
       cached = true;
@@ -277,12 +331,30 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
     set_attr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
     set_attr(raw_pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c);
     set_attr(raw_pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction_mask);
+    const bool timed = key.v[22] != 0;
+    std::array<cublasLtMatmulHeuristicResult_t, kTimedAlgos> results{};
     int count = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         handle, raw_desc, a_layout.get(), b_layout.get(), c_layout.get(), c_layout.get(), raw_pref,
-        1, &algo.result, &count);
+        timed ? kTimedAlgos : 1, results.data(), &count);
     if (status != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(status, op);
     algo.found = status == CUBLAS_STATUS_SUCCESS && count > 0;
+    if (algo.found) {
+      int best = 0;
+      if (timed) {
+        auto run = [&](const cublasLtMatmulHeuristicResult_t& r, void* d, void* ws) {
+          return cublasLtMatmul(handle, raw_desc, &alpha, g.a.data, a_layout.get(), g.b.data, b_layout.get(), &beta,
+                                d, c_layout.get(), d, c_layout.get(), &r.algo, ws, r.workspaceSize,
+                                current_stream(device)) == CUBLAS_STATUS_SUCCESS;
+        };
+        const int64_t c_elements = (g.batch - 1) * c_batch + (lc.cols - 1) * lc.ld + lc.rows;
+        best = time_algorithms(g, results.data(), count, c_elements, run,
+                               fmt::format("gemm m{} n{} k{} batch{} {}{} epilogue{}", m, n, k, g.batch,
+                                           la.transposed ? "T" : "N", lb.transposed ? "T" : "N",
+                                           static_cast<int>(epilogue)));
+      }
+      algo.result = results[best];
+    }
     std::lock_guard lock(g_algo_mutex);
     if (algo_cache().size() >= 16384)
       algo_cache().clear();  // shapes of a dynamic workload pile up otherwise
@@ -290,17 +362,6 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
   }
   if (!algo.found) return false;
 
-  union {
-    float f;
-    double d;
-  } alpha{}, beta{};
-  if (types.scale == CUDA_R_64F) {
-    alpha.d = g.alpha.to<double>();
-    beta.d = g.beta.to<double>();
-  } else {
-    alpha.f = g.alpha.to<float>();
-    beta.f = g.beta.to<float>();
-  }
   Tensor ws = workspace(static_cast<int64_t>(algo.result.workspaceSize), g.device);
   check_cublas(
       cublasLtMatmul(handle, raw_desc, &alpha, g.a.data, a_layout.get(), g.b.data, b_layout.get(),
@@ -542,6 +603,8 @@ void dot_kernel(const OpCall& call, std::span<Tensor> outs) {
 }();
 
 }  // namespace
+
+int64_t gemm_algorithms_timed() { return g_timed_gemms.load(std::memory_order_relaxed); }
 
 std::string integer_gemm_source_for_test(DType t) {
   return integer_gemm_source(t);
