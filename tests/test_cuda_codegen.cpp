@@ -12,6 +12,7 @@
 
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/lower/loop_ir.h"
+#include "compiler/runtime/cuda_launch.h"
 #include "kiln/compiler/graph.h"
 #include "kiln/detail/tensor_impl.h"
 #include "cuda_test_helpers.h"
@@ -486,6 +487,54 @@ TEST(CudaCodegen, Reductions) {
   Tensor xi = (gpu_randn({9, 40}) * 100).to(kInt32);
   EXPECT_TRUE(same(ci(xi), g(xi)));
   EXPECT_GE(compiler::counters().kernel_runs, 1);
+}
+
+// max_autotune may pick any launch shape (cuda_launch.h): each computes what eager does, for
+// pointwise kernels and reductions with prologues and epilogues alike.
+TEST(CudaCodegen, EveryLaunchShapeComputesTheSameResults) {
+  SKIP_WITHOUT_GPU();
+  auto f = [](const Tensor& x, const Tensor& y) {
+    return std::vector<Tensor>{(x * y).sigmoid() + 1, x.exp().sum({1}) * 2 + 1, (x - y).abs().amax({0}), x.mean()};
+  };
+  Tensor x = gpu_randn({300, 517}), y = gpu_randn({300, 517});
+  const auto want = f(x, y);
+  for (auto [block, per_sm] : std::vector<std::pair<int, int>>{{256, 16}, {128, 4}, {64, 0}, {32, 1}, {256, 0}}) {
+    SCOPED_TRACE(std::to_string(block) + " threads, " + std::to_string(per_sm) + " blocks per SM");
+    compiler::reset();
+    compiler::runtime::force_launch_shape_for_test(block, per_sm);
+    auto got = compile(f, kKiln)(x, y);
+    compiler::runtime::force_launch_shape_for_test(0, 0);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same(got[i], want[i], 1e-5, 1e-5)) << i;
+    EXPECT_GE(compiler::counters().kernel_runs, 3);
+    EXPECT_EQ(compiler::counters().dispatched_nodes, 0);
+  }
+}
+
+// max_autotune times the launch shapes of generated kernels on their first launch, writing copies
+// of what they write: an in-place update computes what eager does, once.
+TEST(CudaCodegen, MaxAutotuneTimesLaunchShapesAndMatchesEager) {
+  SKIP_WITHOUT_GPU();
+  for (Mode mode : {Mode::max_autotune_no_cudagraphs, Mode::max_autotune}) {
+    compiler::reset();
+    compiler::runtime::forget_tuned_launch_shapes_for_test();
+    auto f = [](Tensor p, const Tensor& g) {
+      p.sub_(g * 0.1);  // read and written by one kernel
+      return std::vector<Tensor>{(p * g).relu().sum({0}), p.sigmoid()};
+    };
+    auto tuned = compile(f, CompileOptions{.backend = std::string("kiln"), .mode = mode});
+    Tensor p = gpu_randn({64, 4099}), p_eager = p.clone();
+    const int64_t before = compiler::runtime::generated_launches_timed();
+    for (int call = 0; call < 3; ++call) {
+      Tensor g = gpu_randn({64, 4099});
+      auto got = tuned(p, g);
+      auto want = f(p_eager, g);
+      EXPECT_TRUE(same(p, p_eager, 1e-5, 1e-5)) << "call " << call;
+      for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(same(got[i], want[i], 1e-5, 1e-5)) << "call " << call << " " << i;
+    }
+    EXPECT_GE(compiler::runtime::generated_launches_timed() - before, 1);
+    EXPECT_GE(compiler::counters().kernel_runs, 3);
+  }
 }
 
 TEST(CudaCodegen, CpuAndGpuInOneFunction) {

@@ -13,16 +13,15 @@ namespace kiln::cuda::detail {
 
 namespace {
 
-// Keeps the GPU busy for about a millisecond (two million SM clocks), so that launches queued
-// behind it all wait when it ends.
-void spin(int device, cudaStream_t stream) {
+// Keeps the GPU busy for `cycles` SM clocks, so that launches queued behind it all wait when it
+// ends.
+void spin(int device, cudaStream_t stream, long long cycles) {
   JitFunction f = jit_function(device, "kiln_spin", "kiln_spin", [] {
     return std::string(R"(extern "C" __global__ void kiln_spin(long long cycles) {
   const long long t0 = clock64();
   while (clock64() - t0 < cycles) {}
 })");
   });
-  long long cycles = 2000000;
   void* args[] = {&cycles};
   launch(f, 1, 1, 0, stream, args);
 }
@@ -44,10 +43,11 @@ struct EventPair {
 
 }  // namespace
 
-float time_queued_runs(int device, cudaStream_t stream, const std::function<bool()>& run, int runs) {
+float time_queued_runs(int device, cudaStream_t stream, const std::function<bool()>& run, int runs,
+                       long long hold_cycles) {
   if (!run()) return -1;
   EventPair events;
-  spin(device, stream);
+  spin(device, stream, hold_cycles);
   check(cudaEventRecord(events.start, stream), "max_autotune");
   bool ok = true;
   for (int rep = 0; rep < runs && ok; ++rep) ok = run();

@@ -19,8 +19,11 @@
 namespace kiln::cuda::detail {
 
 // Milliseconds per run of `run` on `stream` (as above), or -1 when a run returns false (the
-// candidate is refused: not a choice).
-float time_queued_runs(int device, cudaStream_t stream, const std::function<bool()>& run, int runs = 3);
+// candidate is refused: not a choice). The spin kernel holds the GPU for `hold_cycles` SM clocks
+// (2 million, about a millisecond: enough for a few legacy cuDNN calls to queue; a plain kernel
+// launch needs far less).
+float time_queued_runs(int device, cudaStream_t stream, const std::function<bool()>& run, int runs = 3,
+                       long long hold_cycles = 2000000);
 
 // The index of the fastest timed candidate (ms >= 0), where index 0 wins unless another is 3%
 // faster; -1 when none was timed.

@@ -21,6 +21,7 @@
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/memory_plan.h"
 #include "compiler/runtime/cuda_graph.h"
+#include "compiler/runtime/cuda_launch.h"
 #include "compiler/runtime/kernel_cache.h"
 #include "core/profiler.h"
 #include "core/tensor_factory.h"
@@ -47,6 +48,7 @@ struct CudaKernel {
   size_t buffers = 0;
   int64_t numel = 0;
   bool per_block = false;  // a reduction: one block per kept position
+  std::vector<size_t> written;  // buffers the kernel stores into
 };
 
 // reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
@@ -69,7 +71,8 @@ struct Executable {
   std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
   lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
   std::unique_ptr<Arena> arena;   // set when the plan is not empty
-  bool autotune = false;          // max_autotune: convolutions time direct vs Winograd (conv_autotune.h)
+  bool autotune = false;          // max_autotune: library calls and generated CUDA kernels' launch
+                                  // shapes are timed (conv_autotune.h, cuda_launch.h)
 };
 
 // Holds the executable's arena for one call, or nothing when there is no plan or another call
@@ -158,14 +161,13 @@ Attr as_kind(const Attr& example, const Attr& given) {
   return given;
 }
 
-// Launches a generated CUDA kernel on the device's current stream. Its parameter block: the
-// buffer pointers (a 0-dim CPU value's bits in place of its pointer), then its run-time scalars
-// as doubles and as int64s.
+// Launches a generated CUDA kernel on the device's current stream (runtime/cuda_launch.h). Its
+// parameter block: the buffer pointers (a 0-dim CPU value's bits in place of its pointer), then
+// its run-time scalars as doubles and as int64s.
 void launch_cuda(const Executable& ex, const lower::Step& step, const std::vector<Tensor>& env,
                  const std::vector<double>& scalars, const std::vector<int64_t>& int_scalars) {
   const CudaKernel& ck = ex.cuda_kernels[step.kernel];
   KILN_CHECK(ck.function, CompileError, "[kiln::compile] a generated kernel has no compiled function. This is a Kiln bug.");
-#ifdef KILN_WITH_CUDA
   if (ck.numel == 0) return;
   const size_t nscalars = std::max<size_t>(ck.scalars.size(), 1);
   std::vector<uint64_t> block(ck.buffers + 2 * nscalars, 0);
@@ -182,18 +184,10 @@ void launch_cuda(const Executable& ex, const lower::Step& step, const std::vecto
     std::memcpy(&block[ck.buffers + j], &scalars[ck.scalars[j]], sizeof(double));
     std::memcpy(&block[ck.buffers + nscalars + j], &int_scalars[ck.scalars[j]], sizeof(int64_t));
   }
-  cuda::detail::DeviceGuard guard(ck.device);
-  const cudaDeviceProp& props = cuda::detail::properties(ck.device);
-  const int64_t blocks =
-      ck.per_block ? std::min<int64_t>(ck.numel, int64_t{props.multiProcessorCount} * 32)
-                   : std::min<int64_t>((ck.numel + lower::kCudaBlock - 1) / lower::kCudaBlock,
-                                       int64_t{props.multiProcessorCount} * 16);
-  void* params[] = {block.data()};
-  cuda::detail::launch(ck.function, static_cast<unsigned>(blocks), lower::kCudaBlock, 0,
-                       cuda::detail::current_stream(ck.device), params);
-#else
-  (void)env, (void)scalars, (void)int_scalars;
-#endif
+  std::vector<std::pair<size_t, Tensor>> written;
+  if (ex.autotune)
+    for (size_t b : ck.written) written.emplace_back(b, env[step.bindings[b]]);
+  runtime::launch_generated({ck.function, ck.device, ck.numel, ck.per_block}, block, ex.autotune, written);
 }
 
 std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
@@ -373,6 +367,11 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     ck.buffers = src.buffers;
     ck.numel = src.numel;
     ck.per_block = src.per_block;
+    for (const lower::Store& st : k.stores) ck.written.push_back(static_cast<size_t>(st.buffer));
+    for (const lower::Store& st : k.epilogue_stores) ck.written.push_back(static_cast<size_t>(st.buffer));
+    if (k.result.buffer >= 0) ck.written.push_back(static_cast<size_t>(k.result.buffer));
+    std::sort(ck.written.begin(), ck.written.end());
+    ck.written.erase(std::unique(ck.written.begin(), ck.written.end()), ck.written.end());
 #ifndef KILN_WITH_CUDA
     throw CompileError("[kiln::compile] a graph on a CUDA device, but Kiln was built without CUDA.");
 #endif
