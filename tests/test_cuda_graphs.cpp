@@ -5,6 +5,8 @@
 #include "cuda_test_helpers.h"
 #include "kiln/kiln.h"
 
+#include <memory>
+
 using namespace kiln;
 
 namespace {
@@ -33,11 +35,59 @@ TEST(CudaGraphs, ReplaysMatchEagerAndEarlierResultsStayValid) {
     results.push_back(compiled(xs.back(), ys.back()));
     EXPECT_TRUE(near(results.back(), fn(xs.back(), ys.back())));
   }
-  // Outputs are copied out of the graph's memory: the first results survive later replays.
+  // The first replay handed out the graph's buffer; it is still held, so the later replays wrote
+  // new tensors: every result survives.
   for (int i = 0; i < 5; ++i) EXPECT_TRUE(near(results[i], fn(xs[i], ys[i]))) << "call " << i;
   auto c = compiler::counters();
   EXPECT_EQ(c.cuda_graph_captures, 1);
   EXPECT_EQ(c.cuda_graph_replays, 4);  // the first call warms up
+  EXPECT_EQ(c.cuda_graph_output_copies, 3);
+}
+
+// A replay returns the graph's own buffer (nothing allocated, nothing counted as allocated) when
+// the caller no longer holds what it got from there; while any view of it lives, a new tensor.
+TEST(CudaGraphs, OutputsAreTheGraphsBufferUnlessTheCallerStillHoldsIt) {
+  SKIP_WITHOUT_GPU();
+  compiler::reset();
+  auto fn = [](const Tensor& x) { return (x * 2).sin() + 1; };
+  using Compiled = decltype(compile(fn, kReduceOverhead));
+  auto compiled = std::make_unique<Compiled>(compile(fn, kReduceOverhead));
+  Tensor x = gpu_randn({128, 100});
+  for (int i = 0; i < 2; ++i) (void)(*compiled)(x);  // warm-up, then record and replay
+  const Tensor want = fn(x);
+  int64_t copies = compiler::counters().cuda_graph_output_copies;
+
+  // Not held: the graph's buffer again, with no allocation at all during the call.
+  cuda::synchronize();
+  const int64_t before = cuda::memory_allocated();
+  cuda::reset_peak_memory_stats();
+  const void* buffer = nullptr;
+  {
+    Tensor a = (*compiled)(x);
+    buffer = a.raw_data_ptr();
+    EXPECT_EQ(cuda::max_memory_allocated(), before) << "the replay allocated";
+    EXPECT_TRUE(near(a, want));
+  }
+  {
+    Tensor b = (*compiled)(x);
+    EXPECT_EQ(b.raw_data_ptr(), buffer);
+  }
+  EXPECT_EQ(compiler::counters().cuda_graph_output_copies, copies);
+
+  // Held through a view: the next result goes to new memory, and the view keeps its values.
+  Tensor x2 = gpu_randn({128, 100});
+  Tensor view = (*compiled)(x).narrow(0, 5, 10);
+  EXPECT_EQ(view.raw_data_ptr(), static_cast<const char*>(buffer) + 5 * 100 * sizeof(float));
+  Tensor c = (*compiled)(x2);
+  EXPECT_NE(c.raw_data_ptr(), buffer);
+  EXPECT_EQ(compiler::counters().cuda_graph_output_copies, copies + 1);
+  EXPECT_TRUE(near(c, fn(x2)));
+  EXPECT_TRUE(near(view, want.narrow(0, 5, 10)));
+
+  // The compiled function goes first: what it handed out stays valid.
+  compiled.reset();
+  EXPECT_TRUE(near(view, want.narrow(0, 5, 10)));
+  EXPECT_EQ(compiler::counters().cuda_graph_captures, 1);
 }
 
 TEST(CudaGraphs, StableInputsAreReadInPlaceAndSeeUpdates) {

@@ -284,6 +284,9 @@ struct Counters {
                                  // (the min-cut partition: aot_eager and kiln backends)
   int64_t cuda_graph_captures = 0; // CUDA graphs recorded (kiln backend, reduce_overhead on a GPU)
   int64_t cuda_graph_replays = 0;  // calls served by replaying one
+  int64_t cuda_graph_output_copies = 0; // replayed outputs returned in new memory: the caller still
+                                        // held the graph's buffer from an earlier call (or the
+                                        // output has gaps); the others are the graph's buffers
 };
 Counters counters();
 

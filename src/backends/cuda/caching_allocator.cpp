@@ -32,6 +32,7 @@ struct Block {
   bool small = false;
   Block* prev = nullptr;  // neighbours within one segment
   Block* next = nullptr;
+  bool counted = true;  // in MemoryStats::allocated (see stop_counting)
 };
 
 struct BlockLess {
@@ -82,6 +83,7 @@ class DeviceAllocator {
       pool.insert(tail);
     }
     block->allocated = true;
+    block->counted = true;
     live_blocks_ += 1;
     stats_->add(&MemoryStats::allocated, static_cast<int64_t>(block->size), &MemoryStats::peak_allocated);
     stats_->add(&MemoryStats::allocations, 1);
@@ -91,7 +93,7 @@ class DeviceAllocator {
   // Returns whether this was a dropped private pool's last block (the caller then deletes it).
   bool free(Block* block) {
     std::lock_guard lock(mutex_);
-    stats_->add(&MemoryStats::allocated, -static_cast<int64_t>(block->size));
+    if (block->counted) stats_->add(&MemoryStats::allocated, -static_cast<int64_t>(block->size));
     block->allocated = false;
     live_blocks_ -= 1;
     Pool& pool = block->small ? small_ : large_;
@@ -112,6 +114,13 @@ class DeviceAllocator {
     }
     pool.insert(block);
     return dropped_ && live_blocks_ == 0;
+  }
+
+  void stop_counting(Block* block) {
+    std::lock_guard lock(mutex_);
+    if (!block->allocated || !block->counted) return;
+    stats_->add(&MemoryStats::allocated, -static_cast<int64_t>(block->size));
+    block->counted = false;
   }
 
   // A private pool no longer used for new allocations: deleted once its last block is freed.
@@ -232,6 +241,16 @@ void* allocate(int64_t nbytes, int device, void** context) {
   Block* b = a.allocate(static_cast<size_t>(nbytes), current_stream(device));
   *context = b;
   return b->ptr;
+}
+
+bool allocated_in(const PrivatePool& pool, void* context) {
+  return context && static_cast<Block*>(context)->owner == pool.allocator;
+}
+
+void stop_counting(void* context) {
+  if (!context) return;
+  auto* b = static_cast<Block*>(context);
+  b->owner->stop_counting(b);
 }
 
 void free_block(void*, void* context) {

@@ -20,6 +20,10 @@ namespace kiln::cuda::detail {
 void* allocate(int64_t nbytes, int device, void** context);
 // Storage::FreeFn: returns the block to its pool.
 void free_block(void* data, void* context);
+// The block of `context` (allocate's) stops counting in MemoryStats::allocated, for good: memory a
+// CUDA graph owns for its lifetime (its outputs' buffers) counts as reserved only, as PyTorch
+// counts its CUDA graph pools. Freeing it later subtracts nothing.
+void stop_counting(void* context);
 
 // A private pool for CUDA graph capture. While a PrivatePoolGuard is active on a thread, that
 // thread's allocations on the pool's device come from the pool, and blocks allocated there go back
@@ -29,6 +33,9 @@ void free_block(void* data, void* context);
 // the pool is dropped and its last block freed.
 class PrivatePool;
 std::shared_ptr<PrivatePool> create_private_pool(int device);
+
+// Whether the block of `context` (allocate's) comes from `pool`.
+bool allocated_in(const PrivatePool& pool, void* context);
 
 class PrivatePoolGuard {
  public:

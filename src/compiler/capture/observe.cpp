@@ -177,6 +177,7 @@ Counters counters() {
   out.recomputed_values = c.recomputed_values.load();
   out.cuda_graph_captures = c.cuda_graph_captures.load();
   out.cuda_graph_replays = c.cuda_graph_replays.load();
+  out.cuda_graph_output_copies = c.cuda_graph_output_copies.load();
   return out;
 }
 
@@ -191,7 +192,8 @@ void reset() {
   auto& c = detail::counter_set();
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
                   &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
-                  &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays})
+                  &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays,
+                  &c.cuda_graph_output_copies})
     a->store(0);
 }
 

@@ -1,8 +1,11 @@
 // CUDA graph capture and replay for the kiln backend (see cuda_graph.h).
 #include "compiler/runtime/cuda_graph.h"
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "compiler/capture/runtime.h"
 #include "core/tensor_factory.h"
@@ -48,6 +51,61 @@ InputRecord record_of(const Tensor& t) {
   return {true, t.impl().data(), t.sizes().vec(), t.strides().vec(), t.dtype(), t.device()};
 }
 
+// The bytes `t` covers when its elements fill them exactly (no gaps, no overlaps, no negative
+// strides), else -1.
+int64_t dense_bytes(const Tensor& t) {
+  int64_t span = 1;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.sizes()[d] == 0) return 0;
+    if (t.strides()[d] < 0) return -1;
+    span += (t.sizes()[d] - 1) * t.strides()[d];
+  }
+  if (span != t.numel()) return -1;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), to rule out overlaps
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.sizes()[d] > 1) dims.emplace_back(t.strides()[d], t.sizes()[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (auto [stride, size] : dims) {
+    if (stride != expected) return -1;
+    expected *= size;
+  }
+  return span * static_cast<int64_t>(itemsize(t.dtype()));
+}
+
+// Whose a handed-out output is: the caller holds it until the last view of its storage dies.
+struct Hold {
+  Tensor buffer;                            // keeps the graph's buffer alive past the runner
+  std::shared_ptr<std::atomic<bool>> held;  // cleared when the caller lets go
+};
+
+void release_hold(void*, void* context) {
+  auto* hold = static_cast<Hold*>(context);
+  hold->held->store(false, std::memory_order_release);
+  delete hold;
+}
+
+// `buffer`'s memory as a tensor of its own storage, whose end clears `held`.
+Tensor hand_out(const Tensor& buffer, const std::shared_ptr<std::atomic<bool>>& held) {
+  const kiln::detail::TensorImpl& b = buffer.impl();
+  held->store(true, std::memory_order_relaxed);
+  auto storage = std::make_shared<kiln::detail::Storage>();
+  storage->data = b.storage->data;
+  storage->nbytes = b.storage->nbytes;
+  storage->device = b.storage->device;
+  storage->free_context = new Hold{buffer, held};
+  storage->free_fn = &release_hold;
+  auto impl = std::make_shared<kiln::detail::TensorImpl>();
+  impl->storage = std::move(storage);
+  impl->storage_offset = b.storage_offset;
+  impl->sizes = b.sizes;
+  impl->strides = b.strides;
+  impl->dtype = b.dtype;
+  impl->device = b.device;
+  impl->refresh_metadata();
+  return Tensor(std::move(impl));
+}
+
 }  // namespace
 
 struct CudaGraphRunner::Impl {
@@ -71,10 +129,24 @@ struct CudaGraphRunner::Impl {
   std::vector<Tensor> static_inputs;      // per input: the caller's tensor (in place) or a static buffer
   std::vector<Attr> scalars;
   std::vector<Tensor> static_outputs;
+  // Per output: the copy node that ends the graph, writing the output into `buffer` (the graph's
+  // own memory, handed to the caller) while the caller no longer holds the last one handed out,
+  // else into a new tensor. No node (an output that does not fill its bytes densely): copied
+  // out after the replay instead.
+  struct OutputCopy {
+    cudaGraphNode_t node = nullptr;
+    Tensor buffer;
+    const void* source = nullptr;
+    size_t bytes = 0;
+    void* target = nullptr;  // where the node writes now
+    std::shared_ptr<std::atomic<bool>> held = std::make_shared<std::atomic<bool>>(false);
+  };
+  std::vector<OutputCopy> output_copies;
 
   ~Impl() { release(); }
 
   void release() {
+    output_copies.clear();
     static_outputs.clear();
     static_inputs.clear();
     if (exec) cudaGraphExecDestroy(exec);
@@ -144,6 +216,7 @@ struct CudaGraphRunner::Impl {
       cu::check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed), "compile (CUDA graph)");
       try {
         static_outputs = run(captured);
+        add_output_copies();
       } catch (const std::exception& e) {
         failure = e.what();
       }
@@ -161,13 +234,64 @@ struct CudaGraphRunner::Impl {
         failure = std::string("instantiation failed: ") + cudaGetErrorString(e);
       }
     }
+    if (failure.empty() && exec) find_copy_nodes();
     if (!failure.empty() || !exec) {
+      output_copies.clear();
       static_outputs.clear();
       disable("recording failed: " + (failure.empty() ? std::string("no graph") : failure));
       return false;
     }
+    // The graph's outputs and their copies' buffers are the graph's own memory from now on, as
+    // its intermediates are: reserved, not counted as allocated.
+    for (const Tensor& t : static_outputs)
+      if (t.defined() && cu::allocated_in(*pool, t.impl().storage->free_context))
+        cu::stop_counting(t.impl().storage->free_context);
+    for (const OutputCopy& c : output_copies)
+      if (c.buffer.defined()) cu::stop_counting(c.buffer.impl().storage->free_context);
     detail::counter_set().cuda_graph_captures.fetch_add(1, std::memory_order_relaxed);
     return true;
+  }
+
+  // While recording: a copy of each dense output into a buffer of the pool, the graph's last work.
+  void add_output_copies() {
+    output_copies.assign(static_outputs.size(), OutputCopy{});
+    for (size_t i = 0; i < static_outputs.size(); ++i) {
+      const Tensor& t = static_outputs[i];
+      const int64_t bytes = t.defined() && t.is_cuda() ? dense_bytes(t) : -1;
+      if (bytes <= 0) continue;
+      OutputCopy& c = output_copies[i];
+      c.buffer = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
+      c.source = t.impl().data();
+      c.bytes = static_cast<size_t>(bytes);
+      c.target = c.buffer.impl().data();
+      cu::check(cudaMemcpyAsync(c.target, c.source, c.bytes, cudaMemcpyDeviceToDevice, stream),
+                "compile (CUDA graph)");
+    }
+  }
+
+  // After instantiation: the node of each output copy, found by its destination. An output whose
+  // node is not found is copied out after each replay.
+  void find_copy_nodes() {
+    size_t count = 0;
+    cu::check(cudaGraphGetNodes(graph, nullptr, &count), "compile (CUDA graph)");
+    std::vector<cudaGraphNode_t> nodes(count);
+    cu::check(cudaGraphGetNodes(graph, nodes.data(), &count), "compile (CUDA graph)");
+    for (OutputCopy& c : output_copies) {
+      if (!c.buffer.defined()) continue;
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType type;
+        cudaMemcpy3DParms params{};
+        if (cudaGraphNodeGetType(node, &type) != cudaSuccess || type != cudaGraphNodeTypeMemcpy ||
+            cudaGraphMemcpyNodeGetParams(node, &params) != cudaSuccess)
+          continue;
+        // A 1-D copy: its addresses are the pointers plus the x offsets.
+        const char* dst = static_cast<const char*>(params.dstPtr.ptr) + params.dstPos.x;
+        const char* src = static_cast<const char*>(params.srcPtr.ptr) + params.srcPos.x;
+        if (dst == c.target && src == c.source && params.extent.width == c.bytes) c.node = node;
+      }
+      if (!c.node) c.buffer = Tensor();
+    }
+    cudaGetLastError();
   }
 
   // Whether a call's inputs and scalars fit the recorded graph.
@@ -201,6 +325,26 @@ struct CudaGraphRunner::Impl {
       if (!in_place[i] && args.tensors[i].defined()) static_inputs[i].copy_(args.tensors[i]);
     // The graph runs on its own stream, ordered after the caller's work and before what the caller
     // queues next.
+    // Each output copy writes the graph's buffer unless the caller still holds what it got from
+    // there last time; then a new tensor.
+    std::vector<Tensor> out(static_outputs.size());
+    for (size_t i = 0; i < output_copies.size(); ++i) {
+      OutputCopy& c = output_copies[i];
+      if (!c.node) continue;
+      const Tensor& t = static_outputs[i];
+      if (!c.held->load(std::memory_order_acquire)) {
+        out[i] = hand_out(c.buffer, c.held);
+      } else {
+        out[i] = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
+        detail::counter_set().cuda_graph_output_copies.fetch_add(1, std::memory_order_relaxed);
+      }
+      void* target = out[i].impl().data();
+      if (target != c.target) {
+        cu::check(cudaGraphExecMemcpyNodeSetParams1D(exec, c.node, target, c.source, c.bytes, cudaMemcpyDeviceToDevice),
+                  "compile (CUDA graph replay)");
+        c.target = target;
+      }
+    }
     cu::check(cudaEventRecord(ready, caller), "compile (CUDA graph replay)");
     cu::check(cudaStreamWaitEvent(stream, ready, 0), "compile (CUDA graph replay)");
     cu::check(cudaGraphLaunch(exec, stream), "compile (CUDA graph replay)");
@@ -212,16 +356,12 @@ struct CudaGraphRunner::Impl {
         Tensor target = args.tensors[i];
         target.copy_(static_inputs[i]);
       }
-    std::vector<Tensor> out;
-    out.reserve(static_outputs.size());
-    for (const Tensor& t : static_outputs) {
-      if (!t.defined()) {
-        out.emplace_back();
-        continue;
-      }
-      Tensor copy = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
-      copy.copy_(t);
-      out.push_back(std::move(copy));
+    for (size_t i = 0; i < static_outputs.size(); ++i) {
+      const Tensor& t = static_outputs[i];
+      if (!t.defined() || out[i].defined()) continue;
+      out[i] = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
+      out[i].copy_(t);
+      detail::counter_set().cuda_graph_output_copies.fetch_add(1, std::memory_order_relaxed);
     }
     return out;
   }

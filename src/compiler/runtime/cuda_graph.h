@@ -7,8 +7,18 @@
 // replays it; later calls replay. Inputs whose memory was the same on the first two calls (module
 // parameters, buffers) are read in place; the others are copied into static buffers first (and
 // back after the replay when the graph writes them), so a caller's tensor is never written where
-// eager would not write it. Outputs are copied out of the graph's static memory, so results
-// of earlier calls stay valid. A call whose run-time scalars or in-place inputs changed address is
+// eager would not write it.
+//
+// Outputs: the graph ends by copying each output into a buffer of its own memory, which the
+// call returns (no allocation, no copy launched). A later replay writes that buffer again only
+// once the caller has let go of every view of what it got from there; while the caller still
+// holds it, the copy node is pointed at a new tensor instead (cudaGraphExecMemcpyNodeSetParams1D),
+// so results of earlier calls always stay valid, as eager's do. The graph's memory (its
+// intermediates, its outputs and these buffers) counts as reserved, not allocated, in
+// kiln::cuda's statistics, as PyTorch counts its CUDA graph pools; what the caller gets in new
+// tensors counts as allocated. An output with gaps or overlaps is copied out after the replay.
+//
+// A call whose run-time scalars or in-place inputs changed address is
 // re-recorded; a graph that cannot be recorded (an op that reads back to the host, e.g. an index
 // bound check) runs normally from then on, with a perf_hints log line saying why.
 #pragma once
