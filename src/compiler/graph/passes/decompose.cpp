@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <unordered_map>
@@ -35,10 +36,22 @@ std::optional<double> number_of(const Attr& a) {
   return std::nullopt;
 }
 
+// The 0-dim float64 tensor `value` on `device`, one per value and device for the process: graphs
+// compiled side by side share them (nothing writes a constant), so that on a GPU they do not each
+// hold allocator blocks of the same 0s and 1s.
 Tensor scalar_constant(double value, Device device) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const std::tuple<uint64_t, int, int> key{bits, static_cast<int>(device.type), device.index};
+  static std::mutex mutex;
+  static auto* shared = new std::map<std::tuple<uint64_t, int, int>, Tensor>;  // leaked: may outlive CUDA
+  std::lock_guard lock(mutex);
+  if (auto it = shared->find(key); it != shared->end()) return it->second;
   kiln::compiler::detail::SuspendCapture no_capture;
   NoGradGuard no_grad;
-  return kiln::full({}, value, TensorOptions(DType::float64, device));
+  Tensor t = kiln::full({}, value, TensorOptions(DType::float64, device));
+  if (shared->size() < 4096) shared->emplace(key, t);  // a bound for programs baking many values
+  return t;
 }
 
 ValueInfo scalar_info(Device device) {
