@@ -95,15 +95,9 @@ Tensor hand_out(const Tensor& buffer, const std::shared_ptr<std::atomic<bool>>& 
   storage->device = b.storage->device;
   storage->free_context = new Hold{buffer, held};
   storage->free_fn = &release_hold;
-  auto impl = std::make_shared<kiln::detail::TensorImpl>();
-  impl->storage = std::move(storage);
-  impl->storage_offset = b.storage_offset;
-  impl->sizes = b.sizes;
-  impl->strides = b.strides;
-  impl->dtype = b.dtype;
-  impl->device = b.device;
-  impl->refresh_metadata();
-  return Tensor(std::move(impl));
+  Tensor out = kiln::detail::make_view(buffer, b.sizes, b.strides, b.storage_offset);
+  out.impl().storage = std::move(storage);
+  return out;
 }
 
 }  // namespace
