@@ -317,8 +317,6 @@ struct CudaGraphRunner::Impl {
     cudaStream_t caller = cu::current_stream(device);
     for (size_t i = 0; i < static_inputs.size(); ++i)
       if (!in_place[i] && args.tensors[i].defined()) static_inputs[i].copy_(args.tensors[i]);
-    // The graph runs on its own stream, ordered after the caller's work and before what the caller
-    // queues next.
     // Each output copy writes the graph's buffer unless the caller still holds what it got from
     // there last time; then a new tensor.
     std::vector<Tensor> out(static_outputs.size());
@@ -339,6 +337,8 @@ struct CudaGraphRunner::Impl {
         c.target = target;
       }
     }
+    // The graph runs on its own stream, ordered after the caller's work and before what the caller
+    // queues next.
     cu::check(cudaEventRecord(ready, caller), "compile (CUDA graph replay)");
     cu::check(cudaStreamWaitEvent(stream, ready, 0), "compile (CUDA graph replay)");
     cu::check(cudaGraphLaunch(exec, stream), "compile (CUDA graph replay)");
