@@ -1,13 +1,13 @@
 // CUDA graph capture and replay for the kiln backend (see cuda_graph.h).
 #include "compiler/runtime/cuda_graph.h"
 
-#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
 #include <utility>
 
 #include "compiler/capture/runtime.h"
+#include "core/shape.h"
 #include "core/tensor_factory.h"
 
 #ifdef KILN_WITH_CUDA
@@ -54,23 +54,8 @@ InputRecord record_of(const Tensor& t) {
 // The bytes `t` covers when its elements fill them exactly (no gaps, no overlaps, no negative
 // strides), else -1.
 int64_t dense_bytes(const Tensor& t) {
-  int64_t span = 1;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.sizes()[d] == 0) return 0;
-    if (t.strides()[d] < 0) return -1;
-    span += (t.sizes()[d] - 1) * t.strides()[d];
-  }
-  if (span != t.numel()) return -1;
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), to rule out overlaps
-  for (int64_t d = 0; d < t.dim(); ++d)
-    if (t.sizes()[d] > 1) dims.emplace_back(t.strides()[d], t.sizes()[d]);
-  std::sort(dims.begin(), dims.end());
-  int64_t expected = 1;
-  for (auto [stride, size] : dims) {
-    if (stride != expected) return -1;
-    expected *= size;
-  }
-  return span * static_cast<int64_t>(itemsize(t.dtype()));
+  if (!kiln::detail::dense_in(t.sizes(), t.strides(), kiln::detail::memory_order(t.strides()))) return -1;
+  return t.numel() * static_cast<int64_t>(itemsize(t.dtype()));
 }
 
 // Whose a handed-out output is: the caller holds it until the last view of its storage dies.

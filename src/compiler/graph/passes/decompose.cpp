@@ -36,15 +36,21 @@ std::optional<double> number_of(const Attr& a) {
   return std::nullopt;
 }
 
+// A scalar constant's identity: its value's bits (so -0.0 and NaNs stay apart) and its device.
+using ConstantKey = std::tuple<uint64_t, int, int>;
+ConstantKey constant_key(double value, Device device) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return {bits, static_cast<int>(device.type), device.index};
+}
+
 // The 0-dim float64 tensor `value` on `device`, one per value and device for the process: graphs
 // compiled side by side share them (nothing writes a constant), so that on a GPU they do not each
 // hold allocator blocks of the same 0s and 1s.
 Tensor scalar_constant(double value, Device device) {
-  uint64_t bits = 0;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const std::tuple<uint64_t, int, int> key{bits, static_cast<int>(device.type), device.index};
+  const ConstantKey key = constant_key(value, device);
   static std::mutex mutex;
-  static auto* shared = new std::map<std::tuple<uint64_t, int, int>, Tensor>;  // leaked: may outlive CUDA
+  static auto* shared = new std::map<ConstantKey, Tensor>;  // leaked: may outlive CUDA
   std::lock_guard lock(mutex);
   if (auto it = shared->find(key); it != shared->end()) return it->second;
   kiln::compiler::detail::SuspendCapture no_capture;
@@ -234,9 +240,7 @@ class Splicer {
   // each is a tensor the compiled graph holds, and on a GPU every one takes an allocator block
   // (DenseNet-121's 121 batch norms made 242 blocks of 512 bytes of 0s and 1s).
   int constant(double value, Device device) {
-    uint64_t bits = 0;
-    std::memcpy(&bits, &value, sizeof(bits));
-    auto [it, fresh] = constants_.try_emplace({bits, static_cast<int>(device.type), device.index}, -1);
+    auto [it, fresh] = constants_.try_emplace(constant_key(value, device), -1);
     if (fresh) {
       it->second = g_.add_value(scalar_info(device));
       g_.constants.emplace_back(it->second, scalar_constant(value, device));
@@ -246,7 +250,7 @@ class Splicer {
 
   Graph& g_;
   std::vector<Node>& out_;
-  std::map<std::tuple<uint64_t, int, int>, int> constants_;  // (value bits, device) -> value
+  std::map<ConstantKey, int> constants_;  // graph value of each constant
   internal::NodeNamer namer_;
   std::unordered_map<int, int> rename_;
   std::vector<std::pair<int, int>> moved_;
