@@ -32,8 +32,6 @@
 #include <array>
 #include <atomic>
 #include <climits>
-#include <cstdio>
-#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -205,12 +203,11 @@ constexpr size_t kMaxWorkspace = size_t{1}
                                  << 30;  // skip algorithms that want more scratch than this
 
 // An algorithm a plan may take: one cuDNN supports here, in an acceptable math mode, with bounded
-// scratch; `ms` is its timed run (max_autotune), negative until timed.
+// scratch.
 struct Candidate {
   int algo;
   cudnnMathType_t math;
   size_t bytes;
-  float ms = -1;
 };
 
 // The first `limit` candidates of a heuristics ranking (cuDNN ranks by expected speed), in its
@@ -287,19 +284,18 @@ struct Scratch {
 template <class Perf, class Run>
 bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams& p, bool allow_tf32,
                   const std::function<cudnnStatus_t(int, size_t*)>& workspace_size, Run run) {
-  std::vector<Candidate> candidates = candidates_of(plan, perf, count, p.dtype, allow_tf32, workspace_size, 8);
+  const std::vector<Candidate> candidates = candidates_of(plan, perf, count, p.dtype, allow_tf32, workspace_size, 8);
   if (candidates.empty()) return false;
   Scratch m(p);
   cudaStream_t stream = current_stream(p.device);
   std::vector<float> ms;
   std::vector<std::string> labels;
-  for (Candidate& c : candidates) {
+  for (const Candidate& c : candidates) {
     check_cudnn(cudnnSetConvolutionMathType(plan.conv.d, c.math), "conv2d (max_autotune)");
     Tensor ws = workspace(static_cast<int64_t>(c.bytes), cuda_device(p.device));
     void* ws_data = ws.defined() ? ws.impl().data() : nullptr;
     // A refused algorithm is not a candidate.
-    c.ms = time_queued_runs(p.device, stream, [&] { return run(c.algo, ws_data, c.bytes, m) == CUDNN_STATUS_SUCCESS; });
-    ms.push_back(c.ms);
+    ms.push_back(time_queued_runs(p.device, stream, [&] { return run(c.algo, ws_data, c.bytes, m) == CUDNN_STATUS_SUCCESS; }));
     labels.push_back(fmt::format("algo{}/math{}", c.algo, static_cast<int>(c.math)));
   }
   const int best = fastest(ms);
@@ -313,9 +309,8 @@ bool choose_timed(ConvPlan& plan, const Perf* perf, int count, const ConvParams&
 
 std::atomic<int64_t> g_timed_plans{0};  // conv_plans_timed()
 
-// Builds the plan of `p` for `direction`, skipping the `excluded` algorithms; nullptr when cuDNN
-// has no algorithm for it.
-
+// Builds the plan of `p` for `direction`, skipping the `excluded` algorithms, its algorithm timed
+// when `timed`; nullptr when cuDNN has no algorithm for it.
 std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direction,
                                            bool allow_tf32, uint32_t excluded, bool timed) {
   auto plan = std::make_shared<ConvPlan>();
@@ -428,10 +423,9 @@ struct PlanKeyHash {
 std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction direction,
                                           const ConvPlan* failed = nullptr) {
   const bool allow_tf32 = p.dtype == DType::float32 && cudnn_allow_tf32();
-  // max_autotune times the algorithms (cudnnFind*). A CUDA graph recording cannot time (the
-  // search synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
+  // max_autotune times the algorithms (choose_timed). A CUDA graph recording cannot time (timing
+  // synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
   bool timed = kiln::cpu::conv_autotune_active();
-  const bool recording = capturing(p.device);
   PlanKey key;
   key.v = {p.device,
            static_cast<int64_t>(p.dtype),
@@ -462,7 +456,7 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
     std::lock_guard lock(mutex);
     if (auto it = cache->find(key); it != cache->end()) return it->second;
   }
-  if (timed && recording) {
+  if (timed && capturing(p.device)) {
     timed = false;
     key.v[21] = 0;
     std::lock_guard lock(mutex);

@@ -306,13 +306,12 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
   // max_autotune times the heuristics' candidates. A CUDA graph recording cannot time (timing
   // synchronizes): it takes what its warm-up run timed, else the heuristics' first pick.
   key.v[22] = kiln::cpu::conv_autotune_active();
-  const bool recording = capturing(device);
   CachedAlgo algo;
   bool cached = false;
   {
     std::lock_guard lock(g_algo_mutex);
     auto it = algo_cache().find(key);
-    if (it == algo_cache().end() && key.v[22] && recording) {
+    if (it == algo_cache().end() && key.v[22] && capturing(device)) {
       key.v[22] = 0;
       it = algo_cache().find(key);
     }

@@ -39,16 +39,11 @@ namespace {
 
 using KernelFn = void (*)(void* const*, const double*, const int64_t*);
 
-// A generated kernel on a CUDA device: its NVRTC-compiled function and how to fill its parameter
-// block (cuda_codegen.h).
-struct CudaKernel {
-  void* function = nullptr;  // CUfunction
-  int device = 0;
+// A generated kernel on a CUDA device: how it launches (its NVRTC-compiled function, work items;
+// runtime/cuda_launch.h) and how to fill its parameter block (cuda_codegen.h).
+struct CudaKernel : runtime::GeneratedKernel {
   std::vector<int> scalars;  // Graph::scalars indices, in slot order
   size_t buffers = 0;
-  int64_t numel = 0;
-  bool per_block = false;  // a reduction: one block per kept position
-  std::vector<size_t> written;  // buffers the kernel stores into
 };
 
 // reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
@@ -184,10 +179,7 @@ void launch_cuda(const Executable& ex, const lower::Step& step, const std::vecto
     std::memcpy(&block[ck.buffers + j], &scalars[ck.scalars[j]], sizeof(double));
     std::memcpy(&block[ck.buffers + nscalars + j], &int_scalars[ck.scalars[j]], sizeof(int64_t));
   }
-  std::vector<std::pair<size_t, Tensor>> written;
-  if (ex.autotune)
-    for (size_t b : ck.written) written.emplace_back(b, env[step.bindings[b]]);
-  runtime::launch_generated({ck.function, ck.device, ck.numel, ck.per_block}, block, ex.autotune, written);
+  runtime::launch_generated(ck, block, ex.autotune, env, step.bindings);
 }
 
 std::vector<Tensor> run(const Executable& ex, const Arguments& args) {

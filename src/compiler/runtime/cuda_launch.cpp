@@ -39,7 +39,8 @@ int64_t generated_launches_timed() { return g_timed.load(std::memory_order_relax
 
 #ifndef KILN_WITH_CUDA
 
-void launch_generated(const GeneratedKernel&, std::vector<uint64_t>&, bool, const std::vector<std::pair<size_t, Tensor>>&) {
+void launch_generated(const GeneratedKernel&, std::vector<uint64_t>&, bool, const std::vector<Tensor>&,
+                      const std::vector<int>&) {
   throw CompileError("[kiln::compile] a generated CUDA kernel, but Kiln was built without CUDA.");
 }
 void forget_tuned_launch_shapes_for_test() {}
@@ -93,8 +94,8 @@ std::unordered_map<const void*, Shape>& tuned_shapes() {
   return *shapes;
 }
 
-Shape tune(const GeneratedKernel& k, const std::vector<uint64_t>& params,
-           const std::vector<std::pair<size_t, Tensor>>& written, cudaStream_t stream) {
+Shape tune(const GeneratedKernel& k, const std::vector<uint64_t>& params, const std::vector<Tensor>& env,
+           const std::vector<int>& bindings, cudaStream_t stream) {
   const std::vector<Shape> shapes = candidates(k);
   // Elements that fit one block of the smallest size: every shape runs the same threads.
   if (shapes.size() < 2 || (!k.per_block && k.numel <= 128)) return shapes.front();
@@ -102,7 +103,8 @@ Shape tune(const GeneratedKernel& k, const std::vector<uint64_t>& params,
   // parameter), and the real run comes after.
   std::vector<uint64_t> scratch_params = params;
   std::vector<Tensor> scratch;
-  for (const auto& [slot, t] : written) {
+  for (size_t slot : k.written) {
+    const Tensor& t = env[bindings[slot]];
     Tensor copy = kiln::detail::make_empty_strided(t.sizes().vec(), t.strides().vec(), t.dtype(), t.device());
     copy.copy_(t);
     void* ptr = copy.impl().data();
@@ -131,7 +133,7 @@ void forget_tuned_launch_shapes_for_test() {
 }
 
 void launch_generated(const GeneratedKernel& k, std::vector<uint64_t>& params, bool tune_shape,
-                      const std::vector<std::pair<size_t, Tensor>>& written) {
+                      const std::vector<Tensor>& env, const std::vector<int>& bindings) {
   cu::DeviceGuard guard(k.device);
   cudaStream_t stream = cu::current_stream(k.device);
   Shape shape = default_shape(k.per_block);
@@ -144,7 +146,7 @@ void launch_generated(const GeneratedKernel& k, std::vector<uint64_t>& params, b
       shape = it->second;
     } else if (!cu::capturing(k.device)) {
       lock.unlock();
-      shape = tune(k, params, written, stream);
+      shape = tune(k, params, env, bindings, stream);
       lock.lock();
       tuned_shapes()[k.function] = shape;
     }

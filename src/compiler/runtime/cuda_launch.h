@@ -10,8 +10,8 @@
 // process's lifetime (cuda::detail::fastest: the default stays unless beaten by 3%).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
-#include <utility>
 #include <vector>
 
 #include "kiln/tensor.h"
@@ -23,13 +23,14 @@ struct GeneratedKernel {
   int device = 0;
   int64_t numel = 0;         // work items: elements, or a reduction's kept positions
   bool per_block = false;    // a reduction: one block per kept position
+  std::vector<size_t> written;  // the buffer slots the kernel stores into
 };
 
 // Launches `k` on the device's current stream with the parameter block `params` (8-byte slots,
-// buffer pointers first). With `tune`, its shape is max_autotune's; `written` then lists the
-// slots of the buffers the kernel writes, with their tensors (timing writes copies of them).
+// buffer pointers first). With `tune`, its shape is max_autotune's; buffer slot s holds the
+// tensor env[bindings[s]] (timing writes copies of those in `k.written`).
 void launch_generated(const GeneratedKernel& k, std::vector<uint64_t>& params, bool tune,
-                      const std::vector<std::pair<size_t, Tensor>>& written);
+                      const std::vector<Tensor>& env, const std::vector<int>& bindings);
 
 // Generated functions whose launch shape max_autotune chose by timing since the process began.
 int64_t generated_launches_timed();
