@@ -1,5 +1,5 @@
 // Convolution autotuning (src/backends/cpu/conv_autotune.h, compile()'s max_autotune on the CPU):
-// outside a ConvAutotuneScope convolutions run the direct plan exactly as before and nothing is
+// outside an AutotuneScope (src/backends/autotune_scope.h) convolutions run the direct plan exactly as before and nothing is
 // timed; inside one, float32 3x3/stride-1 convolutions time direct against oneDNN's Winograd and
 // (channels-last) Kiln's own per direction and layout, record the decision and stay within float32
 // tolerance of a float64 reference;
@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "backends/autotune_scope.h"
 #include "backends/cpu/conv_autotune.h"
 #include "compile_helpers.h"
 #include "kernel_cache_dir.h"
@@ -39,8 +40,9 @@ using namespace kiln;
 using namespace kiln::testing;  // compile_helpers.h
 using cpu::ConvAlgorithm;
 using cpu::ConvAutotuneDecision;
-using cpu::ConvAutotuneScope;
 using cpu::ConvDirection;
+using backends::AutotuneScope;
+using backends::ConvAutotuneMode;
 
 KILN_TEST_KERNEL_CACHE_DIR("kiln_test_conv_autotune");
 
@@ -178,30 +180,66 @@ class ConvAutotune : public ::testing::Test {
 
 // Eager convolutions time nothing and run the direct plan: the results before any scope, after a
 // scope that ran Winograd, and inside a KILN_CONV_AUTOTUNE=0 (inert) scope are bit-identical.
+// Scopes nest: each reads KILN_CONV_AUTOTUNE when it opens, the innermost one's mode applies, and
+// closing it restores the enclosing one's.
+TEST(AutotuneScopes, NestAndRestoreTheEnclosingConvolutionMode) {
+  EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+  {
+    ScopedEnv timed("KILN_CONV_AUTOTUNE", "1");
+    AutotuneScope outer;
+    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::timed);
+    {
+      ScopedEnv off("KILN_CONV_AUTOTUNE", "0");
+      AutotuneScope inner;
+      EXPECT_TRUE(backends::autotune_active());
+      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+      {
+        ScopedEnv nhwc("KILN_CONV_AUTOTUNE", "winograd_nhwc");
+        AutotuneScope innermost;
+        EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::force_winograd_nhwc);
+      }
+      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+    }
+    EXPECT_TRUE(backends::autotune_active());
+    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::timed);
+    // Another thread has no scope of its own.
+    std::thread([] {
+      EXPECT_FALSE(backends::autotune_active());
+      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+    }).join();
+  }
+  EXPECT_FALSE(backends::autotune_active());
+  EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+}
+
 TEST_F(ConvAutotune, OutsideAScopeNothingIsTimedAndTheDirectPlanRuns) {
   for (bool channels_last : {false, true}) {
     SCOPED_TRACE(channels_last ? "channels_last" : "contiguous");
     const ConvParams p;
     Operands o = make_operands({4, 64, 16, 16}, {32, 64, 3, 3}, p, kFloat32, channels_last);
-    EXPECT_FALSE(cpu::conv_autotune_active());
+    EXPECT_FALSE(backends::autotune_active());
+    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
     ConvResult before = run_conv(o, p);
     EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
     ConvResult winograd;
     {
       ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
-      ConvAutotuneScope scope;
-      EXPECT_TRUE(cpu::conv_autotune_active());
+      AutotuneScope scope;
+      EXPECT_TRUE(backends::autotune_active());
+      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::force_winograd);
       winograd = run_conv(o, p);
     }
-    EXPECT_FALSE(cpu::conv_autotune_active());
+    EXPECT_FALSE(backends::autotune_active());
+    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
     EXPECT_FALSE(bit_identical(winograd, before)) << "the forced scope should have run Winograd";
     ConvResult after = run_conv(o, p);
     EXPECT_TRUE(bit_identical(after, before));
     {
       ScopedEnv off("KILN_CONV_AUTOTUNE", "0");
       cpu::clear_conv_autotune_decisions();
-      ConvAutotuneScope scope;
-      EXPECT_FALSE(cpu::conv_autotune_active());
+      AutotuneScope scope;
+      EXPECT_TRUE(backends::autotune_active()) << "the scope is open; only convolutions stay untimed";
+      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
       EXPECT_TRUE(bit_identical(run_conv(o, p), before));
       EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
     }
@@ -225,7 +263,7 @@ TEST_F(ConvAutotune, WinogradMatchesFloat64InBothLayouts) {
       ConvResult got;
       {
         ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
-        ConvAutotuneScope scope;
+        AutotuneScope scope;
         got = run_conv(o, p);
       }
       ConvResult want = reference(o, p);
@@ -276,7 +314,7 @@ TEST_F(ConvAutotune, KilnWinogradMatchesFloat64) {
     ConvResult got;
     {
       ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd_nhwc");
-      ConvAutotuneScope scope;
+      AutotuneScope scope;
       got = run_conv(o, p);
     }
     const ConvResult want = reference(o, p);
@@ -303,7 +341,7 @@ TEST_F(ConvAutotune, KilnWinogradMatchesFloat64) {
   Operands contiguous = make_operands({2, 16, 8, 8}, {8, 16, 3, 3}, p, kFloat32, false);
   Operands with_bias = make_operands({2, 16, 8, 8}, {8, 16, 3, 3}, p, kFloat32, true);
   {
-    ConvAutotuneScope scope;
+    AutotuneScope scope;
     run_conv(contiguous, p);
     run_conv(with_bias, p);
   }
@@ -324,7 +362,7 @@ TEST_F(ConvAutotune, TimedChoiceRecordsEachDirectionAndMatchesFloat64) {
       SCOPED_TRACE(what);
       const ConvParams p;
       Operands o = make_operands({4, 64, size, size}, {32, 64, 3, 3}, p, kFloat32, channels_last);
-      ConvAutotuneScope scope;
+      AutotuneScope scope;
       ConvResult first = run_conv(o, p);
       auto found = decisions_for({4, 64, size, size}, 32, channels_last);
       expect_all_directions(found);
@@ -361,7 +399,7 @@ TEST_F(ConvAutotune, ConfigurationsWinogradCantRunRecordNothing) {
       ConvResult outside = run_conv(o, c.p);
       ConvResult inside;
       {
-        ConvAutotuneScope scope;
+        AutotuneScope scope;
         inside = run_conv(o, c.p);
       }
       EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
@@ -382,7 +420,7 @@ TEST_F(ConvAutotune, RacingThreadsRecordOneDecisionPerDirection) {
   std::vector<std::thread> threads;
   for (int i = 0; i < 2; ++i)
     threads.emplace_back([&, i] {
-      ConvAutotuneScope scope;
+      AutotuneScope scope;
       got[i] = run_conv(o, p);
     });
   for (auto& t : threads) t.join();

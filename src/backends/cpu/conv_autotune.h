@@ -1,16 +1,14 @@
 // Convolution autotuning on the CPU (compile()'s max_autotune modes, DESIGN §2.5).
 //
-// While a ConvAutotuneScope is alive on a thread, a float32 3x3 convolution (stride 1, no
-// dilation, one group) times its direct plan against the Winograd F(4x4, 3x3) algorithms that can
-// run it: oneDNN's Winograd plan (reorders to and from the tensors' layout included) and, for
-// channels-last activations without bias, Kiln's own (winograd_nhwc.h: forward and
-// backward-data). It does so the first time it meets that configuration, layout and direction
-// (forward, backward-data, backward-weights); the fastest is cached for the process and used by
-// every later call inside a scope (an alternative must beat direct by 5%). Outside a scope
-// convolutions always run the direct plan. KILN_CONV_AUTOTUNE (read when a scope is created): 0
-// makes scopes inert, to bisect a wrong result; "winograd" (or "winograd_nhwc") still times and
-// records decisions but runs oneDNN's (or Kiln's) Winograd wherever it is available, whatever won
-// (to test its numerics).
+// While an AutotuneScope (backends/autotune_scope.h) is alive on a thread, a float32 3x3
+// convolution (stride 1, no dilation, one group) times its direct plan against the Winograd
+// F(4x4, 3x3) algorithms that can run it: oneDNN's Winograd plan (reorders to and from the
+// tensors' layout included) and, for channels-last activations without bias, Kiln's own
+// (winograd_nhwc.h: forward and backward-data). It does so the first time it meets that
+// configuration, layout and direction (forward, backward-data, backward-weights); the fastest is
+// cached for the process and used by every later call inside a scope (an alternative must beat
+// direct by 5%). Outside a scope convolutions always run the direct plan; KILN_CONV_AUTOTUNE
+// steers them inside one (autotune_scope.h).
 #pragma once
 
 #include <array>
@@ -26,23 +24,6 @@ enum class ConvDirection { forward, backward_data, backward_weights };
 
 const char* name(ConvAlgorithm a);
 const char* name(ConvDirection d);
-
-// Turns autotuning on for convolutions run by this thread while alive. Nestable.
-class ConvAutotuneScope {
- public:
-  ConvAutotuneScope();
-  ~ConvAutotuneScope();
-  ConvAutotuneScope(const ConvAutotuneScope&) = delete;
-  ConvAutotuneScope& operator=(const ConvAutotuneScope&) = delete;
-
- private:
-  bool active_;               // false when KILN_CONV_AUTOTUNE=0
-  bool force_winograd_;       // KILN_CONV_AUTOTUNE=winograd
-  bool force_winograd_nhwc_;  // KILN_CONV_AUTOTUNE=winograd_nhwc
-};
-
-// Whether a (non-inert) ConvAutotuneScope is alive on this thread.
-bool conv_autotune_active();
 
 // One timed choice.
 struct ConvAutotuneDecision {

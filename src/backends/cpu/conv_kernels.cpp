@@ -28,7 +28,7 @@
 // Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
 // (blocked layouts only, reordered from and to the user's NCHW or NHWC), and channels-last 3x3
 // convolutions can also run Kiln's own Winograd (winograd_nhwc.h, no plan: called directly). Inside
-// a ConvAutotuneScope a float32 call whose configuration has a Winograd times the candidates once
+// an AutotuneScope (backends/autotune_scope.h) a float32 call whose configuration has a Winograd times the candidates once
 // per configuration, layout and direction on scratch outputs and keeps the fastest; conv2d_relu
 // and conv2d_bn share conv2d's forward choice. Outside a scope only direct plans run.
 //
@@ -56,6 +56,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "backends/autotune_scope.h"
 #include "backends/cpu/conv_autotune.h"
 #include "backends/cpu/loops.h"
 #include "backends/cpu/winograd_nhwc.h"
@@ -80,6 +81,9 @@ bool onednn_enabled() {
   }();
   return enabled;
 }
+
+// Inside an AutotuneScope, unless KILN_CONV_AUTOTUNE=0 (autotune_scope.h).
+bool convolutions_autotuned() { return backends::conv_autotune_mode() != backends::ConvAutotuneMode::off; }
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -466,7 +470,7 @@ void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
     Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
     const void* b_data = b.defined() ? b.impl().data() : nullptr;
     // max_autotune: direct or a Winograd, whichever timed fastest for this configuration.
-    if (t == DType::float32 && conv_autotune_active())
+    if (t == DType::float32 && convolutions_autotuned())
       plan = autotuned_plan(s, t, layout, std::move(plan), x.impl().data(), w.impl().data(), b_data);
     if (plan) run_plan(*plan, x.impl().data(), w.impl().data(), b_data, y.impl().data());
     else run_winograd_nhwc_forward(s, layout, x.impl().data(), w.impl().data(), y.impl().data());
@@ -767,10 +771,6 @@ void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, cons
 
 // ---------------- autotuning (max_autotune): direct vs Winograd ----------------
 
-thread_local int t_autotune_depth = 0;
-thread_local int t_force_winograd_depth = 0;       // KILN_CONV_AUTOTUNE=winograd
-thread_local int t_force_winograd_nhwc_depth = 0;  // KILN_CONV_AUTOTUNE=winograd_nhwc
-
 struct DecisionKey {
   ConvKey conv;
   ConvDirection direction;
@@ -879,8 +879,10 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
   });
   if (!entry->timed) return ConvAlgorithm::direct;
   const ConvAutotuneDecision& d = entry->decision;
-  if (t_force_winograd_nhwc_depth > 0 && d.winograd_nhwc_ms >= 0) return ConvAlgorithm::winograd_nhwc;
-  if (t_force_winograd_depth > 0 && d.winograd_ms >= 0) return ConvAlgorithm::winograd;
+  const backends::ConvAutotuneMode mode = backends::conv_autotune_mode();
+  if (mode == backends::ConvAutotuneMode::force_winograd_nhwc && d.winograd_nhwc_ms >= 0)
+    return ConvAlgorithm::winograd_nhwc;
+  if (mode == backends::ConvAutotuneMode::force_winograd && d.winograd_ms >= 0) return ConvAlgorithm::winograd;
   return d.chosen;
 }
 
@@ -1243,7 +1245,7 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
     }
     // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
     // timed faster for this configuration.
-    if (plan && t == DType::float32 && conv_autotune_active()) {
+    if (plan && t == DType::float32 && convolutions_autotuned()) {
       bool dx_by_winograd_nhwc = false, dw_by_winograd_nhwc = false;
       plan = autotuned_backward_plan(s, t, layout, plan_dx, plan_dw, std::move(plan),
                                      plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,
@@ -1322,24 +1324,6 @@ const char* name(ConvDirection d) {
   }
   return "?";
 }
-
-ConvAutotuneScope::ConvAutotuneScope() {
-  const char* v = std::getenv("KILN_CONV_AUTOTUNE");  // read per scope, so tests can flip it
-  active_ = v == nullptr || std::string_view(v) != "0";
-  force_winograd_ = v != nullptr && std::string_view(v) == "winograd";
-  force_winograd_nhwc_ = v != nullptr && std::string_view(v) == "winograd_nhwc";
-  if (active_) ++t_autotune_depth;
-  if (force_winograd_) ++t_force_winograd_depth;
-  if (force_winograd_nhwc_) ++t_force_winograd_nhwc_depth;
-}
-
-ConvAutotuneScope::~ConvAutotuneScope() {
-  if (active_) --t_autotune_depth;
-  if (force_winograd_) --t_force_winograd_depth;
-  if (force_winograd_nhwc_) --t_force_winograd_nhwc_depth;
-}
-
-bool conv_autotune_active() { return t_autotune_depth > 0; }
 
 std::string ConvAutotuneDecision::str() const {
   std::string timings = fmt::format("direct {:.3f} ms", direct_ms);

@@ -18,7 +18,7 @@
 // Plans (descriptors and the algorithm cudnnGet*Algorithm_v7 ranks first among those cuDNN
 // supports for the configuration and precision setting; the next one when cuDNN refuses it at
 // run time) are cached per configuration, layout and direction. Under compile()'s max_autotune
-// (the kiln backend's ConvAutotuneScope, which covers GPU convolutions too) a configuration's
+// (an AutotuneScope, backends/autotune_scope.h; not under KILN_CONV_AUTOTUNE=0) a configuration's
 // first plan is chosen by timing instead: every algorithm the heuristics offer runs on scratch
 // operands and the fastest is cached as its own plan (never while a CUDA graph records:
 // timing synchronizes; a recording takes the plan its warm-up run timed). cuDNN's legacy API takes int
@@ -40,7 +40,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "backends/cpu/conv_autotune.h"
+#include "backends/autotune_scope.h"
 #include "backends/cuda/autotune.h"
 #include "backends/cuda/conv_kernels.h"
 #include "backends/cuda/cuda_runtime.h"
@@ -425,7 +425,7 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
   const bool allow_tf32 = p.dtype == DType::float32 && cudnn_allow_tf32();
   // max_autotune times the algorithms (choose_timed). A CUDA graph recording cannot time (timing
   // synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
-  bool timed = kiln::cpu::conv_autotune_active();
+  bool timed = kiln::backends::conv_autotune_mode() != kiln::backends::ConvAutotuneMode::off;
   PlanKey key;
   key.v = {p.device,
            static_cast<int64_t>(p.dtype),

@@ -32,7 +32,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "backends/cpu/conv_autotune.h"
+#include "backends/autotune_scope.h"
 #include "backends/cuda/autotune.h"
 #include "backends/cuda/cuda_runtime.h"
 #include "backends/cuda/elementwise.h"
@@ -305,7 +305,7 @@ bool run_cublaslt(const LtGemm& g, const char* op) {
   cublasLtHandle_t handle = cublaslt_handle(device);
   // max_autotune times the heuristics' candidates. A CUDA graph recording cannot time (timing
   // synchronizes): it takes what its warm-up run timed, else the heuristics' first pick.
-  key.v[22] = kiln::cpu::conv_autotune_active();
+  key.v[22] = kiln::backends::autotune_active();
   CachedAlgo algo;
   bool cached = false;
   {

@@ -14,7 +14,7 @@
 #include <optional>
 #include <thread>
 
-#include "backends/cpu/conv_autotune.h"
+#include "backends/autotune_scope.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/graph/passes.h"
@@ -67,7 +67,7 @@ struct Executable {
   lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
   std::unique_ptr<Arena> arena;   // set when the plan is not empty
   bool autotune = false;          // max_autotune: library calls and generated CUDA kernels' launch
-                                  // shapes are timed (conv_autotune.h, cuda_launch.h)
+                                  // shapes are timed (autotune_scope.h, cuda_launch.h)
 };
 
 // Holds the executable's arena for one call, or nothing when there is no plan or another call
@@ -190,7 +190,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
                  " and " + std::to_string(args.scalars.size()) + ".");
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
-  std::optional<kiln::cpu::ConvAutotuneScope> autotune;
+  std::optional<kiln::backends::AutotuneScope> autotune;
   if (ex.autotune) autotune.emplace();
   std::vector<Tensor> env(g.values.size());
   for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
