@@ -1,8 +1,8 @@
 // Convolution autotuning (src/backends/cpu/conv_autotune.h, compile()'s max_autotune on the CPU):
-// outside an AutotuneScope (src/backends/autotune_scope.h) convolutions run the direct plan exactly as before and nothing is
-// timed; inside one, float32 3x3/stride-1 convolutions time direct against oneDNN's Winograd and
-// (channels-last) Kiln's own per direction and layout, record the decision and stay within float32
-// tolerance of a float64 reference;
+// outside an AutotuneScope (src/backends/autotune_scope.h) convolutions run the direct plan
+// exactly as before and nothing is timed; inside one, float32 3x3/stride-1 convolutions time
+// direct against oneDNN's Winograd and (channels-last) Kiln's own per direction and layout, record
+// the decision and stay within float32 tolerance of a float64 reference; scopes nest;
 // configurations Winograd can't run record nothing; racing threads time a key once; and a
 // compiled training step with mode max_autotune goes through the kiln backend and records
 // decisions, while the default mode records none.

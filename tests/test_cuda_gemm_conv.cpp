@@ -659,6 +659,28 @@ TEST(CudaConv, BadOperandsThrowTheMetaErrors) {
   EXPECT_THROW(conv2d(ones({1, 3, 5, 5}, o), ones({4, 3, 3, 3})), DeviceError);
 }
 
+// Runs a compiled training step and its eager twin on `x`, each starting from the gradients
+// `w0` and `b0` (undefined: none) for the parameters w and b, and expects the losses and the
+// gradients of w, b and x to agree. `call` labels the failures.
+template <class Compiled, class Step>
+void expect_step_matches_eager(Compiled& compiled, Step& step, const Tensor& x, Tensor& w, Tensor& b,
+                               const Tensor& w0, const Tensor& b0, int call) {
+  auto start = [&] {
+    w.set_grad(w0.defined() ? w0.clone() : Tensor());
+    b.set_grad(b0.defined() ? b0.clone() : Tensor());
+    x.set_grad(Tensor());
+  };
+  start();
+  Tensor loss = compiled(x);
+  Tensor gw = w.grad().clone(), gb = b.grad().clone(), gx = x.grad().clone();
+  start();
+  Tensor expected = step(x);
+  EXPECT_TRUE(allclose(loss.cpu(), expected.cpu(), 1e-3, 1e-5)) << "call " << call;
+  EXPECT_TRUE(allclose(gw.cpu(), w.grad().cpu(), 1e-3, 1e-4)) << "call " << call;
+  EXPECT_TRUE(allclose(gb.cpu(), b.grad().cpu(), 1e-3, 1e-4)) << "call " << call;
+  EXPECT_TRUE(allclose(gx.cpu(), x.grad().cpu(), 1e-3, 1e-4)) << "call " << call;
+}
+
 #ifdef KILN_WITH_CUDNN
 // compile()'s max_autotune times cuDNN's algorithms (cudnnFind*) for each configuration and
 // direction at a graph's first run, caches the winners, and the compiled step matches eager.
@@ -679,18 +701,7 @@ TEST(CudaConv, MaxAutotuneTimesTheAlgorithmsAndMatchesEager) {
   const int64_t before = cuda::detail::conv_plans_timed();
   for (int i = 0; i < 3; ++i) {
     Tensor x = randn({3, 7, 11, 13}, o).requires_grad_(true);
-    w.set_grad(Tensor());
-    b.set_grad(Tensor());
-    Tensor loss = tuned(x);
-    Tensor gw = w.grad().clone(), gb = b.grad().clone(), gx = x.grad().clone();
-    w.set_grad(Tensor());
-    b.set_grad(Tensor());
-    x.set_grad(Tensor());
-    Tensor expected = step(x);
-    EXPECT_TRUE(allclose(loss.cpu(), expected.cpu(), 1e-3, 1e-5)) << "call " << i;
-    EXPECT_TRUE(allclose(gw.cpu(), w.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
-    EXPECT_TRUE(allclose(gb.cpu(), b.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
-    EXPECT_TRUE(allclose(gx.cpu(), x.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    expect_step_matches_eager(tuned, step, x, w, b, Tensor(), Tensor(), i);
   }
   // Forward, backward-data and backward-filter of the configuration were timed.
   EXPECT_GE(cuda::detail::conv_plans_timed() - before, 3);
@@ -721,18 +732,7 @@ TEST(CudaGemm, MaxAutotuneTimesTheAlgorithmsAndMatchesEager) {
     // The gradients accumulate into earlier ones: GEMMs with beta == 1 where the backward writes
     // them in place.
     const Tensor gw0 = randn({96, 160}, o), gb0 = randn({96}, o);
-    w.set_grad(gw0.clone());
-    b.set_grad(gb0.clone());
-    Tensor loss = tuned(x);
-    Tensor gw = w.grad().clone(), gb = b.grad().clone(), gx = x.grad().clone();
-    w.set_grad(gw0.clone());
-    b.set_grad(gb0.clone());
-    x.set_grad(Tensor());
-    Tensor expected = step(x);
-    EXPECT_TRUE(allclose(loss.cpu(), expected.cpu(), 1e-3, 1e-5)) << "call " << i;
-    EXPECT_TRUE(allclose(gw.cpu(), w.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
-    EXPECT_TRUE(allclose(gb.cpu(), b.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
-    EXPECT_TRUE(allclose(gx.cpu(), x.grad().cpu(), 1e-3, 1e-4)) << "call " << i;
+    expect_step_matches_eager(tuned, step, x, w, b, gw0, gb0, i);
   }
   // The forward GEMM and the two backward ones were timed, and the compiled code ran.
   EXPECT_GE(cuda::detail::gemm_algorithms_timed() - before, 2);

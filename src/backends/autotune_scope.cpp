@@ -35,4 +35,6 @@ bool autotune_active() { return t_depth > 0; }
 
 ConvAutotuneMode conv_autotune_mode() { return t_conv_mode; }
 
+bool convolutions_autotuned() { return t_conv_mode != ConvAutotuneMode::off; }
+
 }  // namespace kiln::backends

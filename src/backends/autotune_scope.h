@@ -38,4 +38,7 @@ bool autotune_active();
 // What convolutions do on this thread: `off` outside a scope or under KILN_CONV_AUTOTUNE=0.
 ConvAutotuneMode conv_autotune_mode();
 
+// Whether convolutions time their candidates here (CPU and cuDNN): conv_autotune_mode() != off.
+bool convolutions_autotuned();
+
 }  // namespace kiln::backends

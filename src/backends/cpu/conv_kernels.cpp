@@ -28,9 +28,10 @@
 // Autotuning (conv_autotune.h, compile()'s max_autotune): plans also come in a Winograd variant
 // (blocked layouts only, reordered from and to the user's NCHW or NHWC), and channels-last 3x3
 // convolutions can also run Kiln's own Winograd (winograd_nhwc.h, no plan: called directly). Inside
-// an AutotuneScope (backends/autotune_scope.h) a float32 call whose configuration has a Winograd times the candidates once
-// per configuration, layout and direction on scratch outputs and keeps the fastest; conv2d_relu
-// and conv2d_bn share conv2d's forward choice. Outside a scope only direct plans run.
+// an AutotuneScope (backends/autotune_scope.h) a float32 call whose configuration has a Winograd
+// times the candidates once per configuration, layout and direction on scratch outputs and keeps
+// the fastest; conv2d_relu and conv2d_bn share conv2d's forward choice. Outside a scope only
+// direct plans run.
 //
 // Thread safety: the cache is guarded by a mutex and plans are immutable once built; oneDNN
 // primitives may execute concurrently. Scratchpads and reorder buffers are per thread (user
@@ -81,9 +82,6 @@ bool onednn_enabled() {
   }();
   return enabled;
 }
-
-// Inside an AutotuneScope, unless KILN_CONV_AUTOTUNE=0 (autotune_scope.h).
-bool convolutions_autotuned() { return backends::conv_autotune_mode() != backends::ConvAutotuneMode::off; }
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -470,7 +468,7 @@ void conv2d_impl(const OpCall& call, std::span<Tensor> outs, bool relu) {
     Tensor b = bias.defined() ? bias.to(kFloat32).contiguous() : Tensor();
     const void* b_data = b.defined() ? b.impl().data() : nullptr;
     // max_autotune: direct or a Winograd, whichever timed fastest for this configuration.
-    if (t == DType::float32 && convolutions_autotuned())
+    if (t == DType::float32 && backends::convolutions_autotuned())
       plan = autotuned_plan(s, t, layout, std::move(plan), x.impl().data(), w.impl().data(), b_data);
     if (plan) run_plan(*plan, x.impl().data(), w.impl().data(), b_data, y.impl().data());
     else run_winograd_nhwc_forward(s, layout, x.impl().data(), w.impl().data(), y.impl().data());
@@ -882,7 +880,8 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
   const backends::ConvAutotuneMode mode = backends::conv_autotune_mode();
   if (mode == backends::ConvAutotuneMode::force_winograd_nhwc && d.winograd_nhwc_ms >= 0)
     return ConvAlgorithm::winograd_nhwc;
-  if (mode == backends::ConvAutotuneMode::force_winograd && d.winograd_ms >= 0) return ConvAlgorithm::winograd;
+  if (mode == backends::ConvAutotuneMode::force_winograd && d.winograd_ms >= 0)
+    return ConvAlgorithm::winograd;
   return d.chosen;
 }
 
@@ -1245,7 +1244,7 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
     }
     // max_autotune: each of backward-data and backward-weights direct or Winograd, whichever
     // timed faster for this configuration.
-    if (plan && t == DType::float32 && convolutions_autotuned()) {
+    if (plan && t == DType::float32 && backends::convolutions_autotuned()) {
       bool dx_by_winograd_nhwc = false, dw_by_winograd_nhwc = false;
       plan = autotuned_backward_plan(s, t, layout, plan_dx, plan_dw, std::move(plan),
                                      plan_dw ? x.impl().data() : nullptr, plan_dx ? w.impl().data() : nullptr,

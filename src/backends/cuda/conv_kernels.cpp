@@ -425,7 +425,7 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
   const bool allow_tf32 = p.dtype == DType::float32 && cudnn_allow_tf32();
   // max_autotune times the algorithms (choose_timed). A CUDA graph recording cannot time (timing
   // synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
-  bool timed = kiln::backends::conv_autotune_mode() != kiln::backends::ConvAutotuneMode::off;
+  bool timed = kiln::backends::convolutions_autotuned();
   PlanKey key;
   key.v = {p.device,
            static_cast<int64_t>(p.dtype),
