@@ -1,10 +1,14 @@
 // Weights I/O: safetensors round trips, the exact file format, rejection of every kind of
 // malformed file, and zero-copy DLPack exchange with its ownership rules.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <bit>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <future>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -382,6 +386,37 @@ TEST_F(IoTest, RejectsNegativeOrNonIntegerShapeEntries) {
   EXPECT_TRUE(load_fails<ValueError>(
       path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":[2],"data_offsets":[-1,1]}})", "xy"),
       "not non-negative integers"));
+}
+
+// Issue 18.7: a shape with more than kMaxDims dimensions is refused before any tensor is made.
+TEST_F(IoTest, RejectsShapesWithTooManyDimensions) {
+  std::string shape = "[1";
+  for (int i = 1; i < 100000; ++i) shape += ",1";
+  shape += "]";
+  EXPECT_TRUE(load_fails<ShapeError>(
+      path("f"), file_bytes(R"({"w":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,1]}})", "x"),
+      "has 100000 dimensions; Kiln supports at most 64"));
+}
+
+// Issue 18.6: a FIFO (or any non-regular file) is refused at once; opening it must not wait for
+// a writer.
+TEST_F(IoTest, RejectsAFifoWithoutBlocking) {
+  const std::string fifo = path("fifo.safetensors");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  auto loaded = std::async(std::launch::async, [&]() -> std::string {
+    try {
+      load_safetensors(fifo);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "loaded";
+  });
+  if (loaded.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
+    std::fprintf(stderr, "load_safetensors blocked on a FIFO\n");
+    std::_Exit(1);
+  }
+  const std::string message = loaded.get();
+  EXPECT_NE(message.find("not a regular file"), std::string::npos) << message;
 }
 
 TEST_F(IoTest, RejectsShapeWhoseByteCountDoesNotMatchTheOffsets) {

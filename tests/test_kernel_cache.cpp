@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <openssl/evp.h>
 #include <spawn.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -11,6 +12,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -70,22 +73,24 @@ double ms_since(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
-// Starts the worker program (tests/kernel_cache_worker.cpp) with its output in `out_path`.
-pid_t spawn_worker(const std::vector<std::string>& args, const std::string& out_path) {
+// Starts the worker program (tests/kernel_cache_worker.cpp) with its output in `out_path`; as
+// user `uid` when given (the test runs as root then).
+pid_t spawn_worker(const std::vector<std::string>& args, const std::string& out_path,
+                   std::optional<uid_t> uid = std::nullopt) {
   std::vector<std::string> argv = {KILN_KERNEL_CACHE_WORKER};
   argv.insert(argv.end(), args.begin(), args.end());
   std::vector<char*> cargv;
   for (auto& arg : argv) cargv.push_back(arg.data());
   cargv.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC,
-                                   0600);
-  posix_spawn_file_actions_adddup2(&actions, 1, 2);
-  pid_t pid = -1;
-  int err = posix_spawn(&pid, cargv[0], &actions, nullptr, cargv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  EXPECT_EQ(err, 0) << "cannot start " << argv[0];
+  pid_t pid = fork();
+  if (pid == 0) {
+    int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0666);
+    if (out < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) _exit(126);
+    if (uid && (setgid(*uid) != 0 || setuid(*uid) != 0)) _exit(125);
+    execve(cargv[0], cargv.data(), environ);
+    _exit(127);
+  }
+  EXPECT_GT(pid, 0) << "cannot start " << argv[0];
   return pid;
 }
 
@@ -93,6 +98,35 @@ int wait_for(pid_t pid) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// A script standing in for the C++ compiler at `path`: it answers the probe (--version, -E -dM)
+// with the real compiler and runs `build` (shell) for builds. Returns `path`.
+fs::path fake_compiler(const fs::path& path, const std::string& build) {
+  write_file(path, "#!/bin/sh\ncase \" $* \" in *' --version '*|*' -dM '*) exec " KILN_TEST_CXX
+                   " \"$@\";; esac\n" + build + "\n");
+  EXPECT_EQ(chmod(path.c_str(), 0755), 0);
+  return path;
+}
+
+// A compiler that appends each command line to `log` and runs the real one.
+fs::path logging_compiler(const fs::path& path, const fs::path& log) {
+  write_file(path, "#!/bin/sh\nprintf '%s\\n' \"$*\" >> '" + log.string() + "'\nexec " KILN_TEST_CXX
+                   " \"$@\"\n");
+  EXPECT_EQ(chmod(path.c_str(), 0755), 0);
+  return path;
+}
+
+size_t line_count(const std::string& text) {
+  return static_cast<size_t>(std::count(text.begin(), text.end(), '\n'));
+}
+
+// Whether process `pid` is gone (or a zombie nobody reaped yet).
+bool process_gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  size_t paren = text.rfind(')');
+  return text.empty() || (paren != std::string::npos && text.substr(paren + 2, 1) == "Z");
 }
 
 class KernelCache : public ::testing::Test {
@@ -135,14 +169,25 @@ class KernelCache : public ::testing::Test {
     return fs::path(so).replace_extension(".sha256");
   }
   // Runs the worker on `source` in a fresh process; returns its output line.
-  std::string run_worker(const std::string& source) {
+  std::string run_worker(const std::string& source, int expected_status = 0,
+                         const std::vector<std::string>& options = {}) {
     fs::path src = tmp_ / "worker_source.cpp";
     write_file(src, source);
     std::string out = (tmp_ / "worker.out").string();
-    int status = wait_for(spawn_worker({src.string()}, out));
+    std::vector<std::string> args = options;
+    args.push_back(src.string());
+    int status = wait_for(spawn_worker(args, out));
     std::string text = read_file(out);
-    EXPECT_EQ(status, 0) << text;
+    EXPECT_EQ(status, expected_status) << text;
     return text;
+  }
+  // The build directories (tmp-*) in the version directory.
+  std::vector<fs::path> build_dirs() {
+    std::vector<fs::path> dirs;
+    for (const auto& entry : fs::directory_iterator(version_dir())) {
+      if (entry.path().filename().string().rfind("tmp-", 0) == 0) dirs.push_back(entry.path());
+    }
+    return dirs;
   }
   void expect_valid_entry(const fs::path& so) {
     std::string bytes = read_file(so);
@@ -427,6 +472,7 @@ TEST_F(KernelCache, CompilerErrorNamesTheMessageAndKeepsTheSource) {
   std::string path = message.substr(at + 8, message.find(' ', at + 8) - at - 8);
   EXPECT_EQ(read_file(path), broken) << "the source is kept at " << path;
   EXPECT_NE(path.find("/tmp-graph_0_3-"), std::string::npos) << path;
+  EXPECT_TRUE(fs::exists(fs::path(path).parent_path() / "KEPT")) << "marked as kept for a week";
   EXPECT_EQ(delta(before).builds, 0);
   for (const auto& entry : fs::directory_iterator(version_dir())) {
     EXPECT_NE(entry.path().extension(), ".so") << "no entry for a failed build";
@@ -480,6 +526,227 @@ TEST_F(KernelCache, MissingCompilerIsAClearError) {
   EXPECT_NE(message.find("KILN_CXX"), std::string::npos) << message;
   // And the real compiler works again.
   EXPECT_EQ(rt::load_or_build({.sources = {kAnswerSource}})->function<int()>("kiln_answer")(), 42);
+}
+
+// Issue 18.1/18.3: generated kernels include Kiln's headers from copies the library writes into
+// the build's own private directory: never from the source tree or the install prefix, which
+// someone else may be able to write (and which may not exist any more).
+TEST_F(KernelCache, KernelsIncludeOnlyHeadersWrittenIntoTheirBuildDirectory) {
+  fs::path log = tmp_ / "cxx.log";
+  setenv("KILN_CXX", logging_compiler(tmp_ / "logging-c++", log).c_str(), 1);
+  const std::string source =
+      "#include \"kiln/math/functors.h\"\n"
+      "extern \"C\" int kiln_answer() { return static_cast<int>(kiln::math::Add{}(40.0f, 2.0f)); }\n";
+  auto object = rt::load_or_build({.sources = {source}, .label = "headers"});
+  unsetenv("KILN_CXX");
+  EXPECT_EQ(object->function<int()>("kiln_answer")(), 42);
+  const std::string commands = read_file(log);
+  std::istringstream words(commands);
+  int includes = 0;
+  for (std::string word; words >> word;) {
+    if (word.rfind("-I", 0) != 0) continue;
+    ++includes;
+    EXPECT_EQ(word.rfind("-I" + version_dir().string() + "/tmp-headers-", 0), 0u) << word;
+  }
+  EXPECT_EQ(includes, 1) << commands;
+  EXPECT_EQ(commands.find(KILN_SOURCE_DIR), std::string::npos) << commands;
+}
+
+// Issue 18.2: the library is dlopen'ed through the descriptor whose bytes were hashed, so a file
+// swapped in at the entry's path after the check is never what runs.
+TEST_F(KernelCache, LoadsTheBytesItVerifiedEvenIfThePathIsSwappedAfterwards) {
+  fs::path seven = rt::load_or_build({.sources = {"extern \"C\" int kiln_answer() { return 7; }\n"}})->path();
+  fs::path answer = rt::load_or_build({.sources = {kAnswerSource}})->path();  // released: from disk
+  fs::path planted = tmp_ / "planted.so";
+  fs::copy_file(seven, planted);
+  bool swapped = false;
+  rt::set_entry_verified_hook_for_testing([&](const std::string& path) {
+    if (path == answer.string() && !swapped) {
+      fs::rename(planted, answer);
+      swapped = true;
+    }
+  });
+  auto object = rt::load_or_build({.sources = {kAnswerSource}});
+  rt::set_entry_verified_hook_for_testing(nullptr);
+  ASSERT_TRUE(swapped);
+  EXPECT_EQ(object->function<int()>("kiln_answer")(), 42);
+}
+
+// Libraries are known to the loader as /proc/self/fd/N: loading and releasing one after another
+// (reusing descriptor numbers) must load each one's own code.
+TEST_F(KernelCache, LibrariesLoadedOneAfterAnotherAreEachTheirOwn) {
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < 5; ++i) {
+      std::string source = "extern \"C\" int kiln_answer() { return " + std::to_string(i) + "; }\n";
+      auto object = rt::load_or_build({.sources = {source}});
+      EXPECT_EQ(object->function<int()>("kiln_answer")(), i) << "round " << round;
+    }
+  }
+}
+
+// Issue 18.2: every directory above the cache must be safe from other users, or they could swap
+// the cache (or a directory holding it) between the checks and the loads.
+TEST_F(KernelCache, DirectoriesAboveTheCacheMustBeWritableOnlyByThisUserAndRoot) {
+  fs::path shared = tmp_ / "shared";
+  fs::create_directory(shared);
+  ASSERT_EQ(chmod(shared.c_str(), 0777), 0);
+  setenv("KILN_CACHE_DIR", (shared / "cache").c_str(), 1);
+  auto refused = [&](const std::string& expected) {
+    std::string message = error_of([] { rt::cache_dir(); });
+    EXPECT_NE(message.find("[kiln::compile] the kernel cache directory " + (shared / "cache").string() +
+                           " is inside " + shared.string() + expected),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("another user can change"), std::string::npos) << message;
+    auto before = rt::cache_stats();
+    EXPECT_NE(error_of([] { rt::load_or_build({.sources = {kAnswerSource}}); }).find(" is inside "),
+              std::string::npos);
+    EXPECT_EQ(delta(before).builds, 0);
+  };
+  refused(" (mode 0777)");
+  // Sticky, like /tmp: others cannot rename or delete what is ours.
+  ASSERT_EQ(chmod(shared.c_str(), 01777), 0);
+  EXPECT_EQ(rt::cache_dir(), (shared / "cache").string());
+  // Through a link, the directories checked are the real ones, and the path returned is real.
+  fs::create_directory_symlink(shared, tmp_ / "link");
+  setenv("KILN_CACHE_DIR", (tmp_ / "link" / "cache").c_str(), 1);
+  EXPECT_EQ(rt::cache_dir(), (shared / "cache").string());
+  ASSERT_EQ(chmod(shared.c_str(), 0775), 0);
+  refused(" (mode 0775)");
+  if (geteuid() == 0) {
+    ASSERT_EQ(chmod(shared.c_str(), 0755), 0);
+    ASSERT_EQ(chown(shared.c_str(), 65534, 65534), 0);
+    refused(", owned by uid 65534");
+  }
+}
+
+// Issue 18.6: a FIFO where an entry's file should be is rejected like any bad entry, at once.
+TEST_F(KernelCache, AFifoAtAnEntryPathIsRejectedWithoutBlocking) {
+  for (const char* which : {".so", ".sha256"}) {
+    SCOPED_TRACE(which);
+    std::string source = kAnswerSource + "// fifo " + which + "\n";
+    fs::path so = rt::load_or_build({.sources = {source}})->path();
+    fs::path target = std::string(which) == ".so" ? so : checksum_of(so);
+    fs::remove(target);
+    ASSERT_EQ(mkfifo(target.c_str(), 0600), 0);
+    auto before = rt::cache_stats();
+    auto answer = std::async(std::launch::async, [&] {
+      return rt::load_or_build({.sources = {source}})->function<int()>("kiln_answer")();
+    });
+    if (answer.wait_for(std::chrono::seconds(60)) != std::future_status::ready) {
+      std::fprintf(stderr, "load_or_build blocked on a FIFO at %s\n", target.c_str());
+      std::_Exit(1);
+    }
+    EXPECT_EQ(answer.get(), 42);
+    EXPECT_EQ(delta(before).rejected, 1);
+    expect_valid_entry(so);
+  }
+}
+
+// Issue 18.4: a process whose kernels are all cached starts no compiler, and needs none
+// installed; a changed compiler binary is probed again.
+TEST_F(KernelCache, AWarmCacheStartsNoCompilerAndNeedsNone) {
+  fs::path log = tmp_ / "cxx.log";
+  fs::path cxx = logging_compiler(tmp_ / "logging-c++", log);
+  setenv("KILN_CXX", cxx.c_str(), 1);
+  EXPECT_EQ(run_worker(kAnswerSource), "answer=42 hits=0 builds=1 rejected=0\n");
+  const size_t cold = line_count(read_file(log));
+  EXPECT_EQ(cold, 3u) << "--version, -E -dM, the build:\n" << read_file(log);
+  EXPECT_EQ(run_worker(kAnswerSource), "answer=42 hits=1 builds=0 rejected=0\n");
+  EXPECT_EQ(line_count(read_file(log)), cold) << "a warm process ran the compiler";
+
+  fs::remove(cxx);  // no compiler at all
+  EXPECT_EQ(run_worker(kAnswerSource), "answer=42 hits=1 builds=0 rejected=0\n");
+  std::string message = error_of([] { rt::load_or_build({.sources = {kAnswerSource + "// new\n"}}); });
+  EXPECT_NE(message.find("cannot run the C++ compiler '" + cxx.string() + "'"), std::string::npos)
+      << message;
+
+  // Reinstalled (a new binary): probed again, and the kernels of the same compiler still serve.
+  logging_compiler(cxx, log);
+  EXPECT_EQ(run_worker(kAnswerSource), "answer=42 hits=1 builds=0 rejected=0\n");
+  EXPECT_EQ(line_count(read_file(log)), cold + 2) << read_file(log);
+  unsetenv("KILN_CXX");
+}
+
+// Issue 18 (rough edges): a build killed with its process takes its compiler along, the next
+// build removes the directory it left, and a waiter for its lock says whom it waits for and gives
+// up at KILN_CACHE_LOCK_TIMEOUT.
+TEST_F(KernelCache, AKilledBuildLeavesNothingBehindAndWaitersGiveUp) {
+  fs::path pid_file = tmp_ / "compiler.pid";
+  setenv("KILN_CXX",
+         fake_compiler(tmp_ / "slow-c++", "echo $$ > '" + pid_file.string() + "'\nexec sleep 300")
+             .c_str(),
+         1);
+  const std::string source = kAnswerSource + "// slow\n";
+  fs::path src = tmp_ / "slow.cpp";
+  write_file(src, source);
+  pid_t worker = spawn_worker({src.string()}, (tmp_ / "slow.out").string());
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (read_file(pid_file).empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const std::string pid_text = read_file(pid_file);
+  ASSERT_FALSE(pid_text.empty()) << "the worker never started its compiler";
+  const pid_t compiler = static_cast<pid_t>(std::stol(pid_text));
+
+  setenv("KILN_CACHE_LOCK_TIMEOUT", "1", 1);
+  std::string message = error_of([&] { rt::load_or_build({.sources = {source}, .label = "slow"}); });
+  unsetenv("KILN_CACHE_LOCK_TIMEOUT");
+  EXPECT_NE(message.find("gave up building slow after waiting 1 s for process " +
+                         std::to_string(worker) + ", which is building the same kernels"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("KILN_CACHE_LOCK_TIMEOUT"), std::string::npos) << message;
+
+  ASSERT_EQ(kill(worker, SIGKILL), 0);
+  wait_for(worker);
+  deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!process_gone(compiler) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_TRUE(process_gone(compiler)) << "the compiler outlived the process that started it";
+  if (!process_gone(compiler)) kill(compiler, SIGKILL);
+  EXPECT_EQ(build_dirs().size(), 1u);
+
+  unsetenv("KILN_CXX");
+  EXPECT_EQ(rt::load_or_build({.sources = {source}})->function<int()>("kiln_answer")(), 42);
+  EXPECT_TRUE(build_dirs().empty()) << build_dirs()[0];
+}
+
+// Issue 18 (rough edges): a full disk is reported as one, not as a code generator bug, and the
+// build directory goes.
+TEST_F(KernelCache, AFullDiskIsReportedAsOneAndLeavesNoBuildDirectory) {
+  setenv("KILN_CXX",
+         fake_compiler(tmp_ / "full-c++",
+                       "echo 'cc1plus: fatal error: error writing to /tmp/ccQ1.s: No space left "
+                       "on device' >&2\nexit 1")
+             .c_str(),
+         1);
+  std::string message = error_of([] { rt::load_or_build({.sources = {kAnswerSource}, .label = "full"}); });
+  unsetenv("KILN_CXX");
+  EXPECT_NE(message.find("[kiln::compile] the C++ compiler could not build full"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("No space left on device"), std::string::npos) << message;
+  EXPECT_NE(message.find("KILN_CACHE_DIR"), std::string::npos) << message;
+  EXPECT_EQ(message.find("bug in Kiln"), std::string::npos) << message;
+  EXPECT_TRUE(build_dirs().empty());
+}
+
+// Issue 18 (rough edges): a cache that cannot be written serves the entries it holds, and says
+// plainly why it cannot add one.
+TEST_F(KernelCache, AReadOnlyCacheServesItsEntries) {
+  EXPECT_EQ(rt::load_or_build({.sources = {kAnswerSource}})->function<int()>("kiln_answer")(), 42);
+  ASSERT_EQ(chmod(version_dir().c_str(), 0500), 0);
+  ASSERT_EQ(chmod(cache_.c_str(), 0500), 0);
+  // Root ignores file modes: the worker gives up that power first.
+  std::vector<std::string> options;
+  if (geteuid() == 0) options.push_back("--no-file-override");
+  EXPECT_EQ(run_worker(kAnswerSource, 0, options), "answer=42 hits=1 builds=0 rejected=0\n");
+  std::string message = run_worker(kAnswerSource + "// new\n", 1, options);
+  EXPECT_NE(message.find("[kiln::compile] the kernel cache " + version_dir().string() +
+                         " cannot be written (Permission denied) and holds no valid entry for worker"),
+            std::string::npos)
+      << message;
+  ASSERT_EQ(chmod(cache_.c_str(), 0700), 0);
+  ASSERT_EQ(chmod(version_dir().c_str(), 0700), 0);
 }
 
 }  // namespace

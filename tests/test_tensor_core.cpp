@@ -1,4 +1,9 @@
 // Tensor basics: construction, views and aliasing, copies, type promotion, dtype round trips.
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+
 #include "reference.h"
 
 using namespace kiln;
@@ -74,6 +79,114 @@ TEST(TensorCore, AsStridedIsBoundsChecked) {
   EXPECT_TRUE(matches(x.as_strided({2, 2}, {1, 2}), {2, 2}, {0, 2, 1, 3}));
   EXPECT_THROW(x.as_strided({2, 2}, {3, 3}), IndexError);
   EXPECT_THROW(x.as_strided({2}, {1}, 5), IndexError);
+}
+
+// Issue 18.5: sizes x strides that overflow int64 must not wrap around into the storage.
+TEST(TensorCore, AsStridedBoundsAreCheckedWithoutOverflow) {
+  Tensor x = ones({4});
+  auto rejects = [&](std::vector<int64_t> sizes, std::vector<int64_t> strides, int64_t offset) {
+    try {
+      x.as_strided(sizes, strides, offset);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("[kiln::as_strided]"), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << "as_strided accepted sizes " << shape_str(sizes) << " strides " << shape_str(strides);
+  };
+  rejects({2, 2}, {INT64_MAX, 1}, 0);
+  rejects({2, 2}, {int64_t{1} << 61, INT64_MAX - (int64_t{1} << 61) + 1}, 0);
+  rejects({3}, {INT64_MAX / 2 + 1}, 0);
+  rejects({2}, {1}, INT64_MAX);
+  rejects({int64_t{1} << 62, 4}, {1, 1}, 0);
+  rejects({2}, {-1}, 1);
+  // What fits still works, including size-0 dims whose strides reach nowhere.
+  EXPECT_EQ(x.as_strided({0, 2}, {INT64_MAX, 1}).numel(), 0);
+  Tensor v = x.as_strided({2, 2}, {2, 1});
+  v.fill_(3);
+  EXPECT_TRUE(matches(x, {4}, {3, 3, 3, 3}));
+}
+
+// Issue 18.7: every tensor has at most kMaxDims dimensions, so nothing (the printer included)
+// can recurse without bound.
+TEST(TensorCore, DimensionsAreBounded) {
+  EXPECT_THROW(ones(std::vector<int64_t>(100000, 1)), ShapeError);
+  Tensor deep = ones(std::vector<int64_t>(kMaxDims, 1));
+  EXPECT_EQ(deep.dim(), kMaxDims);
+  std::ostringstream printed;
+  printed << deep;
+  EXPECT_NE(printed.str().find("1."), std::string::npos);
+  try {
+    deep.unsqueeze(0);
+    ADD_FAILURE() << "a 65th dimension was accepted";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 64 dimensions"), std::string::npos) << e.what();
+  }
+}
+
+// Issue 18.8: writing in place into a tensor whose elements share memory is refused, as in
+// PyTorch; fill_ (one value everywhere) is allowed, as in PyTorch.
+TEST(TensorCore, InPlaceWritesIntoSelfOverlappingTensorsThrow) {
+  const std::string message =
+      "unsupported operation: more than one element of the written-to tensor refers to a single "
+      "memory location. Please clone() the tensor before performing the operation.";
+  auto refused = [&](const std::function<void()>& write, const std::string& op) {
+    try {
+      write();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("[kiln::" + op + "_] " + message), std::string::npos) << e.what();
+      return;
+    }
+    ADD_FAILURE() << op << "_ wrote into a self-overlapping tensor";
+  };
+  Tensor base = zeros({3});
+  refused([&] { base.expand({4, 3}).add_(1); }, "add");
+  refused([&] { base.expand({4, 3}).copy_(ones({4, 3})); }, "copy");
+  refused([&] { base.expand({4, 3}).mul_(ones({4, 3})); }, "mul");
+  Tensor storage = zeros({6});
+  refused([&] { storage.as_strided({3, 2}, {1, 1}).add_(1); }, "add");  // overlapping strides
+  EXPECT_TRUE(matches(base, {3}, {0, 0, 0})) << "nothing was written";
+  base.expand({4, 3}).fill_(2);
+  EXPECT_TRUE(matches(base, {3}, {2, 2, 2}));
+  base.expand({4, 3}).zero_();
+  EXPECT_TRUE(matches(base, {3}, {0, 0, 0}));
+  // Views whose elements are distinct, however their strides interleave, are fine.
+  storage.as_strided({2, 3}, {1, 2}).add_(1);
+  EXPECT_TRUE(matches(storage, {6}, {1, 1, 1, 1, 1, 1}));
+  storage.as_strided({3, 2}, {2, 1}).t().mul_(3);
+  EXPECT_TRUE(matches(storage, {6}, {3, 3, 3, 3, 3, 3}));
+}
+
+// Issue 18.9: a fill value the dtype cannot hold is an error, not garbage.
+TEST(TensorCore, FillValuesThatDoNotFitTheDtypeThrow) {
+  auto overflow = [](const std::function<void()>& make, const std::string& type) {
+    try {
+      make();
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("value cannot be converted to type " + type + " without overflow"),
+                std::string::npos)
+          << e.what();
+      return;
+    }
+    ADD_FAILURE() << "accepted a value " << type << " cannot hold";
+  };
+  overflow([] { full({2}, 300, kUInt8); }, "uint8_t");
+  overflow([] { full({2}, -256, kUInt8); }, "uint8_t");
+  overflow([] { full({2}, std::nan(""), kInt64); }, "int64_t");
+  overflow([] { full({2}, 1e30, kInt32); }, "int");
+  overflow([] { full({2}, 9.3e18, kInt64); }, "int64_t");
+  overflow([] { full({2}, 128, kInt8); }, "int8_t");
+  overflow([] { full({2}, 1e300, kFloat32); }, "float");
+  overflow([] { full({2}, 70000, kFloat16); }, "kiln::Half");
+  overflow([] { zeros({2}, kUInt8).fill_(256); }, "uint8_t");
+  overflow([] { zeros({2}, kInt32).fill_(-std::numeric_limits<double>::infinity()); }, "int");
+  // What fits converts as PyTorch converts it.
+  EXPECT_TRUE(matches(full({2}, 255, kUInt8), {2}, {255, 255}));
+  EXPECT_TRUE(matches(full({2}, -1, kUInt8), {2}, {255, 255}));  // wraps, as in PyTorch
+  EXPECT_TRUE(matches(full({2}, -2.9, kInt32), {2}, {-2, -2}));
+  EXPECT_EQ(full({1}, -9.2233720368547758e18, kInt64).item<int64_t>(), INT64_MIN);
+  EXPECT_TRUE(std::isinf(full({1}, std::numeric_limits<double>::infinity(), kFloat16).to(kFloat32).item<float>()));
+  EXPECT_TRUE(full({1}, std::nan(""), kFloat32).isnan().item<bool>());
+  EXPECT_TRUE(matches(full({2}, 7.0, kBool), {2}, {1, 1}));
 }
 
 TEST(TensorCore, CopyConvertsDtypesAndBroadcasts) {

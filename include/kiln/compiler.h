@@ -570,6 +570,21 @@ struct NameSink {
   void leave() { stack.pop_back(); }
 };
 
+// What the guards see of an argument: a C string as the std::string that a plain call would make
+// of it for a `const std::string&` parameter; anything else as it is (a reference).
+template <class A>
+decltype(auto) guard_view(const A& a) {
+  using U = std::remove_cvref_t<A>;
+  if constexpr (std::is_array_v<U> && std::is_same_v<std::remove_cv_t<std::remove_extent_t<U>>, char>) {
+    return std::string(a);
+  } else if constexpr (std::is_same_v<U, const char*> || std::is_same_v<U, char*>) {
+    KILN_CHECK(a != nullptr, ValueError, "[kiln::compile] a null C string was passed to a compiled function.");
+    return std::string(a);
+  } else {
+    return (a);
+  }
+}
+
 template <class Fn, class... Args>
 decltype(auto) invoke_compiled(FunctionState& state, Fn& fn, const std::vector<std::string>& arg_names,
                                Args&&... args) {
@@ -578,8 +593,10 @@ decltype(auto) invoke_compiled(FunctionState& state, Fn& fn, const std::vector<s
   std::vector<Leaf> local;
   local.swap(leaves);  // reentrancy: a nested compiled call gets its own buffer
   local.clear();
+  // Leaves point into these, so they live for the whole call.
+  const std::tuple<decltype(guard_view(args))...> views{guard_view(args)...};
   LeafSink sink{&local};
-  (flatten(sink, args), ...);
+  std::apply([&](const auto&... v) { (flatten(sink, v), ...); }, views);
 
   CallHooks hooks;
   hooks.leaf_names = [&](std::vector<std::string>& names) {
@@ -591,7 +608,7 @@ decltype(auto) invoke_compiled(FunctionState& state, Fn& fn, const std::vector<s
       flatten(ns, a);
       ns.leave();
     };
-    (one(args), ...);
+    std::apply([&](const auto&... v) { (one(v), ...); }, views);
   };
   struct Restore {
     std::vector<Leaf>& tls;

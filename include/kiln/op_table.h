@@ -124,6 +124,10 @@ struct OpDef {
   // The kernel is correct when output 0 is input 0 itself (same memory and layout), e.g.
   // scatter_ or index_put_ updating self in place; call_op_out then skips the temporary.
   bool out_may_alias_input0 = false;
+  // Writing one location twice is harmless (fill writes one value everywhere), so an output
+  // whose elements overlap (an expanded tensor) is allowed, as PyTorch's fill_ allows it. Every
+  // other in-place or out= write into such an output throws, as in PyTorch.
+  bool overlapping_output_ok = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
   // The derivative (autograd) and the compiler's lowering; `kiln ops` shows both.

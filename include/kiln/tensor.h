@@ -67,6 +67,11 @@ inline constexpr MemoryFormat channels_last = MemoryFormat::channels_last;
 inline constexpr MemoryFormat preserve_format = MemoryFormat::preserve;
 const char* memory_format_name(MemoryFormat f);  // "contiguous_format", "channels_last", ...
 
+// The most dimensions a tensor may have (NumPy 2's limit too). Every tensor Kiln creates is
+// checked, so a shape from a file or a view chain can never make a loop or the printer recurse
+// without bound: ShapeError "[kiln::Tensor] a tensor has at most 64 dimensions".
+inline constexpr int64_t kMaxDims = 64;
+
 class Tensor {
  public:
   Tensor() = default;  // undefined: defined() is false

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kiln/detail/tensor_impl.h"
+#include "kiln/tensor.h"
 #include "kiln/error.h"
 
 #ifdef KILN_WITH_CUDA
@@ -180,6 +181,9 @@ std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
 }
 
 void TensorImpl::refresh_metadata() {
+  KILN_CHECK(static_cast<int64_t>(sizes.size()) <= kMaxDims, ShapeError,
+             "[kiln::Tensor] a tensor has at most " + std::to_string(kMaxDims) + " dimensions (kiln::kMaxDims); this one would have " +
+                 std::to_string(sizes.size()) + ".");
   numel = 1;
   for (int64_t s : sizes) numel *= s;
   // Contiguous means row-major; dims of size 1 may have any stride (as in PyTorch).

@@ -177,6 +177,14 @@ Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> a
 
 void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
                  std::span<Tensor> outputs) {
+  if (!op.overlapping_output_ok) {
+    for (const Tensor& out : outputs) {
+      KILN_CHECK(!detail::has_internal_overlap(out), Error,
+                 "[kiln::" + op.name + "_] unsupported operation: more than one element of the "
+                 "written-to tensor refers to a single memory location. Please clone() the tensor "
+                 "before performing the operation.");
+    }
+  }
   if (auto* cap = compiler::detail::active_capture()) [[unlikely]] {
     compiler::detail::capture_op_out(*cap, op, inputs, attrs, outputs);
     return;

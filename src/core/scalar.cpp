@@ -1,5 +1,7 @@
 #include "kiln/scalar.h"
 
+#include "kiln/error.h"
+
 #include <cstdio>
 
 namespace kiln {
@@ -26,4 +28,12 @@ std::string Scalar::str() const {
   return "";
 }
 
+namespace detail {
+
+void throw_scalar_overflow(const Scalar& value, const char* type_name) {
+  throw ValueError("[kiln::Scalar] value cannot be converted to type " + std::string(type_name) +
+                   " without overflow: " + value.str() + ". Use a dtype that can hold it.");
+}
+
+}  // namespace detail
 }  // namespace kiln

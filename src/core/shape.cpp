@@ -211,6 +211,25 @@ int64_t storage_span(IntArrayRef sizes, IntArrayRef strides) {
   return span;
 }
 
+int64_t checked_storage_span(IntArrayRef sizes, IntArrayRef strides, const std::string& op) {
+  int64_t span = 1;
+  bool empty = false, overflow = false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (strides[d] < 0) {
+      throw ValueError("[kiln::" + op + "] strides must be non-negative, got " + shape_str(strides) + ".");
+    }
+    if (sizes[d] == 0) empty = true;
+    int64_t term = 0;
+    overflow |= __builtin_mul_overflow(sizes[d] - 1, strides[d], &term) || __builtin_add_overflow(span, term, &span);
+  }
+  if (empty) return 0;
+  if (overflow) {
+    throw ValueError("[kiln::" + op + "] sizes " + shape_str(sizes) + " with strides " + shape_str(strides) +
+                     " reach further than int64 can count.");
+  }
+  return span;
+}
+
 std::vector<int64_t> memory_order(IntArrayRef strides) {
   std::vector<int64_t> order(strides.size());
   for (size_t d = 0; d < order.size(); ++d) order[d] = static_cast<int64_t>(d);

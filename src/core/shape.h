@@ -36,6 +36,9 @@ std::optional<std::vector<int64_t>> compute_view_strides(IntArrayRef old_sizes, 
 // Elements that a layout of `sizes` and non-negative `strides` spans, from its first element to
 // one past its last (what its storage must hold after the offset); 0 when it has no elements.
 int64_t storage_span(IntArrayRef sizes, IntArrayRef strides);
+// storage_span for layouts from outside (as_strided, empty_strided, DLPack): throws ValueError
+// naming `op` when a stride is negative or the span does not fit in int64.
+int64_t checked_storage_span(IntArrayRef sizes, IntArrayRef strides, const std::string& op);
 
 // ---- memory formats (4-D only) ----
 // Strides of a dense channels-last (NHWC) tensor of `sizes`.

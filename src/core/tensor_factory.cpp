@@ -1,6 +1,9 @@
 #include "core/tensor_factory.h"
 
+#include <algorithm>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "core/shape.h"
 #include "kiln/ops.h"
@@ -18,12 +21,8 @@ Tensor make_empty_strided(std::vector<int64_t> sizes, std::vector<int64_t> strid
   KILN_CHECK(strides.size() == sizes.size(), ShapeError,
              "[kiln::empty_strided] " + std::to_string(sizes.size()) + " sizes but " + std::to_string(strides.size()) +
                  " strides.");
-  int64_t numel = checked_numel(sizes, "empty");
-  int64_t span = 0;  // elements needed to cover the largest offset
-  if (numel > 0) {
-    span = 1;
-    for (size_t i = 0; i < sizes.size(); ++i) span += (sizes[i] - 1) * strides[i];
-  }
+  checked_numel(sizes, "empty");
+  const int64_t span = checked_storage_span(sizes, strides, "empty_strided");  // elements to cover
   int64_t nbytes = 0;
   KILN_CHECK(!__builtin_mul_overflow(span, itemsize(dtype), &nbytes), ValueError,
              "[kiln::empty] the shape " + shape_str(sizes) + " needs more bytes than fit in int64.");
@@ -55,7 +54,7 @@ Tensor make_view(const Tensor& base, std::vector<int64_t> sizes, std::vector<int
 Tensor wrap_scalar(const Scalar& s, std::optional<DType> dtype, Device device) {
   DType t = dtype.value_or(s.dtype());
   Tensor out = make_empty({}, t, kCPU);
-  KILN_DISPATCH_ALL(t, "scalar_tensor", [&] { *static_cast<scalar_t*>(out.impl().data()) = s.to<scalar_t>(); });
+  KILN_DISPATCH_ALL(t, "scalar_tensor", [&] { *static_cast<scalar_t*>(out.impl().data()) = s.checked_to<scalar_t>(); });
   out.impl().is_wrapped_number = true;
   if (!device.is_cpu()) out = out.to(device);
   return out;
@@ -97,6 +96,35 @@ DType result_type(std::span<const Tensor> operands) {
 bool may_overlap(const Tensor& a, const Tensor& b) {
   return a.defined() && b.defined() && a.impl().storage && a.impl().storage == b.impl().storage &&
          a.numel() > 0 && b.numel() > 0;
+}
+
+bool has_internal_overlap(const Tensor& t) {
+  if (!t.defined() || t.numel() <= 1) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.sizes()[d] == 1) continue;
+    if (t.strides()[d] == 0) return true;
+    dims.emplace_back(t.strides()[d], t.sizes()[d]);
+  }
+  // Strides that nest (each at least the extent of the smaller ones) cannot overlap.
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 0;  // the last offset reached by the dims so far
+  bool nested = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= extent) nested = false;
+    extent += (size - 1) * stride;
+  }
+  if (nested) return false;
+  constexpr int64_t kMaxChecked = int64_t{1} << 22;
+  if (t.numel() > kMaxChecked) return false;
+  std::vector<int64_t> offsets = {0};
+  for (const auto& [stride, size] : dims) {
+    const size_t n = offsets.size();
+    for (int64_t i = 1; i < size; ++i)
+      for (size_t k = 0; k < n; ++k) offsets.push_back(offsets[k] + i * stride);
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
 }
 
 }  // namespace kiln::detail

@@ -27,4 +27,10 @@ DType result_type(std::span<const Tensor> operands);
 // Whether the memory ranges of a and b may overlap (same storage).
 bool may_overlap(const Tensor& a, const Tensor& b);
 
+// Whether two elements of `t` are one memory location (an expanded tensor, an as_strided view
+// with overlapping strides). Exact: a stride of 0 over a size > 1, or layouts whose strides do not
+// nest, checked element by element up to 2^22 elements; larger undecided layouts count as
+// non-overlapping, as in PyTorch.
+bool has_internal_overlap(const Tensor& t);
+
 }  // namespace kiln::detail

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/shape.h"
 #include "kiln/io.h"
 #include "kiln/ops.h"
 
@@ -146,6 +147,9 @@ void release_import(void* /*data*/, void* context) {
 template <class Managed>
 Tensor import_tensor(Managed* managed, const DLTensor& dl, const std::string& op) {
   KILN_CHECK(dl.ndim >= 0, ValueError, op + "ndim is negative (" + std::to_string(dl.ndim) + ").");
+  KILN_CHECK(dl.ndim <= kMaxDims, ShapeError,
+             op + "the tensor has " + std::to_string(dl.ndim) + " dimensions; Kiln supports at most " +
+                 std::to_string(kMaxDims) + " (kiln::kMaxDims).");
   KILN_CHECK(dl.ndim == 0 || dl.shape != nullptr, ValueError,
              op + "shape is null for a tensor of " + std::to_string(dl.ndim) + " dims.");
   const DType dtype = from_dl_dtype(dl.dtype, op);
@@ -172,18 +176,9 @@ Tensor import_tensor(Managed* managed, const DLTensor& dl, const std::string& op
   }
   if (numel > 0) {
     // The byte span of the view must be representable, so no address computation wraps.
-    int64_t span = numel;  // in elements; row-major when strides are null
-    if (!strides.empty()) {
-      span = 1;
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        int64_t term = 0;
-        overflow |= __builtin_mul_overflow(sizes[i] - 1, strides[i], &term);
-        overflow |= __builtin_add_overflow(span, term, &span);
-      }
-    }
+    const int64_t span = strides.empty() ? numel : detail::checked_storage_span(sizes, strides, "from_dlpack");
     int64_t span_bytes = 0;
-    overflow |= __builtin_mul_overflow(span, itemsize(dtype), &span_bytes);
-    KILN_CHECK(!overflow, ValueError,
+    KILN_CHECK(!__builtin_mul_overflow(span, itemsize(dtype), &span_bytes), ValueError,
                op + "the strides " + shape_str(strides) + " span more bytes than fit in int64.");
     KILN_CHECK(dl.data != nullptr, ValueError,
                op + "data is null for a tensor of " + std::to_string(numel) + " elements.");

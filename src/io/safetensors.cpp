@@ -110,7 +110,9 @@ class Context {
 class InputFile {
  public:
   InputFile(const std::string& path, const Context& ctx) : ctx_(ctx) {
-    do fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; the type is checked
+    // below, and for a regular file the flag changes nothing.
+    do fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     while (fd_ < 0 && errno == EINTR);
     if (fd_ < 0) {
       int err = errno;
@@ -241,6 +243,10 @@ Entry parse_entry(const std::string& name, const json& info, const Context& ctx)
 
   const json& shape = info.at("shape");
   if (!shape.is_array()) ctx.malformed("tensor " + tensor + " has a 'shape' that is not an array");
+  if (shape.size() > static_cast<size_t>(kMaxDims))
+    ctx.fail<ShapeError>("tensor " + tensor + " has " + std::to_string(shape.size()) +
+                         " dimensions; Kiln supports at most " + std::to_string(kMaxDims) +
+                         " (kiln::kMaxDims).");
   uint64_t numel = 1;
   bool overflow = false;
   for (const json& s : shape) {

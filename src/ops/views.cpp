@@ -241,19 +241,15 @@ const OpDef& kAsStrided = register_op({
                      std::to_string(strides.size()) + " strides; give one stride per size.");
       detail::check_sizes_nonnegative(sizes, "as_strided");
       KILN_CHECK(offset >= 0, ValueError, "[kiln::as_strided] storage_offset must be non-negative.");
-      int64_t lo = offset, hi = offset;  // element range touched
-      bool empty = false;
-      for (size_t i = 0; i < sizes.size(); ++i) {
-        KILN_CHECK(strides[i] >= 0, ValueError, "[kiln::as_strided] strides must be non-negative, got " +
-                                                    shape_str(strides) + ".");
-        if (sizes[i] == 0) empty = true;
-        else hi += (sizes[i] - 1) * strides[i];
-      }
-      int64_t capacity = x.impl().storage->nbytes / x.element_size();
-      KILN_CHECK(empty || (lo >= 0 && hi < capacity), IndexError,
+      // Overflow-checked: a layout whose last element lies past int64 must not wrap around to
+      // an address inside the storage.
+      const int64_t span = detail::checked_storage_span(sizes, strides, "as_strided");
+      const int64_t capacity = x.impl().storage->nbytes / x.element_size();
+      int64_t end = 0;  // one past the last element touched
+      KILN_CHECK(span == 0 || (!__builtin_add_overflow(offset, span, &end) && end <= capacity), IndexError,
                  "[kiln::as_strided] sizes " + shape_str(sizes) + ", strides " + shape_str(strides) +
-                     " and offset " + std::to_string(offset) + " reach element " + std::to_string(hi) +
-                     " but the storage holds " + std::to_string(capacity) + " elements.");
+                     " and offset " + std::to_string(offset) + " reach beyond the storage of " +
+                     std::to_string(capacity) + " elements.");
       return {view_meta(x, sizes.vec(), strides.vec(), offset)};
     },
     .lowering = "view",
@@ -293,6 +289,7 @@ const OpDef& kFill = register_op({
       return {TensorMeta{c.ints_attr(0).vec(), {}, c.dtype_attr(1), c.device_attr(2)}};
     },
     .pointwise = true,
+    .overlapping_output_ok = true,
     .derivative = {.formula = "value: grad.sum()",
                    .fn = [](const BackwardContext& c) -> TensorList { return {c.grad().sum()}; }},
     .lowering = "pointwise",

@@ -40,6 +40,12 @@ struct ConvAutotuneDecision {
   std::string str() const;
 };
 
+// Whether oneDNN runs its Winograd convolution on this CPU: it implements it for AVX-512 only
+// (ONEDNN_MAX_CPU_ISA can cap it further). Without it, the timed alternative on AVX2 machines is
+// Kiln's own Winograd (winograd_nhwc: portable C++, vectorized by the compiler for the build's
+// -march), and KILN_CONV_AUTOTUNE=winograd warns once and runs the timed choice.
+bool onednn_winograd_available();
+
 // Every timed decision of this process so far (configurations no Winograd can run are not timed
 // and not listed), in no particular order.
 std::vector<ConvAutotuneDecision> conv_autotune_decisions();

@@ -880,8 +880,18 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
   const backends::ConvAutotuneMode mode = backends::conv_autotune_mode();
   if (mode == backends::ConvAutotuneMode::force_winograd_nhwc && d.winograd_nhwc_ms >= 0)
     return ConvAlgorithm::winograd_nhwc;
-  if (mode == backends::ConvAutotuneMode::force_winograd && d.winograd_ms >= 0)
-    return ConvAlgorithm::winograd;
+  if (mode == backends::ConvAutotuneMode::force_winograd) {
+    if (d.winograd_ms >= 0) return ConvAlgorithm::winograd;
+    if (!onednn_winograd_available()) {
+      static std::once_flag once;
+      std::call_once(once, [] {
+        compiler::detail::warn(
+            "KILN_CONV_AUTOTUNE=winograd: oneDNN has no Winograd convolution on this CPU (it needs "
+            "AVX-512), so the forced convolutions run the timed choice instead; "
+            "KILN_CONV_AUTOTUNE=winograd_nhwc forces Kiln's own Winograd, which runs everywhere.");
+      });
+    }
+  }
   return d.chosen;
 }
 
@@ -1305,6 +1315,16 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 }();
 
 }  // namespace
+
+bool onednn_winograd_available() {
+  static const bool available = [] {
+    // A configuration every Winograd implementation of oneDNN takes.
+    ConvShape s{.n = 1, .c = 16, .h = 8, .w = 8, .o = 16, .kh = 3, .kw = 3, .oh = 8, .ow = 8,
+                .stride = {1, 1}, .pad = {1, 1}, .dilation = {1, 1}, .groups = 1, .bias = false};
+    return find_plan(s, kFloat32, Layout{}, ConvAlgorithm::winograd) != nullptr;
+  }();
+  return available;
+}
 
 const char* name(ConvAlgorithm a) {
   switch (a) {

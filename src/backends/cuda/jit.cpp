@@ -14,11 +14,10 @@
 
 #include "backends/cuda/cuda_runtime.h"
 #include "compiler/runtime/kernel_cache.h"
+#include "core/embedded_headers.h"
 #include "kiln/error.h"
 
 namespace kiln::cuda::detail {
-
-const std::vector<std::pair<std::string_view, std::string_view>>& jit_headers();  // generated
 
 namespace {
 
@@ -178,9 +177,9 @@ Built compile(const std::string& source, const std::string& target, const std::s
     names.push_back(n.data());
     texts.push_back(t.data());
   }
-  for (const auto& [n, t] : jit_headers()) {
-    names.push_back(n.data());
-    texts.push_back(t.data());
+  for (const auto& header : kiln::detail::embedded_headers()) {
+    names.push_back(header.name.data());
+    texts.push_back(header.text.data());
   }
   nvrtcProgram prog = nullptr;
   check_nvrtc(nvrtcCreateProgram(&prog, source.c_str(), (label + ".cu").c_str(), static_cast<int>(names.size()),
@@ -276,7 +275,8 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
       req.label = label;
       req.key_fields = {{"nvrtc", nvrtc_version()}, {"target", target}, {"source", text}};
       for (const auto& o : options(target)) req.key_fields.emplace_back("option", o);
-      for (const auto& [n, t] : jit_headers()) req.key_fields.emplace_back(std::string(n), std::string(t));
+      for (const auto& header : kiln::detail::embedded_headers())
+        req.key_fields.emplace_back(std::string(header.name), std::string(header.text));
       std::string binary = compiler::runtime::load_or_build_blob(req, [&] { return compile(text, target, label).binary; });
       CUmodule module = nullptr;
       check_driver(driver().module_load_data(&module, binary.data()), "jit (cuModuleLoadData)");

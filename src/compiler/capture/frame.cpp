@@ -406,6 +406,7 @@ int FunctionState::limit() const { return options.recompile_limit.value_or(recom
 
 std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::string default_name,
                                                    std::source_location loc, const void* fn_address) {
+  check_log_settings();
   if (options.mode && !options.options.empty()) {
     throw CompileError(
         "[kiln::compile] Either mode or options can be specified, but both can't be specified at the same time.");
@@ -413,7 +414,7 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
   if (options.dynamic.value_or(false)) {
     throw CompileError(
         "[kiln::compile] dynamic=true is not supported yet: Kiln specializes every size and recompiles when one "
-        "changes. Leave `dynamic` unset (see docs/compiler.md, Dynamic shapes).");
+        "changes. Leave `dynamic` unset (see docs/compiler.md, \"Dynamic shapes\").");
   }
   if (options.recompile_limit && *options.recompile_limit < 1) {
     throw ValueError("[kiln::compile] recompile_limit must be at least 1, got " +

@@ -16,7 +16,12 @@ namespace kiln::compiler {
 namespace detail {
 namespace {
 
-LogOptions parse_logs(const char* env) {
+constexpr const char* kLogNames =
+    "all, graph_breaks, recompiles, guards, graph (or graph_code), output_code, perf_hints";
+
+// KILN_LOGS: comma-separated names ('+' prefixes and spaces ignored, as TORCH_LOGS allows).
+// Unknown names go into `unknown`.
+LogOptions parse_logs(const char* env, std::vector<std::string>* unknown) {
   LogOptions o;
   if (!env) return o;
   std::string s(env);
@@ -27,16 +32,40 @@ LogOptions parse_logs(const char* env) {
     while (!item.empty() && (item.front() == '+' || item.front() == ' ')) item.erase(item.begin());
     while (!item.empty() && item.back() == ' ') item.pop_back();
     bool all = item == "all";
-    if (all || item == "graph_breaks") o.graph_breaks = true;
-    if (all || item == "recompiles") o.recompiles = true;
-    if (all || item == "guards") o.guards = true;
-    if (all || item == "graph" || item == "graph_code") o.graph = true;
-    if (all || item == "output_code") o.output_code = true;
-    if (all || item == "perf_hints") o.perf_hints = true;
+    bool known = all || item.empty();
+    auto set = [&](bool& flag, std::initializer_list<const char*> names) {
+      for (const char* name : names) {
+        if (all || item == name) {
+          flag = true;
+          known = true;
+        }
+      }
+    };
+    set(o.graph_breaks, {"graph_breaks"});
+    set(o.recompiles, {"recompiles"});
+    set(o.guards, {"guards"});
+    set(o.graph, {"graph", "graph_code"});
+    set(o.output_code, {"output_code"});
+    set(o.perf_hints, {"perf_hints"});
+    if (!known && unknown) unknown->push_back(item);
     if (comma == std::string::npos) break;
     pos = comma + 1;
   }
   return o;
+}
+
+// The error for unknown KILN_LOGS names, empty when all are known; "help" lists the names.
+std::string check_logs_env(const char* env) {
+  std::vector<std::string> unknown;
+  parse_logs(env, &unknown);
+  if (unknown.empty()) return {};
+  std::string names;
+  for (const auto& name : unknown) names += (names.empty() ? "'" : ", '") + name + "'";
+  const bool help = unknown.size() == 1 && unknown[0] == "help";
+  return help ? std::string("[kiln::compile] KILN_LOGS=help: the valid names are ") + kLogNames +
+                    " (comma-separated)."
+              : "[kiln::compile] Invalid KILN_LOGS setting: unknown name " + names +
+                    ". Valid names: " + kLogNames + " (comma-separated).";
 }
 
 uint32_t to_bits(const LogOptions& o) {
@@ -48,7 +77,8 @@ LogOptions from_bits(uint32_t b) {
 
 struct Observe {
   std::mutex mutex;
-  std::atomic<uint32_t> logs{to_bits(parse_logs(std::getenv("KILN_LOGS")))};  // read on every call
+  std::atomic<uint32_t> logs{to_bits(parse_logs(std::getenv("KILN_LOGS"), nullptr))};  // read on every call
+  std::string logs_error = check_logs_env(std::getenv("KILN_LOGS"));  // reported by compile()
   std::ostream* stream = nullptr;
   std::vector<PhaseTimes> phases;
   std::vector<RecompileProfiler::Impl*> profilers;
@@ -71,6 +101,11 @@ std::ostream& log_stream() {
 }
 
 LogOptions log_options() { return from_bits(observe().logs.load(std::memory_order_relaxed)); }
+
+void check_log_settings() {
+  const std::string& error = observe().logs_error;
+  KILN_CHECK(error.empty(), ValueError, error);
+}
 
 void warn(const std::string& message) { log_stream() << "[kiln.compile] WARNING: " << message << "\n"; }
 

@@ -196,6 +196,8 @@ bool same_structure(const Graph& a, const Graph& b);
 
 std::ostream& log_stream();
 LogOptions log_options();
+// Throws ValueError naming the unknown names when KILN_LOGS (read at start-up) has any.
+void check_log_settings();
 void record_phase(const std::string& phase, double seconds);
 struct CounterSet {
   std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},

@@ -1,29 +1,43 @@
-// The on-disk cache of compiled CPU kernel libraries (DESIGN §2.5).
+// The on-disk cache of compiled CPU kernel libraries and CUDA binaries (DESIGN §2.5).
 //
 // Entries live in <cache_dir()>/cpp-v<Kiln version>/ as <key>.so plus <key>.sha256 (hex SHA-256 of
 // the .so). The key is a SHA-256 over everything that affects the binary: the sources, the compiler
-// path, its --version and predefined macros (the target ISA), all flags, Kiln's version and its
-// headers. An entry is verified before dlopen; a bad one (checksum mismatch, truncated or missing
-// file, wrong owner or writable by others, a symlink) is deleted and rebuilt, never loaded.
-// Writes are temp file + fsync + atomic rename, and an flock on <key>.lock makes concurrent
-// processes (and threads) build a key once and never see a half-written entry.
+// path, its --version and predefined macros (the target ISA), all flags, Kiln's version and the
+// headers embedded in the library. What Kiln loads is exactly what it verified:
+//   - the cache directory and every directory above it may be written only by this user or root
+//     (a sticky directory such as /tmp is fine), so nobody else can swap a path under Kiln;
+//   - an entry is opened without following links, must be a regular file of ours that nobody else
+//     can write, and its bytes must match the checksum; a bad one (mismatch, truncated, missing,
+//     foreign, a symlink, a FIFO) is deleted and rebuilt, never loaded;
+//   - the library is then dlopen'ed through the very descriptor that was hashed
+//     (/proc/self/fd/N), and CUDA binaries are loaded from the bytes that were hashed.
+// Generated kernels are built against copies of Kiln's embedded headers written into the build's
+// private directory, never against the source tree or the install prefix. Writes are temp file +
+// fsync + atomic rename, and an flock on <key>.lock makes concurrent processes (and threads)
+// build a key once and never see a half-written entry; a waiter says what it waits for and gives
+// up after KILN_CACHE_LOCK_TIMEOUT seconds (default 600). A read-only cache serves its valid
+// entries. The compiler is probed (two runs) once per compiler binary and CPU, and the result is
+// remembered in the cache, so a process whose kernels are all cached starts no compiler and needs
+// none installed.
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <utility>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace kiln::compiler::runtime {
 
-// A shared object loaded with dlopen(RTLD_NOW | RTLD_LOCAL); dlclose on destruction. Function
-// pointers taken from it are valid while it lives: keep the shared_ptr next to them.
+// A shared object loaded with dlopen(RTLD_NOW | RTLD_LOCAL) from a verified descriptor; dlclose on
+// destruction. Function pointers taken from it are valid while it lives: keep the shared_ptr next
+// to them.
 class SharedObject {
  public:
-  // Loads `path`; throws CompileError with dlerror() when it cannot be loaded.
-  SharedObject(const std::string& path, std::string label);
+  // Loads the file open on `fd` (taken over: closed with the object), whose path in the cache is
+  // `path` (for messages). Throws CompileError with dlerror() when it cannot be loaded.
+  SharedObject(int fd, std::string path, std::string label);
   ~SharedObject();
   SharedObject(const SharedObject&) = delete;
   SharedObject& operator=(const SharedObject&) = delete;
@@ -40,6 +54,7 @@ class SharedObject {
 
  private:
   void* handle_ = nullptr;
+  int fd_ = -1;
   std::string path_;
   std::string label_;
 };
@@ -53,7 +68,7 @@ struct BuildRequest {
 // Loads the shared object for `req` from the cache, or builds it with the system compiler, stores
 // it and loads it. Objects already loaded by this process are shared, not loaded again. Thread
 // safe. Throws CompileError with the compiler's output and the source path on failure (the
-// sources are kept in a tmp-* directory of the cache for inspection).
+// sources are kept in a tmp-* directory of the cache for inspection, for 7 days).
 std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req);
 
 // A binary built from a source without the system compiler (a CUDA cubin from NVRTC), cached in
@@ -66,13 +81,16 @@ struct BlobRequest {
   std::vector<std::pair<std::string, std::string>> key_fields;
   std::string label;  // for messages
 };
-// The bytes for `req`: read from the disk cache, or produced by `build` (which throws
-// CompileError on failure) and stored. Thread- and process-safe.
+// The bytes for `req`: read from the disk cache (exactly the bytes whose checksum matched), or
+// produced by `build` (which throws CompileError on failure) and stored. Thread- and
+// process-safe.
 std::string load_or_build_blob(const BlobRequest& req, const std::function<std::string()>& build);
 
 // The cache directory: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else $HOME/.cache/kiln; read
-// on every call. Created 0700 if missing; throws CompileError if it is a symlink, not a
-// directory, not owned by this user, or group/world-writable.
+// on every call, and returned with the symbolic links of its parents resolved. Created 0700 if
+// missing (missing parents too); throws CompileError if it is a symlink, not a directory, not
+// owned by this user, or group/world-writable, or if a directory above it could be written by
+// another user (not owned by this user or root, or group/world-writable without the sticky bit).
 std::string cache_dir();
 
 // Counters for tests and benches, since process start: loads served by the cache (memory or
@@ -81,5 +99,9 @@ struct CacheStats {
   int64_t hits = 0, builds = 0, rejected = 0;
 };
 CacheStats cache_stats();
+
+// For tests: called with an entry's path after it was verified and before it is loaded, to prove
+// that what is loaded is what was verified even if the path changes in between. Empty: no hook.
+void set_entry_verified_hook_for_testing(std::function<void(const std::string& path)> hook);
 
 }  // namespace kiln::compiler::runtime

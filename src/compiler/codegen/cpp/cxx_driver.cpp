@@ -2,9 +2,10 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,12 +31,6 @@ extern char** environ;
 #endif
 #ifndef KILN_CPU_ARCH
 #define KILN_CPU_ARCH "native"
-#endif
-#ifndef KILN_SOURCE_INCLUDE_DIR
-#define KILN_SOURCE_INCLUDE_DIR ""
-#endif
-#ifndef KILN_INSTALL_INCLUDE_DIR
-#define KILN_INSTALL_INCLUDE_DIR ""
 #endif
 
 namespace kiln::compiler::codegen {
@@ -89,58 +84,12 @@ std::pair<int, std::string> run_captured(const std::vector<std::string>& argv) {
   return {status, read_all(fd)};
 }
 
-std::string pick_include_dir() {
-  for (const char* dir : {KILN_SOURCE_INCLUDE_DIR, KILN_INSTALL_INCLUDE_DIR}) {
-    struct stat st;
-    std::string probe = std::string(dir) + "/kiln/math/functors.h";
-    if (*dir && ::stat(probe.c_str(), &st) == 0 && S_ISREG(st.st_mode)) return dir;
-  }
-  detail::throw_error<CompileError>(
-      std::string("[kiln::compile] cannot find Kiln's headers (kiln/math/functors.h) in '") +
-      KILN_SOURCE_INCLUDE_DIR + "' or '" + KILN_INSTALL_INCLUDE_DIR +
-      "', which generated kernels include. Reinstall Kiln (its include/ directory is missing).");
-}
-
 // The integer value of `#define name value` in `-E -dM` output, or -1.
 int macro_value(const std::string& macros, const std::string& name) {
   std::string needle = "#define " + name + " ";
   size_t at = macros.find(needle);
   if (at == std::string::npos) return -1;
   return std::atoi(macros.c_str() + at + needle.size());
-}
-
-CxxCompiler probe(const std::string& path) {
-  CxxCompiler cxx;
-  cxx.path = path;
-  auto [version_status, version] = run_captured({path, "--version"});
-  KILN_CHECK(version_status == 0, CompileError,
-             "[kiln::compile] the C++ compiler '" + path + "' failed on --version (exit status " +
-                 std::to_string(version_status) + "): " + version +
-                 "Set KILN_CXX to a working C++ compiler (g++ or clang++).");
-  cxx.version = version;
-
-  std::string arch = KILN_CPU_ARCH;
-  if (arch.empty()) arch = "native";
-  std::vector<std::string> flags = {"-std=c++20",      "-O3",           "-fPIC", "-fopenmp",
-                                    "-fno-math-errno", "-march=" + arch};
-  std::vector<std::string> argv = {path};
-  argv.insert(argv.end(), flags.begin(), flags.end());
-  argv.insert(argv.end(), {"-E", "-dM", "-x", "c++", "/dev/null"});
-  auto [macro_status, macros] = run_captured(argv);
-  KILN_CHECK(macro_status == 0, CompileError,
-             "[kiln::compile] the C++ compiler '" + path + "' rejected Kiln's default flags (" +
-                 command_text(argv) + "): " + macros +
-                 "Set KILN_CXX to GCC or Clang with C++20 and OpenMP support.");
-  cxx.target_macros = macros;
-
-  // Same workaround as the library build (CMakeLists.txt): GCC 12 with AVX-512 miscompiles
-  // constant initializer lists under SLP vectorization.
-  bool is_gcc = macro_value(macros, "__clang__") < 0 && macro_value(macros, "__GNUC__") > 0;
-  if (is_gcc && macro_value(macros, "__GNUC__") < 13) flags.push_back("-fno-tree-slp-vectorize");
-  cxx.include_dir = pick_include_dir();
-  flags.push_back("-I" + cxx.include_dir);
-  cxx.default_flags = std::move(flags);
-  return cxx;
 }
 
 std::string shorten_output(const std::string& output, const std::string& log_path) {
@@ -162,6 +111,24 @@ std::string shorten_output(const std::string& output, const std::string& log_pat
   return head;
 }
 
+// Why a failed build is a full disk rather than a bad source: the compiler's own words, or a
+// file system (the build directory's, or $TMPDIR's) with under 1 MiB left. Empty when neither.
+std::string full_disk(const std::string& output, const std::string& work_dir) {
+  constexpr unsigned long long kNearlyFull = 1 << 20;
+  const char* tmp = std::getenv("TMPDIR");
+  for (const std::string& dir : {work_dir, std::string(tmp && *tmp ? tmp : "/tmp")}) {
+    struct statvfs fs;
+    if (::statvfs(dir.c_str(), &fs) == 0) {
+      unsigned long long free_bytes = static_cast<unsigned long long>(fs.f_bavail) * fs.f_frsize;
+      if (free_bytes < kNearlyFull)
+        return "the disk holding " + dir + " is full (" + std::to_string(free_bytes) + " bytes free)";
+    }
+  }
+  if (output.find("No space left on device") != std::string::npos)
+    return "a disk is full (the compiler said \"No space left on device\")";
+  return {};
+}
+
 [[noreturn]] void throw_build_failure(const CxxBuild& build, int status,
                                       const std::vector<std::string>& argv,
                                       const std::string& log_path, const std::string& source_path) {
@@ -174,6 +141,14 @@ std::string shorten_output(const std::string& output, const std::string& log_pat
   std::string label = build.label.empty() ? "a kernel library" : build.label;
   std::string exit_text = status > 128 ? "killed by signal " + std::to_string(status - 128)
                                        : "exit status " + std::to_string(status);
+  if (std::string full = full_disk(output, build.work_dir); !full.empty()) {
+    throw DiskFullError("[kiln::compile] the C++ compiler could not build " + label + " (" +
+                        exit_text + "): " + full +
+                        ". Free some space, or set KILN_CACHE_DIR (and TMPDIR, where the "
+                        "compiler writes its temporary files) to a disk with room. Compiler "
+                        "output:\n" +
+                        shorten_output(output, log_path));
+  }
   detail::throw_error<CompileError>(
       "[kiln::compile] the C++ compiler failed to build " + label + " (" + exit_text + "):\n" +
       shorten_output(output, log_path) + "Source: " + source_path +
@@ -201,47 +176,116 @@ std::string strip_extension(const std::string& path) {
 
 }  // namespace
 
-const CxxCompiler& system_compiler() {
-  static std::mutex mutex;
-  // Probed compilers live as long as the process; the map never erases, so references stay valid.
-  static std::map<std::string, std::unique_ptr<CxxCompiler>> probed;
+std::string configured_compiler() {
   const char* env = std::getenv("KILN_CXX");
-  std::string path = env && *env ? env : KILN_CXX_COMPILER;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = probed.find(path);
-  if (it == probed.end()) {
-    it = probed.emplace(path, std::make_unique<CxxCompiler>(probe(path))).first;
-  }
-  return *it->second;
+  return env && *env ? env : KILN_CXX_COMPILER;
 }
 
+std::string target_arch() {
+  std::string arch = KILN_CPU_ARCH;
+  return arch.empty() ? "native" : arch;
+}
+
+std::string find_executable(const std::string& program) {
+  auto runnable = [](const std::string& path) {
+    struct stat st;
+    return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (program.empty()) return {};
+  if (program.find('/') != std::string::npos) return runnable(program) ? program : std::string();
+  const char* env = std::getenv("PATH");
+  std::string path = env ? env : "/usr/local/bin:/usr/bin:/bin";
+  for (size_t begin = 0; begin <= path.size();) {
+    size_t end = path.find(':', begin);
+    if (end == std::string::npos) end = path.size();
+    std::string dir = path.substr(begin, end - begin);
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + program;
+    if (runnable(candidate)) return candidate;
+    begin = end + 1;
+  }
+  return {};
+}
+
+std::vector<std::string> default_flags_for(const std::string& target_macros) {
+  std::vector<std::string> flags = {"-std=c++20",      "-O3",          "-fPIC", "-fopenmp",
+                                    "-fno-math-errno", "-march=" + target_arch()};
+  // Same workaround as the library build (CMakeLists.txt): GCC 12 with AVX-512 miscompiles
+  // constant initializer lists under SLP vectorization.
+  bool is_gcc =
+      macro_value(target_macros, "__clang__") < 0 && macro_value(target_macros, "__GNUC__") > 0;
+  if (is_gcc && macro_value(target_macros, "__GNUC__") < 13) flags.push_back("-fno-tree-slp-vectorize");
+  return flags;
+}
+
+CxxCompiler probe_compiler(const std::string& path) {
+  CxxCompiler cxx;
+  cxx.path = path;
+  auto [version_status, version] = run_captured({path, "--version"});
+  KILN_CHECK(version_status == 0, CompileError,
+             "[kiln::compile] the C++ compiler '" + path + "' failed on --version (exit status " +
+                 std::to_string(version_status) + "): " + version +
+                 "Set KILN_CXX to a working C++ compiler (g++ or clang++).");
+  cxx.version = version;
+
+  std::vector<std::string> argv = {path};
+  for (const auto& flag : default_flags_for("")) argv.push_back(flag);
+  argv.insert(argv.end(), {"-E", "-dM", "-x", "c++", "/dev/null"});
+  auto [macro_status, macros] = run_captured(argv);
+  KILN_CHECK(macro_status == 0, CompileError,
+             "[kiln::compile] the C++ compiler '" + path + "' rejected Kiln's default flags (" +
+                 command_text(argv) + "): " + macros +
+                 "Set KILN_CXX to GCC or Clang with C++20 and OpenMP support.");
+  cxx.target_macros = macros;
+  cxx.default_flags = default_flags_for(macros);
+  return cxx;
+}
+
+namespace {
+
+// The child side of run_process, between vfork and exec: only system calls, no allocation (it
+// shares the parent's memory). Every signal is blocked on entry.
+[[noreturn]] void exec_child(const char* file, char* const* argv, int output_fd, pid_t parent) {
+  // Die with the parent: a Kiln process killed mid-build leaves no compiler running.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) ::_exit(127);  // the parent died before prctl took effect
+  int null_fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (null_fd < 0 || ::dup2(null_fd, 0) < 0 || ::dup2(output_fd, 1) < 0 || ::dup2(output_fd, 2) < 0)
+    ::_exit(127);
+  // Default handling for every signal, whatever the host process installed, then unblock.
+  struct sigaction action {};
+  action.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < NSIG; ++sig) ::sigaction(sig, &action, nullptr);
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::execve(file, argv, environ);
+  ::_exit(127);
+}
+
+}  // namespace
+
 int run_process(const std::vector<std::string>& argv, int output_fd) {
+  std::string file = find_executable(argv[0]);
+  KILN_CHECK(!file.empty(), CompileError,
+             "[kiln::compile] cannot run the C++ compiler '" + argv[0] +
+                 "': no such executable. Install g++ or clang++, or set KILN_CXX to a C++ "
+                 "compiler.");
   std::vector<char*> args;
   for (const auto& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
 
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&actions, output_fd, 1);
-  posix_spawn_file_actions_adddup2(&actions, output_fd, 2);
-  // The compiler gets default signal handling and no blocked signals, whatever the host set.
-  posix_spawnattr_t attr;
-  posix_spawnattr_init(&attr);
-  sigset_t signals;
-  sigemptyset(&signals);
-  posix_spawnattr_setsigmask(&attr, &signals);
-  sigfillset(&signals);
-  posix_spawnattr_setsigdefault(&attr, &signals);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
-
-  pid_t pid = -1;
-  int err = ::posix_spawnp(&pid, args[0], &actions, &attr, args.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  posix_spawnattr_destroy(&attr);
-  KILN_CHECK(err == 0, CompileError,
-             "[kiln::compile] cannot run the C++ compiler '" + argv[0] + "': " + errno_text(err) +
-                 ". Install g++ or clang++, or set KILN_CXX to a C++ compiler.");
+  // No signal handler of the host may run in the child while it shares our memory.
+  sigset_t all, old;
+  sigfillset(&all);
+  ::pthread_sigmask(SIG_SETMASK, &all, &old);
+  const pid_t parent = ::getpid();
+  pid_t pid = ::vfork();
+  if (pid == 0) exec_child(file.c_str(), args.data(), output_fd, parent);
+  int spawn_errno = errno;
+  ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+  KILN_CHECK(pid > 0, CompileError,
+             "[kiln::compile] cannot start the C++ compiler '" + argv[0] + "': " +
+                 errno_text(spawn_errno) + ".");
 
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0) {
