@@ -8,9 +8,8 @@
 // KILN_EXAMPLE_QUICK=1 (set by the tests) it uses batches of 2 images 3x32x32 and 2 iterations;
 // examples/expected/compile_tutorial.txt holds that output, with times as {num}.
 //
-// The default backend, "kiln", generates fused C++ kernels and builds them with the system
-// compiler: the first compiled call of each shape pays for that build (cached on disk for later
-// runs), later calls run the generated code.
+// The default backend, "kiln", builds fused C++ kernels with the system compiler at the first call
+// of each shape (cached on disk for later runs); later calls run the generated code.
 #include <kiln/kiln.h>
 
 #include <algorithm>

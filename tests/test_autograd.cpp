@@ -100,13 +100,32 @@ TEST(Autograd, InPlaceOnALeafThatRequiresGradThrows) {
   EXPECT_NO_THROW(x.fill_(1.0));  // optimizers update parameters like this
 }
 
-TEST(Autograd, InPlaceReplacesTheTargetsHistory) {
+// Issue 18.22: PyTorch's fill_/copy_ derivatives give the overwritten value zeros_like(grad): the
+// old history is still reached, so x gets a zero gradient (defined), as in torch.
+TEST(Autograd, InPlaceReplacesTheTargetsHistoryWithAZeroGradient) {
   Tensor x = tensor<double>({1, 2}).requires_grad_();
   Tensor y = x.view({2}).clone();
   y.fill_(3.0);  // y's value no longer depends on x
   EXPECT_EQ(y.grad_fn_name(), "FillBackward0");
   y.backward(ones({2}, kFloat64));
-  EXPECT_FALSE(x.grad().defined());
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(matches(x.grad(), {2}, {0, 0}));
+}
+
+TEST(Autograd, CopyIntoATensorWithHistoryGivesTheOldHistoryZeros) {
+  Tensor x = tensor<double>({1, 2, 3}).requires_grad_();
+  Tensor w = tensor<double>({4, 5, 6}).requires_grad_();
+  Tensor z = (x * 2).clone();
+  z.copy_(w);
+  z.sum().backward();
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(matches(x.grad(), {3}, {0, 0, 0}));
+  EXPECT_TRUE(matches(w.grad(), {3}, {1, 1, 1}));
+  // As in PyTorch, an old history that saved the overwritten tensor now notices the write.
+  Tensor a = tensor<double>({1, 2}).requires_grad_();
+  Tensor e = a.exp();  // exp saves its result
+  e.copy_(tensor<double>({0, 0}));
+  EXPECT_THROW(e.sum().backward(), Error);
 }
 
 TEST(Autograd, BackwardTwiceWithoutRetainGraphThrowsOnlyWhenSavedValuesAreNeeded) {

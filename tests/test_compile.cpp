@@ -3,8 +3,12 @@
 // compiler::counters(), so a silent eager fallback fails it.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -402,6 +406,94 @@ TEST_F(Compile, AliasedArgumentsBehaveAsInEager) {
     EXPECT_TRUE(close(f(ac, ac.t()), body(ae, ae.t()))) << backend;
     EXPECT_TRUE(close(ac, ae)) << backend;
   }
+}
+
+// Issue 18.10: a pure entry replays a graph captured for its arguments' aliasing: distinct
+// arguments that arrive as one tensor (or one tensor that arrives as two) fail the entry's
+// aliasing guard and capture again, with Dynamo's reasons.
+TEST_F(Compile, PureReplayGuardsAliasingBetweenArguments) {
+  int count = 0;
+  auto body = [&](Tensor x, const Tensor& y) {
+    ++count;
+    x.add_(1);
+    return y * 2;  // y may alias x
+  };
+  auto f = kiln::compile(body, {.pure = true});
+  for (int i = 0; i < 3; ++i) {
+    Tensor a = zeros({3}), b = zeros({3});
+    EXPECT_TRUE(close(f(a, b), zeros({3}))) << "call " << i;
+  }
+  ASSERT_EQ(count, 2) << "the third call replayed";
+  {
+    LogCapture log({.recompiles = true});
+    Tensor z = zeros({3});
+    EXPECT_TRUE(close(f(z, z), full({3}, 2.0))) << "y sees x's update, as in eager";
+    EXPECT_TRUE(close(z, ones({3})));
+    EXPECT_EQ(count, 3) << "an aliased call captures again";
+    EXPECT_TRUE(contains(log.str(), "Duplicate tensor found where not expected! tensor 'arg1' should not "
+                                    "alias to anything, but is aliased"));
+  }
+  for (int i = 0; i < 3; ++i) {  // both entries keep serving their own pattern
+    Tensor w = zeros({3}), a = zeros({3}), b = zeros({3});
+    EXPECT_TRUE(close(f(w, w), full({3}, 2.0))) << "call " << i;
+    EXPECT_TRUE(close(f(a, b), zeros({3}))) << "call " << i;
+    EXPECT_TRUE(close(a, ones({3})));
+  }
+  // The guards say so (explain(), KILN_LOGS=guards).
+  auto guards = compiler::explain(body, {.pure = true})(zeros({3}), zeros({3})).out_guards;
+  bool listed = false;
+  for (const auto& guard : guards) listed |= guard.find("NO_TENSOR_ALIASING: check_no_aliasing(arg0, arg1)") != std::string::npos;
+  EXPECT_TRUE(listed);
+
+  // The other way round: captured with one tensor twice, called with two.
+  auto g = kiln::compile(body, {.pure = true});
+  for (int i = 0; i < 3; ++i) {
+    Tensor w = zeros({3});
+    EXPECT_TRUE(close(g(w, w), full({3}, 2.0))) << "call " << i;
+  }
+  LogCapture log({.recompiles = true});
+  Tensor a = zeros({3}), b = zeros({3});
+  EXPECT_TRUE(close(g(a, b), zeros({3}))) << "y is b, not a";
+  EXPECT_TRUE(close(a, ones({3})));
+  EXPECT_TRUE(close(b, zeros({3})));
+  EXPECT_TRUE(contains(log.str(), "arg1 is arg0"));
+}
+
+// Issue 18 (rough edges): a string literal passed for a `const std::string&` parameter converts
+// as in a plain call, and is guarded as the string it becomes.
+TEST_F(Compile, StringLiteralsConvertLikeAPlainCall) {
+  auto body = [](const Tensor& x, const std::string& mode) { return mode == "double" ? x * 2 : x + 1; };
+  auto f = kiln::compile(body);
+  Tensor x = ones({2});
+  Delta d;
+  EXPECT_TRUE(close(f(x, "double"), full({2}, 2.0)));
+  EXPECT_TRUE(close(f(x, "plus"), full({2}, 2.0)));
+  const char* name = "double";
+  EXPECT_TRUE(close(f(x, name), full({2}, 2.0)));
+  EXPECT_EQ(d.now().graph_runs, 3);
+  auto pure = kiln::compile(body, {.pure = true});
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(close(pure(x, i == 2 ? "plus" : "double"), full({2}, 2.0)));
+}
+
+// Issue 18 (rough edges): KILN_LOGS is read at start-up; an unknown name makes compile() throw
+// and list the valid names, as TORCH_LOGS does. A death test: its child process starts with the
+// variable set.
+TEST(CompileLogs, UnknownKilnLogsNamesAreRejectedWithTheValidNames) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  ::setenv("KILN_LOGS", "graph_breaks,bogus", 1);
+  EXPECT_EXIT(
+      {
+        try {
+          kiln::compile([](const Tensor& x) { return x + 1; });
+        } catch (const ValueError& e) {
+          std::fprintf(stderr, "%s\n", e.what());
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(3),
+      "Invalid KILN_LOGS setting: unknown name 'bogus'. Valid names: all, graph_breaks, recompiles");
+  ::unsetenv("KILN_LOGS");
 }
 
 TEST_F(Compile, AotEagerKeepsInPlaceUpdates) {

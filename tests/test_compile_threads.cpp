@@ -225,4 +225,98 @@ TEST_F(CompileThreads, ALazyTensorUsedByAnotherThreadThrowsInsteadOfCrashing) {
   EXPECT_TRUE(close(later, x * 6));
 }
 
+// Issue 18.11: threads that backpropagate through one compiled function into shared parameters
+// (a model trained from several threads) accumulate into the same .grad. A captured backward
+// accumulates the leaves' gradients after its graph ran, so a .grad never holds another thread's
+// pending value. Deterministic: thread A pauses between its two leaves' gradients (in a hook)
+// while B runs a whole backward.
+TEST_F(CompileThreads, ConcurrentBackwardsAccumulateIntoSharedParameters) {
+  auto loss = [](const Tensor& x, const Tensor& w, const Tensor& b) { return (x.matmul(w) + b).tanh().pow(2).sum(); };
+  auto f = kiln::compile(loss);
+  Tensor w = randn({4, 3}).requires_grad_(), b = randn({3}).requires_grad_();
+  Tensor we = w.detach().clone().requires_grad_(), be = b.detach().clone().requires_grad_();
+  Tensor xa = randn({5, 4}), xb = randn({5, 4});
+  std::mutex m;
+  std::condition_variable cv;
+  int phase = 0;  // 1: A's backward is between its two leaves; 2: B's backward returned
+  std::thread::id a_id;
+  int a_hooks = 0;
+  auto hook = [&](const Tensor&) {
+    std::unique_lock lock(m);
+    if (std::this_thread::get_id() == a_id && ++a_hooks == 2) {
+      phase = 1;
+      cv.notify_all();
+      cv.wait(lock, [&] { return phase == 2; });
+    }
+    return Tensor();
+  };
+  w.register_hook(hook);
+  b.register_hook(hook);
+  std::string error_a, error_b;
+  std::thread a([&] {
+    {
+      std::lock_guard lock(m);
+      a_id = std::this_thread::get_id();
+    }
+    try {
+      f(xa, w, b).backward();
+    } catch (const std::exception& e) {
+      error_a = e.what();
+    }
+    std::lock_guard lock(m);
+    if (phase == 0) phase = 1;  // A never paused (it failed early): let B run rather than hang
+    cv.notify_all();
+  });
+  std::thread bt([&] {
+    {
+      std::unique_lock lock(m);
+      cv.wait(lock, [&] { return phase >= 1; });
+    }
+    try {
+      f(xb, w, b).backward();
+    } catch (const std::exception& e) {
+      error_b = e.what();
+    }
+    std::lock_guard lock(m);
+    phase = 2;
+    cv.notify_all();
+  });
+  a.join();
+  bt.join();
+  EXPECT_EQ(error_a, "");
+  EXPECT_EQ(error_b, "") << "B's backward met A's pending gradient in a shared .grad";
+  loss(xa, we, be).backward();
+  loss(xb, we, be).backward();
+  EXPECT_TRUE(close(w.grad(), we.grad()));
+  EXPECT_TRUE(close(b.grad(), be.grad()));
+}
+
+// The issue's own form: six threads, each running compiled forwards and backwards into one shared
+// model, never fail, and the accumulated gradients match eager's.
+TEST_F(CompileThreads, SixThreadsTrainingOneSharedModelAccumulateEveryGradient) {
+  auto loss = [](const Tensor& x, const Tensor& w, const Tensor& b) { return (x.matmul(w) + b).relu().sum(); };
+  auto f = kiln::compile(loss);
+  Tensor w = randn({8, 4}).requires_grad_(), b = randn({4}).requires_grad_();
+  Tensor we = w.detach().clone().requires_grad_(), be = b.detach().clone().requires_grad_();
+  constexpr int kThreads = 6, kSteps = 20;
+  std::vector<Tensor> inputs;
+  for (int i = 0; i < kThreads * kSteps; ++i) inputs.push_back(randn({3, 8}));
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        for (int s = 0; s < kSteps; ++s) f(inputs[t * kSteps + s], w, b).backward();
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(errors[t], "") << "thread " << t;
+  for (const Tensor& x : inputs) loss(x, we, be).backward();
+  EXPECT_TRUE(close(w.grad(), we.grad(), Tolerance{1e-5, 1e-4}));
+  EXPECT_TRUE(close(b.grad(), be.grad(), Tolerance{1e-5, 1e-4}));
+}
+
 }  // namespace

@@ -70,6 +70,37 @@ TEST(GradcheckConv, Conv2dStridePaddingDilationGroupsBias) {
   EXPECT_TRUE(grad_ok(frozen, {rnd({1, 2, 4, 4}), rnd({2, 2, 3, 3})}));
 }
 
+// Issue 18.17: PyTorch pads the extra row/column of an even kernel's 'same' padding at the
+// bottom/right (constant_pad_nd, out of place), and both operands get gradients.
+TEST(GradcheckConv, Conv2dSamePaddingWithEvenKernelsReachesInputAndWeight) {
+  Tensor x = tensor<double>({1, 2, 3}, {1, 1, 1, 3}).requires_grad_();
+  Tensor w = tensor<double>({0.5, -1}, {1, 1, 1, 2}).requires_grad_();
+  Tensor y = conv2d(x, w, Tensor(), {1, 1}, "same");
+  EXPECT_TRUE(matches(y, {1, 1, 1, 3}, {-1.5, -2, 1.5}));
+  y.backward(tensor<double>({1, 2, 3}, {1, 1, 1, 3}));
+  ASSERT_TRUE(x.grad().defined());
+  EXPECT_TRUE(matches(x.grad(), {1, 1, 1, 3}, {0.5, 0, -0.5}));
+  EXPECT_TRUE(matches(w.grad(), {1, 1, 1, 2}, {14, 8}));
+  // A 2x2 kernel on 2x3: the extra row at the bottom, the extra column at the right.
+  Tensor x2 = tensor<double>({1, 2, 3, 4, 5, 6}, {1, 1, 2, 3}).requires_grad_();
+  Tensor w2 = tensor<double>({1, -2, 0.5, 3}, {1, 1, 2, 2}).requires_grad_();
+  Tensor y2 = conv2d(x2, w2, Tensor(), {1, 1}, "same");
+  EXPECT_TRUE(matches(y2, {1, 1, 2, 3}, {14, 16.5, 6, -6, -7, 6}));
+  y2.backward(tensor<double>({1, -1, 2, 0.5, 1, -2}, {1, 1, 2, 3}));
+  ASSERT_TRUE(x2.grad().defined());
+  EXPECT_TRUE(matches(x2.grad(), {1, 1, 2, 3}, {1, -3, 4, 1, 2.5, -6}));
+  EXPECT_TRUE(matches(w2.grad(), {1, 1, 2, 2}, {0, 7.5, 11, -1}));
+  // gradcheck: even kernels, with dilation (odd total padding), and a bias.
+  using Param = std::pair<std::vector<int64_t>, std::vector<int64_t>>;  // weight sizes, dilation
+  for (const auto& [wsize, dilation] : std::vector<Param>{{{2, 3, 2, 2}, {1, 1}}, {{2, 3, 4, 3}, {1, 2}},
+                                                          {{2, 3, 2, 2}, {3, 1}}}) {
+    autograd::Function f = [&](const TensorList& in) {
+      return TensorList{conv2d(in[0], in[1], in[2], std::vector<int64_t>{1, 1}, std::string("same"), dilation)};
+    };
+    EXPECT_TRUE(grad_ok(f, {rnd({2, 3, 5, 4}), rnd(wsize), rnd({2})})) << shape_str(wsize);
+  }
+}
+
 TEST(GradcheckConv, Conv2dUnbatchedNonContiguousAndPartialRequirements) {
   manual_seed(2);
   Conv conv{{1, 1}, {1, 1}, {1, 1}, 1};

@@ -4,6 +4,7 @@
 // and bfloat16 backward kernels against the float64 backward of the same values (including sizes
 // that split across threads); output masks; and the clear error of a double backward.
 #include <cmath>
+#include <limits>
 
 #include "reference.h"
 
@@ -73,6 +74,40 @@ TEST(GradcheckNorm, BatchNormEvalIsAffineInRunningStatistics) {
   backward_ones(batch_norm(x, running_mean, running_var, w, Tensor(), false, 0.1, 1e-5));
   Tensor expected = (w / (running_var + 1e-5).sqrt()).view({1, 3, 1, 1}).expand({2, 3, 2, 2});
   EXPECT_TRUE(matches(x.grad(), {2, 3, 2, 2}, values(expected)));
+}
+
+// Issue 18.20: evaluation is affine in the input: dx = dy * w / sqrt(running_var + eps) whatever
+// x holds (PyTorch: 0.999995 for w = 1, var = 1, also at +-inf). The training formula with k = 0
+// made it x * 0 = NaN there.
+TEST(GradcheckNorm, BatchNormEvalInputGradientAtInfiniteInputs) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double s = 1.0 / std::sqrt(1.0 + 1e-5);
+  for (DType t : {kFloat32, kFloat64}) {
+    Tensor rm = zeros({2}, t), rv = ones({2}, t), w = tensor<double>({1, 2}).to(t);
+    // (N, C): the small-plane loop.
+    Tensor a = tensor<double>({inf, -inf, 1, 2, -inf, inf}, {3, 2}).to(t).requires_grad_();
+    backward_ones(batch_norm(a, rm, rv, w, Tensor(), false, 0.1, 1e-5));
+    EXPECT_TRUE(matches(a.grad(), {3, 2}, {s, 2 * s, s, 2 * s, s, 2 * s})) << dtype_name(t);
+    // Small planes (planar and channels-last channel rows) and a large plane.
+    for (std::vector<int64_t> sizes : {std::vector<int64_t>{2, 2, 3, 3}, std::vector<int64_t>{1, 2, 8, 8}}) {
+      for (bool channels_last : {false, true}) {
+        Tensor x = randn(sizes, kFloat64).to(t);
+        {
+          NoGradGuard ng;
+          x.view({-1}).select(0, 0).fill_(inf);
+          x.view({-1}).select(0, 5).fill_(-inf);
+        }
+        if (channels_last) x = x.contiguous(kiln::channels_last);
+        x.requires_grad_();
+        backward_ones(batch_norm(x, rm, rv, w, Tensor(), false, 0.1, 1e-5));
+        std::vector<double> want;
+        for (int64_t n = 0; n < sizes[0]; ++n)
+          for (int64_t c = 0; c < 2; ++c) want.insert(want.end(), sizes[2] * sizes[3], (c + 1) * s);
+        EXPECT_TRUE(matches(x.grad(), sizes, want))
+            << dtype_name(t) << " " << shape_str(sizes) << (channels_last ? " channels-last" : "");
+      }
+    }
+  }
 }
 
 TEST(GradcheckNorm, BatchNormTrainingWithRunningStatsUpdatesThemOnceAndMatches) {

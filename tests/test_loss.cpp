@@ -234,6 +234,50 @@ TEST(CrossEntropy, BadInputsThrow) {
 
 // ---------------- mse_loss ----------------
 
+// Issue 18.21: aten runs mse_loss as a TensorIterator over both operands (promoting them);
+// kiln::sub refuses bool operands, so mse_loss converts first.
+TEST(MseLoss, BoolAndIntegerOperandsPromote) {
+  Tensor x = tensor<float>({1.5f, -2.f, 0.5f, 3.f}).requires_grad_();
+  Tensor t = tensor<bool>({true, false, true, true});
+  Tensor loss = mse_loss(x, t);
+  EXPECT_EQ(loss.dtype(), kFloat32);
+  EXPECT_TRUE(matches(loss, {}, {2.125}));
+  loss.backward();
+  EXPECT_TRUE(matches(x.grad(), {4}, {0.25, -1, -0.25, 1}));  // 2 (x - t) / 4
+  EXPECT_TRUE(matches(mse_loss(x.detach(), t, Reduction::sum), {}, {8.5}));
+  EXPECT_TRUE(matches(mse_loss(tensor<int64_t>({1, 2}), tensor<double>({0.5, 4})), {}, {2.125}));
+  EXPECT_THROW(mse_loss(tensor<bool>({true}), tensor<bool>({false})), DTypeError);  // bool result
+}
+
+// Issue 18.18: aten's binary_cross_entropy_with_logits_backward is (sigmoid(x) - t) * grad at
+// every x, also at +-0 (where a min/abs formula's subgradients gave -t).
+TEST(BceWithLogits, GradientIsSigmoidMinusTargetEverywhere) {
+  const std::vector<double> xs{-0.0, 0.0, -100, 100, 1.5, -2};
+  const std::vector<double> ts{0.25, 0.25, 0, 1, 0.3, 0.75};
+  const std::vector<double> sig_minus_t{0.25, 0.25, 3.720075976020836e-44, 0, 0.5175744761936436,
+                                        -0.6307970779778824};
+  for (DType dt : {kFloat32, kFloat64}) {
+    Tensor x = tensor<double>(xs).to(dt).requires_grad_();
+    Tensor t = tensor<double>(ts).to(dt).requires_grad_();
+    binary_cross_entropy_with_logits(x, t, Tensor(), Tensor(), Reduction::sum).backward();
+    EXPECT_TRUE(matches(x.grad(), {6}, sig_minus_t)) << dtype_name(dt);
+    EXPECT_TRUE(matches(t.grad(), {6}, {0, 0, 100, -100, -1.5, 2}));  // -x
+  }
+  // The report's case, the mean reduction, and pos_weight = 3: ((3t + 1 - t) sigmoid(x) - 3t).
+  Tensor x = tensor<float>({-0.0f, 0.0f}).requires_grad_();
+  binary_cross_entropy_with_logits(x, full({2}, 0.25), Tensor(), Tensor(), Reduction::sum).backward();
+  EXPECT_TRUE(matches(x.grad(), {2}, {0.25, 0.25}));
+  Tensor x6 = tensor<double>(xs).requires_grad_();
+  binary_cross_entropy_with_logits(x6, tensor<double>(ts)).backward();
+  std::vector<double> mean_grad;
+  for (double g : sig_minus_t) mean_grad.push_back(g / 6);
+  EXPECT_TRUE(matches(x6.grad(), {6}, mean_grad));
+  Tensor xp = tensor<double>(xs).requires_grad_();
+  binary_cross_entropy_with_logits(xp, tensor<double>(ts), Tensor(), full({6}, 3.0, kFloat64), Reduction::sum)
+      .backward();
+  EXPECT_TRUE(matches(xp.grad(), {6}, {0, 0, 3.720075976020836e-44, 0, 0.4081191619098299, -1.9519926949447062}));
+}
+
 TEST(MseLoss, MatchesDefinitionAndBroadcasts) {
   for (DType dt : {kFloat32, kFloat64}) {
     Tensor a = scores({3, 4}, dt, 0.1), b = scores({3, 4}, dt, 2.2);

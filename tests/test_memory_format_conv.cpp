@@ -8,6 +8,7 @@
 // contiguous.
 #include <vector>
 
+#include "backends/cpu/conv_kernels.h"
 #include "reference.h"
 
 using namespace kiln;
@@ -284,6 +285,42 @@ TEST(MemoryFormatConv, BackwardGradientsMatchContiguousWithTheirLayouts) {
       }
     }
   }
+}
+
+// Issue 18.23: oneDNN's jit 1x1 backward-weights writes past its scratchpad for NHWC activations,
+// a strided 1x1 kernel without padding and fewer than 16 (or not a multiple of 16) input channels:
+// Kiln builds that primitive on blocked activations.
+TEST(MemoryFormatConv, StridedPointwiseBackwardWeightsAvoidsOneDnnNhwcOverrun) {
+  EXPECT_EQ(cpu::onednn_backward_weights_activation_layout({2, 3, 8, 8}, {4, 3, 1, 1}, {1, 2}, {0, 0}, {2, 1}, 1, true),
+            "blocked");
+  EXPECT_EQ(cpu::onednn_backward_weights_activation_layout({1, 15, 16, 16}, {16, 15, 1, 1}, {2, 2}, {0, 0}, {1, 1}, 1,
+                                                           true),
+            "blocked");
+  // Unaffected configurations keep their NHWC plan: 32 channels; a 3x3 kernel.
+  EXPECT_EQ(cpu::onednn_backward_weights_activation_layout({2, 32, 8, 8}, {16, 32, 1, 1}, {2, 2}, {0, 0}, {1, 1}, 1,
+                                                           true),
+            "nhwc");
+  EXPECT_EQ(cpu::onednn_backward_weights_activation_layout({2, 3, 8, 8}, {4, 3, 3, 3}, {1, 2}, {1, 1}, {2, 1}, 1, true),
+            "nhwc");
+  // End to end, the report's configuration on several threads (under valgrind, this was the
+  // invalid write): a channels-last input view, a transposed weight, stride (1, 2), dilation (2, 1).
+  const int threads = get_num_threads();
+  set_num_threads(4);
+  manual_seed(14);
+  for (const std::vector<int64_t>& size : {std::vector<int64_t>{2, 8, 8, 3}, std::vector<int64_t>{1, 16, 16, 15}}) {
+    const int64_t c = size[3];
+    Tensor x = randn(size).permute({0, 3, 1, 2});          // (N, C, H, W) view of NHWC memory
+    Tensor w = randn({1, 1, c, 4}).permute({3, 2, 0, 1});  // (4, C, 1, 1), transposed
+    Tensor g = randn({size[0], 4, size[1], size[2] / 2});
+    std::vector<Attr> attrs{std::vector<int64_t>{1, 2}, std::vector<int64_t>{0, 0}, std::vector<int64_t>{2, 1},
+                            int64_t{1}, std::vector<int64_t>{1, 1, 1}};
+    TensorList want = call_op(op("convolution_backward"), {g.to(kFloat64), x.to(kFloat64), w.to(kFloat64)}, attrs);
+    for (int i = 0; i < 10; ++i) {
+      TensorList got = call_op(op("convolution_backward"), {g, x, w}, attrs);
+      for (int k = 0; k < 3; ++k) EXPECT_TRUE(same_values(got[k], want[k], {1e-4, 2e-4})) << "gradient " << k;
+    }
+  }
+  set_num_threads(threads);
 }
 
 TEST(MemoryFormatConv, BackwardMixedLayoutsAndOutTargets) {

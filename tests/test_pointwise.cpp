@@ -820,7 +820,16 @@ TEST(PointwiseTernary, AddcmulAndAddcdiv) {
   Tensor i = tensor<int64_t>({1, 2});
   EXPECT_TRUE(matches(addcmul(i, i, i, 2), {2}, {3, 10}));
   EXPECT_EQ(addcmul(i, i, i).dtype(), kInt64);
-  EXPECT_THROW(addcmul(i, i, i, 0.5), DTypeError);
+  // Issue 18.22: a floating value with integer tensors is truncated toward zero (PyTorch 1.13 to
+  // today: value.to<int64_t>()); one that does not fit throws.
+  EXPECT_TRUE(matches(addcmul(i, i, i, 0.5), {2}, {1, 2}));
+  EXPECT_TRUE(matches(addcmul(i, i, i, 2.9), {2}, {3, 10}));
+  EXPECT_TRUE(matches(addcmul(i, i, i, -1.7), {2}, {0, -2}));
+  EXPECT_EQ(addcmul(i, i, i, 0.5).dtype(), kInt64);
+  Tensor j = i.clone();
+  j.addcmul_(i, i, 2.5);
+  EXPECT_TRUE(matches(j, {2}, {3, 10}));
+  EXPECT_THROW(addcmul(i, i, i, 1e30), ValueError);
   try {
     addcdiv(tensor<float>({1.0f}), i, i);
     FAIL() << "integer addcdiv must throw";

@@ -27,7 +27,7 @@ namespace kiln {
 class Tensor;
 using TensorList = std::vector<Tensor>;
 
-// Options for factories: zeros({2, 3}, {.dtype = kFloat64}) or zeros({2, 3}, kFloat64).
+// Factory options: zeros({2}, kFloat64), zeros({2}, kCPU), TensorOptions(dtype, device, requires_grad).
 struct TensorOptions {
   std::optional<DType> dtype;  // unset: the default dtype (float32) or the factory's natural one
   Device device = kCPU;

@@ -39,10 +39,15 @@ void check_anomaly(const Node& node, const TensorList& grads) {
   }
 }
 
+// A leaf's AccumulateGrad node and the gradient it is to accumulate.
+using LeafGradients = std::vector<std::pair<std::shared_ptr<Node>, Tensor>>;
+
 // Runs the graph below `roots`. When `capture` is non-empty, gradients arriving at those edges
-// are returned (autograd::grad) instead of being accumulated into leaves.
+// are returned (autograd::grad) instead of being accumulated into leaves. With `leaf_grads`, the
+// leaves' AccumulateGrad nodes do not run: they are handed back with their gradients.
 TensorList run_backward_eager(const TensorList& tensors, const TensorList& grad_tensors, bool keep_graph,
-                              bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves) {
+                              bool create_graph, const std::vector<Edge>& capture, bool accumulate_leaves,
+                              LeafGradients* leaf_grads = nullptr) {
   KILN_CHECK(grad_tensors.empty() || grad_tensors.size() == tensors.size(), ValueError,
              "[kiln::backward] got " + std::to_string(tensors.size()) + " tensors and " +
                  std::to_string(grad_tensors.size()) + " gradients; give one gradient per tensor.");
@@ -144,7 +149,9 @@ TensorList run_backward_eager(const TensorList& tensors, const TensorList& grad_
 
     TensorList out;
     bool is_leaf_acc = dynamic_cast<AccumulateGrad*>(node) != nullptr;
-    if (!is_leaf_acc || accumulate_leaves) {
+    if (is_leaf_acc && accumulate_leaves && leaf_grads) {
+      leaf_grads->emplace_back(keep, std::move(grads[0]));
+    } else if (!is_leaf_acc || accumulate_leaves) {
       out = node->apply(std::move(grads));
       if (g_anomaly.load(std::memory_order_relaxed)) check_anomaly(*node, out);
     }
@@ -192,10 +199,20 @@ TensorList run_backward(const TensorList& tensors, const TensorList& grad_tensor
     }
   }
   if (!owner) return run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves);
+  // A leaf's .grad is shared state (the parameters of a model other threads train too): it must
+  // only ever hold real tensors, accumulated under the leaf's lock. So the captured backward hands
+  // the leaves' gradients out of its graph, and they are accumulated after it ran, as AOTAutograd's
+  // compiled backward returns them to eager AccumulateGrad nodes. Accumulated inside the graph,
+  // another thread's backward would find the .grad "still being captured", and the write would
+  // happen at the flush, outside the lock.
+  LeafGradients leaf_grads;
   TensorList result;
   compiler::detail::run_captured_backward(owner, [&] {
-    result = run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves);
+    result = run_backward_eager(tensors, grad_tensors, keep_graph, create_graph, capture, accumulate_leaves,
+                                &leaf_grads);
   });
+  NoGradGuard no_grad;  // create_graph is false on this path
+  for (auto& [node, grad] : leaf_grads) node->apply(TensorList{std::move(grad)});
   return result;
 }
 

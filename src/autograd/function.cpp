@@ -130,9 +130,9 @@ TensorList OpNode::apply(TensorList&& grads) {
     if (!grads[i].defined() && differentiable(output_shapes[i].dtype))
       grads[i] = zeros(output_shapes[i].sizes, TensorOptions(output_shapes[i].dtype, output_shapes[i].device));
   }
-  std::vector<InputInfo> info(input_shapes.size());
-  std::vector<bool> needs(next_edges.size());
-  for (size_t i = 0; i < info.size(); ++i) {
+  std::vector<InputInfo> info(num_inputs);
+  std::vector<bool> needs(num_inputs);
+  for (size_t i = 0; i < num_inputs; ++i) {
     info[i] = {input_shapes[i].sizes, input_shapes[i].dtype, input_shapes[i].device, input_defined[i]};
     needs[i] = next_edges[i].valid();
   }
@@ -147,6 +147,11 @@ TensorList OpNode::apply(TensorList&& grads) {
   TensorList result = d.fn(ctx);
   result.resize(next_edges.size());
   for (size_t i = 0; i < result.size(); ++i) {
+    if (i >= num_inputs) {  // an overwritten target's old value: zeros_like(grad), as PyTorch's copy_/fill_
+      const TensorShape& s = input_shapes[i];
+      result[i] = next_edges[i].valid() ? zeros(s.sizes, TensorOptions(s.dtype, s.device)) : Tensor();
+      continue;
+    }
     if (!needs[i] || !result[i].defined()) {
       result[i] = Tensor();
       continue;
@@ -192,8 +197,21 @@ bool recording(std::span<const Tensor> inputs) {
   return false;
 }
 
+std::vector<OverwrittenValue> overwritten_history(std::span<const Tensor> inputs, std::span<const Tensor> outputs) {
+  std::vector<OverwrittenValue> out;
+  for (const Tensor& t : outputs) {
+    AutogradMeta* m = meta_if_exists(t);
+    if (!t.requires_grad() || !m || !m->grad_fn) continue;  // no history (leaves are refused earlier)
+    bool read = false;
+    for (const Tensor& in : inputs) read = read || (in.defined() && &in.impl() == &t.impl());
+    if (read) continue;  // add_, mul_, ...: the op's own derivative gives self its gradient
+    out.push_back({Edge{m->grad_fn, m->output_nr}, shape_of(t)});
+  }
+  return out;
+}
+
 void record(const OpDef& op, std::span<const Tensor> inputs, std::span<const Attr> attrs,
-            std::span<Tensor> outputs) {
+            std::span<Tensor> outputs, std::span<const OverwrittenValue> overwritten) {
   bool any_differentiable = false;
   for (const Tensor& o : outputs) any_differentiable |= differentiable(o.dtype());
   if (!any_differentiable) return;
@@ -202,14 +220,22 @@ void record(const OpDef& op, std::span<const Tensor> inputs, std::span<const Att
   node->op = &op;
   node->sequence_nr = next_sequence_nr();
   node->attrs.assign(attrs.begin(), attrs.end());
-  node->next_edges.resize(inputs.size());
-  node->input_shapes.resize(inputs.size());
-  node->input_defined.resize(inputs.size());
+  const size_t edges = inputs.size() + overwritten.size();
+  node->num_inputs = inputs.size();
+  node->next_edges.resize(edges);
+  node->input_shapes.resize(edges);
+  node->input_defined.resize(edges);
   for (size_t i = 0; i < inputs.size(); ++i) {
     node->input_defined[i] = inputs[i].defined();
     if (!inputs[i].defined()) continue;
     node->input_shapes[i] = shape_of(inputs[i]);
     if (differentiable(inputs[i].dtype())) node->next_edges[i] = gradient_edge(inputs[i]);
+  }
+  for (size_t k = 0; k < overwritten.size(); ++k) {
+    const size_t i = inputs.size() + k;
+    node->next_edges[i] = overwritten[k].edge;
+    node->input_shapes[i] = overwritten[k].shape;
+    node->input_defined[i] = true;
   }
   const Derivative& d = op.derivative;
   node->saved_inputs.resize(inputs.size());

@@ -102,7 +102,10 @@ struct OpNode final : Node {
   std::vector<Attr> attrs;
   std::vector<SavedTensor> saved_inputs;   // indexed like the op's inputs; empty where unsaved
   std::vector<SavedTensor> saved_outputs;  // indexed like the op's outputs
-  std::vector<TensorShape> input_shapes;
+  // next_edges[0, num_inputs) are the op's inputs; edges past them lead to the old histories of
+  // targets the op overwrote without reading them (OverwrittenValue), which receive zeros.
+  size_t num_inputs = 0;
+  std::vector<TensorShape> input_shapes;  // per edge
   std::vector<bool> input_defined;
   bool released = false;
 
@@ -138,11 +141,22 @@ AutogradMeta* meta_if_exists(const Tensor& t);
 Edge gradient_edge(const Tensor& t);
 uint64_t next_sequence_nr();
 
+// An in-place call's target whose history the op replaces without reading it (copy_, fill_,
+// out=): PyTorch's derivative gives that old value a zero gradient, so its history is still
+// reached (x in `z = (x * 2).clone(); z.copy_(w)` gets zeros, not nothing).
+struct OverwrittenValue {
+  Edge edge;
+  TensorShape shape;
+};
+// The targets among `outputs` that have a history and that `inputs` do not include. Call before
+// record() replaces their grad_fn.
+std::vector<OverwrittenValue> overwritten_history(std::span<const Tensor> inputs, std::span<const Tensor> outputs);
+
 // Called by the dispatcher after an op ran (call_op) and before/after an in-place op
 // (call_op_out). `recording()` is the fast check.
 bool recording(std::span<const Tensor> inputs);
 void record(const OpDef& op, std::span<const Tensor> inputs, std::span<const Attr> attrs,
-            std::span<Tensor> outputs);
+            std::span<Tensor> outputs, std::span<const OverwrittenValue> overwritten = {});
 // For in-place/out= calls: validates the targets and returns the inputs the node must save
 // (clones of inputs that alias an output, so their pre-write values survive).
 std::vector<Tensor> prepare_inplace(const OpDef& op, std::span<const Tensor> inputs,

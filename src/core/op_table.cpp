@@ -209,7 +209,11 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   if (!record && is_grad_enabled())
     for (const Tensor& out : outputs) record |= out.requires_grad();
   std::vector<Tensor> node_inputs;
-  if (record) node_inputs = autograd::prepare_inplace(op, inputs, outputs);
+  std::vector<autograd::OverwrittenValue> overwritten;
+  if (record) {
+    node_inputs = autograd::prepare_inplace(op, inputs, outputs);
+    overwritten = autograd::overwritten_history(inputs, outputs);  // before record() replaces grad_fn
+  }
 
   const Kernel& kernel = kernel_for(op, metas.empty() ? kCPU : metas[0].device);
   if (!need_temp) {
@@ -225,7 +229,7 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   if (op.mutates(call))
     for (int i : op.mutated_inputs)
       if (inputs[i].defined()) bump_version(inputs[i]);
-  if (record) autograd::record(op, node_inputs, attrs, outputs);
+  if (record) autograd::record(op, node_inputs, attrs, outputs, overwritten);
 }
 
 }  // namespace kiln

@@ -590,7 +590,8 @@ Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, Int
 }
 
 // "same" pads by dilation * (k - 1) in total per dim; when that is odd the extra row/column goes
-// to the bottom/right (as PyTorch does), which the input gets explicitly before a symmetric conv.
+// to the bottom/right (as PyTorch does), which the input gets through constant_pad_nd (as aten's
+// _convolution_mode) before a symmetric conv.
 Tensor detail::conv2d_padding_mode(const Tensor& input, const Tensor& weight, const Tensor& bias,
                                    IntArrayRef stride, std::string_view padding, IntArrayRef dilation,
                                    int64_t groups) {
@@ -616,15 +617,12 @@ Tensor detail::conv2d_padding_mode(const Tensor& input, const Tensor& weight, co
   }
   Tensor x = input;
   if (extra[0] != 0 || extra[1] != 0) {
-    const int64_t hd = x.dim() - 2, wd = x.dim() - 1;
-    std::vector<int64_t> sizes = x.sizes().vec();
-    sizes[hd] += extra[0];
-    sizes[wd] += extra[1];
-    Tensor padded = zeros(sizes, TensorOptions(x.dtype(), x.device()));
-    if (x.suggest_memory_format() == MemoryFormat::channels_last)  // keep a channels-last input so
-      padded = padded.contiguous(kiln::channels_last);             // the convolution stays NHWC
-    padded.narrow(hd, 0, x.sizes()[hd]).narrow(wd, 0, x.sizes()[wd]).copy_(x);
-    x = padded;
+    // Out of place, as aten's _convolution_mode does (constant_pad_nd): autograd reaches the input
+    // through the pad's derivative. (An in-place copy into a slice of a zeros tensor recorded its
+    // node on the slice only, and the input got no gradient.)
+    x = kiln::pad(input, std::vector<int64_t>{0, extra[1], 0, extra[0]});  // right, bottom
+    if (input.suggest_memory_format() == MemoryFormat::channels_last)  // keep a channels-last input so
+      x = x.contiguous(kiln::channels_last);                          // the convolution stays NHWC
   }
   return conv2d(x, weight, bias, stride, IntArrayRef({sym[0], sym[1]}), dilation, groups);
 }

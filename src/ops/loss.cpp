@@ -251,12 +251,18 @@ Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction reduction) 
   DType t = promote_types(input.dtype(), target.dtype());
   KILN_CHECK(is_floating_point(t), DTypeError,
              "[kiln::mse_loss] mse_loss is not implemented for dtype " + name_of(t) + ". Convert to a float dtype.");
-  Tensor d = input - target;  // broadcasts like PyTorch (which warns when the shapes differ)
+  // Both operands in the promoted dtype first, as aten's TensorIterator does (sub itself refuses
+  // bool operands); to() returns the tensor itself when it has that dtype already.
+  Tensor d = input.to(t) - target.to(t);  // broadcasts like PyTorch (which warns when the shapes differ)
   return reduce(d * d, reduction);
 }
 
-// PyTorch's formula: (1 - t) * x - log_weight * log_sigmoid(x), log_weight = (pos_weight - 1) * t + 1,
-// with log_sigmoid(x) = min(x, 0) - log1p(exp(-|x|)) so no exp overflows for large |x|.
+// PyTorch's loss: (1 - t) * x + log_weight * softplus(-x), log_weight = (pos_weight - 1) * t + 1,
+// softplus(-x) = -log_sigmoid(x), written per sign of x with a smooth, overflow-free branch each
+// (x >= 0: log1p(exp(-x)); x < 0: log1p(exp(x)) - x). Autograd through those ops gives exactly
+// aten's binary_cross_entropy_with_logits_backward, (sigmoid(x) - t) * weight, or
+// ((pos_weight * t + 1 - t) * sigmoid(x) - pos_weight * t) * weight, at every x. A min/abs form
+// (min(x, 0) - log1p(exp(-|x|))) takes subgradients at 0 and gave -t there instead of 0.5 - t.
 Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& target, const Tensor& weight,
                                         const Tensor& pos_weight, Reduction reduction) {
   KILN_CHECK(target.sizes() == input.sizes(), ShapeError,
@@ -265,9 +271,10 @@ Tensor binary_cross_entropy_with_logits(const Tensor& input, const Tensor& targe
   KILN_CHECK(is_floating_point(input.dtype()), DTypeError,
              "[kiln::binary_cross_entropy_with_logits] not implemented for input of dtype " + name_of(input.dtype()) +
                  "; it takes floating-point logits.");
-  Tensor log_sigmoid = clamp(input, std::nullopt, Scalar(0)) - log1p(exp(-abs(input)));
-  if (pos_weight.defined()) log_sigmoid = log_sigmoid * ((pos_weight - 1) * target + 1);
-  Tensor loss = (1 - target) * input - log_sigmoid;
+  const Tensor nonneg = ge(input, 0);  // true at -0.0 too
+  Tensor softplus_neg = where(nonneg, 0.0, neg(input)) + log1p(exp(where(nonneg, neg(input), input)));
+  if (pos_weight.defined()) softplus_neg = softplus_neg * ((pos_weight - 1) * target + 1);
+  Tensor loss = (1 - target) * input + softplus_neg;
   if (weight.defined()) loss = loss * weight;
   return reduce(loss, reduction);
 }

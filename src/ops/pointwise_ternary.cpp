@@ -140,10 +140,10 @@ DType addc_dtype(const OpCall& c) {
   DType out = detail::result_type(c.inputs);
   KILN_CHECK(out != kBool, DTypeError,
              "[kiln::" + c.name() + "] not implemented for bool. Convert the inputs with .to(...) first.");
-  KILN_CHECK(is_floating_point(out) || !c.scalar_attr(0).is_floating_point(), DTypeError,
-             "[kiln::" + c.name() +
-                 "] For integral input tensors, argument value must not be a floating point number. "
-                 "Convert the inputs to a floating dtype first.");
+  // An integer result takes `value` converted to its dtype, a floating value truncated toward zero
+  // (aten: value.to<scalar_t>(), so addcmul(i, i, i, 2.7) adds 2 * i * i); a value that does not
+  // fit throws ValueError, as PyTorch's checked conversion does.
+  if (!is_floating_point(out)) KILN_DISPATCH_ALL(out, c.name(), [&] { (void)c.scalar_attr(0).checked_to<scalar_t>(); });
   return out;
 }
 

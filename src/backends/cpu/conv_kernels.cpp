@@ -59,6 +59,7 @@
 
 #include "backends/autotune_scope.h"
 #include "backends/cpu/conv_autotune.h"
+#include "backends/cpu/conv_kernels.h"
 #include "backends/cpu/loops.h"
 #include "backends/cpu/winograd_nhwc.h"
 #include "compiler/capture/runtime.h"
@@ -220,6 +221,21 @@ bool plain_layout(const ConvShape& s) {
 Tag primitive_activation_tag(const ConvShape& s, Layout layout) {
   if (layout.channels_last) return Tag::nhwc;
   return plain_layout(s) ? Tag::nchw : Tag::any;
+}
+
+// oneDNN's jit 1x1 backward-weights (jit_avx2_1x1 / jit_avx512_common_1x1 /
+// jit_avx512_core_bf16_1x1 _convolution_bwd_weights_t; 2.6 up to at least 3.9) writes past its
+// scratchpad when it reduces a strided 1x1 convolution to unit stride ("rtus": 1x1 kernel,
+// non-unit stride, no padding) on an NHWC source whose channel count is below, or not a multiple
+// of, its channel block (16 floats; 8 on AVX2): rtus_prepare_space_info books is * ic elements of
+// workspace per thread for NHWC, but the kernel addresses it at sp * ic_block, so each thread
+// writes into the next one's part and the last one past the scratchpad (the heap corruption
+// behind "free(): invalid size"; PyTorch's mkldnn path has it too; oneDNN issue #6035). Measured
+// with libdnnl 2.6.3: only backward-weights, only NHWC, only with 2+ threads; blocked layouts
+// book factor * is * ic_block and are fine. Such primitives are built on blocked activations.
+bool onednn_nhwc_strided_1x1_weights_overruns(const ConvShape& s) {
+  return s.kh == 1 && s.kw == 1 && (s.stride[0] != 1 || s.stride[1] != 1) && s.pad[0] == 0 && s.pad[1] == 0 &&
+         s.groups == 1 && s.c % 16 != 0;
 }
 
 memory::data_type onednn_type(DType t) { return t == DType::bfloat16 ? memory::data_type::bf16 : memory::data_type::f32; }
@@ -629,11 +645,12 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
       memory::desc src_any, dst_any;
       std::optional<dnnl::convolution_forward::primitive_desc> hint;
     };
-    std::array<Variant, 2> variants;
-    auto variant = [&](ConvAlgorithm algorithm) -> Variant& {
-      Variant& v = variants[static_cast<size_t>(algorithm)];
+    std::array<Variant, 3> variants;  // direct, Winograd, direct on blocked activations
+    auto variant = [&](ConvAlgorithm algorithm, bool blocked = false) -> Variant& {
+      Variant& v = variants[blocked ? 2 : static_cast<size_t>(algorithm)];
       if (v.hint) return v;
-      const Tag act = algorithm == ConvAlgorithm::winograd ? Tag::any : primitive_activation_tag(s, layout);
+      const Tag act =
+          algorithm == ConvAlgorithm::winograd || blocked ? Tag::any : primitive_activation_tag(s, layout);
       v.src_any = memory::desc(src_dims, dt, act);
       v.dst_any = memory::desc(dst_dims, dt, act);
       const dnnl::algorithm alg = onednn_algorithm(algorithm);
@@ -667,7 +684,11 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
         plan->diff_src_reorder = make_reorder(plan->data_diff_src, plan->src_user);
     }
     if (need_weights) {
-      const Variant& v = variant(weights_algorithm);
+      // NHWC backward-weights of a strided 1x1 convolution overruns its scratchpad
+      // (onednn_nhwc_strided_1x1_weights_overruns): that primitive reads blocked activations,
+      // which the plan reorders from the user's NHWC (src_reorder, weights_diff_dst_reorder).
+      const bool avoid_nhwc = layout.channels_last && onednn_nhwc_strided_1x1_weights_overruns(s);
+      const Variant& v = variant(weights_algorithm, avoid_nhwc);
       const dnnl::algorithm alg = onednn_algorithm(weights_algorithm);
       dnnl::convolution_backward_weights::desc desc =
           with_bias ? dnnl::convolution_backward_weights::desc(alg, v.src_any, weights_any, plan->bias_desc, v.dst_any,
@@ -676,6 +697,9 @@ std::shared_ptr<const BackwardPlan> build_backward_plan(const ConvShape& s, DTyp
                                                                dilation, padding, padding);
       dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), *v.hint);
       if (is_ref(pd.impl_info_str())) return nullptr;
+      // Never hand oneDNN the overrunning configuration, even should "any" pick NHWC: without a
+      // plan the caller falls back to the NCHW plan (rtus does not apply to plain NCHW).
+      if (avoid_nhwc && pd.src_desc() == memory::desc(src_dims, dt, Tag::nhwc)) return nullptr;
       plan->weights = true;
       plan->bias = with_bias;
       plan->bwd_weights = dnnl::convolution_backward_weights(pd);
@@ -1315,6 +1339,23 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
 }();
 
 }  // namespace
+
+std::string onednn_backward_weights_activation_layout(std::array<int64_t, 4> input, std::array<int64_t, 4> weight,
+                                                      std::array<int64_t, 2> stride, std::array<int64_t, 2> padding,
+                                                      std::array<int64_t, 2> dilation, int64_t groups,
+                                                      bool channels_last) {
+  auto out_size = [&](int d) {
+    return (input[2 + d] + 2 * padding[d] - dilation[d] * (weight[2 + d] - 1) - 1) / stride[d] + 1;
+  };
+  const ConvShape s{input[0], input[1], input[2], input[3], weight[0], weight[2], weight[3], out_size(0), out_size(1),
+                    {stride[0], stride[1]}, {padding[0], padding[1]}, {dilation[0], dilation[1]}, groups, false};
+  auto plan = find_backward_plan(s, DType::float32, Layout{channels_last, false}, false, true);
+  if (!plan || !plan->weights) return "";
+  const memory::dims dims{s.n, s.c, s.h, s.w};
+  if (plan->weights_src == memory::desc(dims, memory::data_type::f32, Tag::nhwc)) return "nhwc";
+  if (plan->weights_src == memory::desc(dims, memory::data_type::f32, Tag::nchw)) return "nchw";
+  return "blocked";
+}
 
 bool onednn_winograd_available() {
   static const bool available = [] {

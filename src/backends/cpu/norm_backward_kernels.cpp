@@ -201,11 +201,12 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
 
 // Pass 2 on channel rows: dx = dy * a + (x * b + c), per channel. Three per-channel operands
 // instead of four keep the loop at streaming speed (their loads compete with the data's); the
-// rounding of x * b next to c is the forward's (x * scale + shift).
+// rounding of x * b next to c is the forward's (x * scale + shift). In evaluation the map is
+// affine, dx = dy * a, and x is not read for the value (x * 0 would be NaN at +-inf).
 template <Mask M, class T, class Acc = opmath_t<T>>
 void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
                              T* dx, int64_t dx_stride, int64_t rows, int64_t channels, const std::vector<Acc>& a,
-                             const std::vector<Acc>& b, const std::vector<Acc>& c) {
+                             const std::vector<Acc>& b, const std::vector<Acc>& c, bool train) {
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, channels));
   parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     const Acc* __restrict pa = a.data();
@@ -219,6 +220,16 @@ void channel_rows_grad_input(const T* xp, int64_t x_stride, const T* gp, int64_t
       const T* __restrict gr = gp + r * g_stride;
       const T* __restrict rr = relu.template at<M>(r * relu.r_stride);
       T* __restrict o = dx + r * dx_stride;
+      if (!train) {
+#pragma omp simd
+        for (int64_t k = 0; k < channels; ++k) {
+          Acc g;
+          if constexpr (M == Mask::recompute) g = recomputed_grad(gr[k], xr[k], fs[k], fh[k], th, fill);
+          else g = grad_at<M>(gr, rr, k, th, fill);
+          o[k] = static_cast<T>(g * pa[k]);
+        }
+        continue;
+      }
 #pragma omp simd
       for (int64_t k = 0; k < channels; ++k) {
         Acc g;
@@ -382,7 +393,7 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
     }
     if (count > 0)
       channel_rows_grad_input<M>(xp, xv.row_stride, gp, gv.row_stride, relu, y.data_ptr<T>(),
-                                      direct ? *dx_row_stride : channels, count, channels, a, b, c);
+                                      direct ? *dx_row_stride : channels, count, channels, a, b, c, train);
     if (!direct) dx_out.copy_(y);
   } else if (need_input) {
     with_contiguous_output(dx_out, [&](Tensor& dx_t) {
@@ -400,10 +411,15 @@ void batch_norm_backward_typed(const BatchNormBackwardCall& op, std::span<Tensor
             const Acc* __restrict kk = ck.data();
             const Acc* __restrict sh = csh.data();
             const Acc* __restrict sc = csc.data();
+            if (train) {
 #pragma omp simd
-            for (int64_t j = 0; j < columns; ++j) {
-              const Acc g = grad_at<PM>(gr, rr, j, th, fill);
-              o[j] = static_cast<T>((g - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
+              for (int64_t j = 0; j < columns; ++j) {
+                const Acc g = grad_at<PM>(gr, rr, j, th, fill);
+                o[j] = static_cast<T>((g - sh[j] - (static_cast<Acc>(xr[j]) - m[j]) * kk[j]) * sc[j]);
+              }
+            } else {  // affine: x is not read (x * 0 would be NaN at +-inf)
+#pragma omp simd
+              for (int64_t j = 0; j < columns; ++j) o[j] = static_cast<T>(grad_at<PM>(gr, rr, j, th, fill) * sc[j]);
             }
           }
         });

@@ -531,7 +531,9 @@ void batch_norm_backward(const OpCall& call, std::span<Tensor> outs, ReluMask ma
     if (call.input(7).defined()) fill = call.input(7).to(x_in.device(), dt).contiguous();
   }
   const int64_t channels = xv.c, count = xv.n * xv.s;
-  const bool rows_formula = batch_norm_reads_rows(x_in, batch_norm_prefers_rows(dx_out));
+  // The regrouped rows formula reads x even where its coefficient is 0 (x * -0 is NaN at +-inf):
+  // evaluation takes the plain dy * scale.
+  const bool rows_formula = train && batch_norm_reads_rows(x_in, batch_norm_prefers_rows(dx_out));
   const bool rows = xv.sc < xv.ss || xv.s == 1;
   int64_t largest = std::max({extent(xv), extent(gv), mask == ReluMask::result ? extent(rv) : 0, max_offset(dx_out)});
   const bool i32 = fits_int32(largest * 2);

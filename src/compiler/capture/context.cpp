@@ -337,7 +337,11 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   if (!record && is_grad_enabled())
     for (const Tensor& out : outputs) record |= out.requires_grad();
   std::vector<Tensor> node_inputs;
-  if (record) node_inputs = autograd::prepare_inplace(op, inputs, outputs);  // may capture clones
+  std::vector<autograd::OverwrittenValue> overwritten;
+  if (record) {
+    node_inputs = autograd::prepare_inplace(op, inputs, outputs);  // may capture clones
+    overwritten = autograd::overwritten_history(inputs, outputs);  // before record() replaces grad_fn
+  }
 
   Segment& seg = cap.pending();
   std::vector<int> in_ids = value_ids(seg, inputs);
@@ -353,7 +357,7 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
       if (inputs[i].defined()) bump_version(inputs[i]);
   if (record) {
     cap.autograd = true;
-    autograd::record(op, node_inputs, attrs, outputs);
+    autograd::record(op, node_inputs, attrs, outputs, overwritten);
     tag_autograd_nodes(cap, outputs);
   }
 }

@@ -1,12 +1,40 @@
 // Frame guards: what a cache entry assumes about the arguments and global state, checked before
 // the body runs, and Dynamo's wording when a check fails (DESIGN §2.3, spec §2.1-2.3).
 #include <sstream>
+#include <tuple>
+#include <utility>
 
 #include "compiler/capture/runtime.h"
 #include "core/shape.h"
 #include "kiln/autograd.h"
 
 namespace kiln::compiler::detail {
+
+namespace {
+
+// For tensor leaf i: the first earlier tensor leaf that is the same tensor, and the first on the
+// same storage (-1: none). Quadratic, without allocating: argument lists are short, and this
+// runs on every call of a pure function.
+std::pair<int, int> aliasing_of(const std::vector<Leaf>& leaves, size_t i) {
+  if (leaves[i].kind != Leaf::tensor) return {-1, -1};
+  const kiln::detail::TensorImpl& t = leaves[i].t.impl();
+  for (size_t k = 0; k < i; ++k) {
+    if (leaves[k].kind != Leaf::tensor) continue;
+    const kiln::detail::TensorImpl& u = leaves[k].t.impl();
+    if (u.storage != t.storage) continue;
+    int same = &u == &t ? static_cast<int>(k) : -1;
+    for (size_t j = k + 1; same < 0 && j < i; ++j)
+      if (leaves[j].kind == Leaf::tensor && &leaves[j].t.impl() == &t) same = static_cast<int>(j);
+    return {same, static_cast<int>(k)};
+  }
+  return {-1, -1};
+}
+
+std::string leaf_name(const std::vector<std::string>& names, int k) {
+  return k < static_cast<int>(names.size()) ? names[k] : "arg" + std::to_string(k);
+}
+
+}  // namespace
 
 GlobalState current_global_state() {
   return GlobalState{is_grad_enabled(), is_inference_mode_enabled(), default_dtype()};
@@ -43,6 +71,10 @@ GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string 
       case Leaf::none: break;
     }
     g.leaves.push_back(std::move(lg));
+  }
+  if (values) {  // pure frames replay a graph captured with this aliasing between arguments
+    for (size_t i = 0; i < leaves.size(); ++i)
+      std::tie(g.leaves[i].same_as, g.leaves[i].shares_storage_with) = aliasing_of(leaves, i);
   }
   g.fail_counts = std::make_unique<std::atomic<int>[]>(g.leaves.size() + 2);
   return g;
@@ -112,6 +144,8 @@ int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::
   for (int i = 0; i < n; ++i) {
     if (!checked(i)) continue;
     if (!leaf_ok(g.leaves[i], leaves[i], g.values)) return i;
+    if (g.values && aliasing_of(leaves, i) != std::pair{g.leaves[i].same_as, g.leaves[i].shares_storage_with})
+      return i;
   }
   return -1;
 }
@@ -137,7 +171,7 @@ std::string describe_failure(const GuardSet& g, int index, const std::vector<Lea
   }
   const LeafGuard& lg = g.leaves[index];
   const Leaf& l = leaves[index];
-  std::string name = index < static_cast<int>(names.size()) ? names[index] : "arg" + std::to_string(index);
+  std::string name = leaf_name(names, index);
   if (lg.kind != l.kind) {
     return "expected type of '" + name + "' to be " + kind_name(lg.kind) + ", but found " + kind_name(l.kind);
   }
@@ -161,6 +195,19 @@ std::string describe_failure(const GuardSet& g, int index, const std::vector<Lea
         if (t.strides()[d] != lg.strides[d])
           return p + "stride mismatch at index " + std::to_string(d) + ". expected " +
                  std::to_string(lg.strides[d]) + ", actual " + std::to_string(t.strides()[d]);
+      if (g.values) {  // Dynamo's DUPLICATE_INPUT and NO_TENSOR_ALIASING guards
+        const auto [same_as, shares] = aliasing_of(leaves, static_cast<size_t>(index));
+        if (lg.same_as >= 0 && same_as != lg.same_as) return name + " is " + leaf_name(names, lg.same_as);
+        if (lg.shares_storage_with < 0 && shares >= 0)
+          return "Duplicate tensor found where not expected! " + p + "should not alias to anything, but is aliased";
+        if (shares != lg.shares_storage_with)
+          return p + "storage aliasing mismatch. expected it to share storage with '" +
+                 leaf_name(names, lg.shares_storage_with) + "', actual " +
+                 (shares < 0 ? std::string("it shares none") : "it shares storage with '" + leaf_name(names, shares) + "'");
+        if (same_as >= 0)
+          return "Duplicate tensor found where not expected! " + p + "should not be the same tensor as '" +
+                 leaf_name(names, same_as) + "'";
+      }
       return p + "changed";
     }
     case Leaf::integer: return name + " == " + std::to_string(lg.i);
@@ -184,12 +231,17 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
                 ", default_dtype=" + std::string(dtype_name(g.global.default_dtype)));
   for (size_t i = 0; i < g.leaves.size(); ++i) {
     const LeafGuard& lg = g.leaves[i];
-    std::string name = i < names.size() ? names[i] : "arg" + std::to_string(i);
+    std::string name = leaf_name(names, static_cast<int>(i));
     switch (lg.kind) {
       case Leaf::tensor:
         out.push_back("TENSOR_MATCH: check_tensor(" + name + ", " + std::string(dtype_name(lg.dtype)) + ", device=" + lg.device.str() +
                       ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + list_str(lg.sizes) +
                       ", stride=" + list_str(lg.strides) + ")");
+        if (lg.same_as >= 0) {
+          out.push_back("DUPLICATE_INPUT: " + name + " is " + leaf_name(names, lg.same_as));
+        } else if (lg.shares_storage_with >= 0) {
+          out.push_back("STORAGE_OVERLAPPING: " + name + " shares storage with " + leaf_name(names, lg.shares_storage_with));
+        }
         break;
       case Leaf::integer:
       case Leaf::boolean:
@@ -212,6 +264,14 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
       case Leaf::optimizer: out.push_back("ID_MATCH: " + name + " is the compiled optimizer"); break;
       case Leaf::none: out.push_back("CONSTANT_MATCH: " + name + " is None"); break;
     }
+  }
+  if (g.values) {  // the tensors no other argument aliases, as Dynamo prints them
+    std::string distinct;
+    int count = 0;
+    for (size_t i = 0; i < g.leaves.size(); ++i)
+      if (g.leaves[i].kind == Leaf::tensor && g.leaves[i].shares_storage_with < 0)
+        distinct += (count++ ? ", " : "") + leaf_name(names, static_cast<int>(i));
+    if (count > 1) out.push_back("NO_TENSOR_ALIASING: check_no_aliasing(" + distinct + ")");
   }
   return out;
 }

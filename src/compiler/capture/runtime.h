@@ -51,6 +51,11 @@ struct LeafGuard {
   std::string s;
   const void* object = nullptr;
   uint64_t version = 0;
+  // Pure frames (GuardSet::values): the first earlier tensor leaf that is this same tensor, and
+  // the first on the same storage (-1: none). The capture bakes this aliasing into its graph (one
+  // placeholder per tensor, grouped by storage), so a replay is valid only for calls that repeat it.
+  int same_as = -1;
+  int shares_storage_with = -1;
 };
 
 struct GuardSet {
