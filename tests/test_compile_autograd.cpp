@@ -248,6 +248,145 @@ TEST_F(CompileAutograd, PartitionNeverRecomputesGemmsOrReductions) {
   EXPECT_GE(check_backward_outside(into_gemm, randn({4, 5}), randn({5})), 1);
 }
 
+// Issue 18.14: a value written in place after its producer ran is saved as written: recomputing it
+// from its producer would give the value before the write (y = x.clone(); y.add_(100); y * w).
+TEST_F(CompileAutograd, PartitionNeverRecomputesAValueWrittenInPlace) {
+  Tensor x = tensor<float>({1, 2, 3}), w = tensor<float>({1, 1, 1});
+  for (const char* backend : {"aot_eager", "kiln"}) {
+    SCOPED_TRACE(backend);
+    auto add = [](const Tensor& x, const Tensor& w) {
+      Tensor y = x.clone();
+      y.add_(100.0);
+      return (y * w).sum();
+    };
+    EXPECT_EQ(check_backward_outside(add, x, w, backend), 0) << "y is saved as written";
+    auto mul = [](const Tensor& x, const Tensor& w) {
+      Tensor y = x.clone();
+      y.mul_(3.0);
+      return (y * w).sum();
+    };
+    check_backward_outside(mul, x, w, backend);
+    auto copy = [](const Tensor& x, const Tensor& w) {
+      Tensor y = x.clone();
+      y.copy_(x * 3);
+      return (y * w).sum();
+    };
+    check_backward_outside(copy, x, w, backend);
+    auto lerp = [](const Tensor& x, const Tensor& w) {
+      Tensor y = x.clone();
+      y.lerp_(x * 3, 0.5);
+      return (y * w).sum();
+    };
+    check_backward_outside(lerp, x, w, backend);
+    // The convolution's weight gradient reads the input as written.
+    auto conv = [](const Tensor& x, const Tensor& w) {
+      Tensor xi = x.clone();
+      xi.mul_(2.0);
+      return conv2d(xi, w).pow(2).sum();
+    };
+    check_backward_outside(conv, randn({1, 2, 5, 5}), randn({3, 2, 3, 3}), backend);
+  }
+}
+
+// Issue 18.17: an in-place write after a value's pointwise producer is part of the value, and a
+// value a recipe reads must not change after the node that read it.
+TEST_F(CompileAutograd, PartitionKeepsValuesWrittenInPlaceAfterTheirProducer) {
+  auto sliced = [](const Tensor& x, const Tensor& w) {
+    Tensor p = zeros({x.size(0), x.size(1) + 1});
+    p.narrow(1, 0, x.size(1)).copy_(x.detach());  // written through a view after fill made p
+    return (p * w).pow(2).sum() + (x * x).sum();
+  };
+  EXPECT_EQ(check_backward_outside(sliced, randn({4, 5}), randn({6})), 1) << "p * w only; p stays saved";
+  auto bumped = [](const Tensor& x, const Tensor& w) {
+    Tensor t = x.detach() * 2;
+    t.add_(1);  // t is not x * 2 any more
+    return (t * w).sum() + (x * x).sum();
+  };
+  EXPECT_EQ(check_backward_outside(bumped, randn({4, 5}), randn({5})), 0);
+}
+
+// Issue 18.17: conv2d(padding="same") with an even kernel pads the input on one side only; both
+// operands get their gradients through a compiled forward whose backward runs outside.
+TEST_F(CompileAutograd, ConvSamePaddingWithAnEvenKernelBackwardOutside) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return conv2d(x, w, Tensor(), {1, 1}, "same").pow(2).sum(); };
+  check_backward_outside(fn, randn({2, 3, 5, 6}), randn({4, 3, 2, 4}));
+}
+
+// Issue 18.15: a graph runs writes its capture already counted (an in-place op on an argument,
+// batch norm's running statistics): tensors saved after those writes keep their versions.
+TEST_F(CompileAutograd, WritesInsideTheGraphAreCountedOnce) {
+  using Ts = std::vector<Tensor>;
+  auto scale_then_linear = [](const Ts& a) {
+    Tensor s = a[0];
+    s.mul_(-1.0);
+    return Ts{linear(s, a[1])};
+  };
+  auto norm_then_clamp = [](const Ts& a) {
+    Tensor y = batch_norm(a[0], a[1], a[2], Tensor(), Tensor(), /*training=*/true);
+    return Ts{y, clamp(a[3], a[1], a[2])};  // reads the updated running statistics
+  };
+  for (const char* backend : {"eager", "aot_eager", "kiln"}) {
+    SCOPED_TRACE(backend);
+    auto f = kiln::compile(scale_then_linear, {.backend = std::string(backend)});
+    Tensor x = randn({3, 4}), w = randn({2, 4}), r = randn({3, 2});
+    Ts c{x.clone(), leaf_copy(w)}, e{x.clone(), leaf_copy(w)};
+    Tensor yc = f(c)[0];
+    Tensor ye = scale_then_linear(e)[0];
+    EXPECT_EQ(c[0].version(), e[0].version()) << "one mul_, as in eager";
+    (yc * r).sum().backward();  // threw "... is at version 2; expected version 1"
+    (ye * r).sum().backward();
+    EXPECT_TRUE(close(yc, ye));
+    EXPECT_TRUE(close(c[0], e[0]));
+    EXPECT_TRUE(close(c[1].grad(), e[1].grad()));
+
+    auto g = kiln::compile(norm_then_clamp, {.backend = std::string(backend)});
+    Tensor in = randn({2, 3, 4, 4}), v = randn({3}), ry = randn({2, 3, 4, 4}), rz = randn({3});
+    Ts gc{leaf_copy(in), zeros({3}), ones({3}), leaf_copy(v)};
+    Ts ge{leaf_copy(in), zeros({3}), ones({3}), leaf_copy(v)};
+    Ts oc = g(gc), oe = norm_then_clamp(ge);
+    EXPECT_EQ(gc[1].version(), ge[1].version());
+    ((oc[0] * ry).sum() + (oc[1] * rz).sum()).backward();
+    ((oe[0] * ry).sum() + (oe[1] * rz).sum()).backward();
+    EXPECT_TRUE(close(gc[1], ge[1]));
+    EXPECT_TRUE(close(gc[2], ge[2]));
+    EXPECT_TRUE(close(gc[0].grad(), ge[0].grad(), Tolerance{1e-5, 1e-5}));
+    EXPECT_TRUE(close(gc[3].grad(), ge[3].grad()));
+  }
+}
+
+// Issue 18.16: a graph output the backend returns in another layout than captured is copied into
+// its lazy value's storage: that creates the value, it does not modify it. Softmax saves its
+// output, and with the channels-last pass the decomposed softmax comes back channels-last.
+TEST_F(CompileAutograd, AnOutputCopiedIntoItsCapturedLayoutIsNotAnInPlaceWrite) {
+  auto fn = [](const Tensor& x, const Tensor& w) { return softmax(conv2d(x, w), 1); };
+  Tensor x = randn({2, 3, 6, 6}), w = randn({4, 3, 3, 3}), r = randn({2, 4, 4, 4});
+  for (bool layout_optimization : {true, false}) {
+    SCOPED_TRACE(layout_optimization ? "channels-last" : "planar");
+    CompileOptions options;
+    options.backend = std::string("kiln");
+    options.options["layout_optimization"] = layout_optimization;
+    auto f = kiln::compile(fn, options);
+    Tensor xc = leaf_copy(x), wc = leaf_copy(w), xe = leaf_copy(x), we = leaf_copy(w);
+    Tensor yc = f(xc, wc);
+    EXPECT_EQ(yc.version(), 0u) << "the call wrote nothing into its result";
+    EXPECT_TRUE(yc.is_contiguous()) << "eager's layout";
+    (yc * r).sum().backward();  // threw "output 0 of SoftmaxBackward0 is at version 1"
+    Tensor ye = fn(xe, we);
+    (ye * r).sum().backward();
+    EXPECT_TRUE(close(yc, ye));
+    EXPECT_TRUE(close(xc.grad(), xe.grad(), Tolerance{1e-5, 1e-5}));
+    EXPECT_TRUE(close(wc.grad(), we.grad(), Tolerance{1e-5, 1e-5}));
+  }
+  // The differential test's shrunk form: no convolution needed, a permuted input does it.
+  auto permuted = [](const Tensor& x) { return softmax(x.permute({1, 3, 0, 2}), 1); };
+  auto g = kiln::compile(permuted);
+  Tensor a = leaf_copy(randn({2, 3, 4, 5})), b = leaf_copy(a.detach());
+  Tensor rp = randn({3, 5, 2, 4});
+  (g(a) * rp).sum().backward();
+  (permuted(b) * rp).sum().backward();
+  EXPECT_TRUE(close(a.grad(), b.grad()));
+}
+
 TEST_F(CompileAutograd, PartitionAppliesToAotEagerAndNotToEager) {
   auto fn = sin_cos_chain;
   Tensor x = randn({4, 5}), w = randn({5});

@@ -215,6 +215,24 @@ TEST(GradcheckReduce, VarStdOverDimsAndCorrections) {
   EXPECT_TRUE(grad_ok(unary([](const Tensor& x) { return x.std({1}, 0, true); }), {rnd_t(4, 3)}));
 }
 
+// Issue 18.19: PyTorch's var_mean_backward skips the variance term when only the mean is used:
+// with correction = N its factor 2 / (N - correction) is infinite and inf * 0 would be NaN.
+TEST(GradcheckReduce, VarMeanTermsOnlyForOutputsThatGetAGradient) {
+  for (std::vector<int64_t> dims : {std::vector<int64_t>{0}, std::vector<int64_t>{}}) {
+    Tensor x = tensor<double>({1, 2, 3, 4, 5}).requires_grad_();
+    auto [v, m] = var_mean(x, dims, /*correction=*/5);
+    m.backward();
+    EXPECT_TRUE(matches(x.grad(), {5}, {0.2, 0.2, 0.2, 0.2, 0.2})) << shape_str(dims);
+  }
+  Tensor f = tensor<float>({1, 2, 3, 4, 5}).requires_grad_();
+  std::get<1>(var_mean(f, {0}, 5, /*keepdim=*/true)).sum().backward();
+  EXPECT_TRUE(matches(f.grad(), {5}, {0.2, 0.2, 0.2, 0.2, 0.2}));
+  // Only the variance used: 2 / (N - 1) * (x - mean); the mean's term is not added.
+  Tensor y = tensor<double>({1, 2, 3, 4, 5}).requires_grad_();
+  std::get<0>(var_mean(y, {0}, 1)).backward();
+  EXPECT_TRUE(matches(y.grad(), {5}, {-1, -0.5, 0, 0.5, 1}));
+}
+
 TEST(GradcheckReduce, VarMeanBothOutputs) {
   manual_seed(9);
   autograd::Function f = [](const TensorList& in) {

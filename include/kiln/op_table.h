@@ -72,8 +72,13 @@ struct BackwardContext : AttrAccess {
   std::span<const Tensor> outputs;  // per forward output; defined only where Derivative saves it
   std::span<const InputInfo> input_info;
   std::vector<bool> needs_input_grad;
+  // Per forward output: whether a gradient flowed into it (grads holds zeros where none did). A
+  // formula whose term for an output must vanish when no gradient came (PyTorch passes an
+  // undefined tensor there; var_mean's variance with correction >= N is inf * 0) checks has_grad.
+  std::vector<bool> grad_defined;
 
   const Tensor& grad(size_t i = 0) const { return grads[i]; }
+  bool has_grad(size_t i) const { return i < grad_defined.size() && grad_defined[i]; }
   const Tensor& input(size_t i) const { return inputs[i]; }
   const Tensor& output(size_t i = 0) const { return outputs[i]; }
   bool needs_grad(size_t i) const { return i < needs_input_grad.size() && needs_input_grad[i]; }

@@ -125,8 +125,10 @@ TensorList OpNode::apply(TensorList&& grads) {
   TensorList inputs(saved_inputs.size()), outputs(saved_outputs.size());
   for (size_t i = 0; i < saved_inputs.size(); ++i) inputs[i] = saved_inputs[i].unpack(self);
   for (size_t i = 0; i < saved_outputs.size(); ++i) outputs[i] = saved_outputs[i].unpack(self);
-  // Outputs that received no gradient contribute zeros.
+  // Outputs that received no gradient contribute zeros (grad_defined tells formulas which).
+  std::vector<bool> grad_defined(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
+    grad_defined[i] = grads[i].defined();
     if (!grads[i].defined() && differentiable(output_shapes[i].dtype))
       grads[i] = zeros(output_shapes[i].sizes, TensorOptions(output_shapes[i].dtype, output_shapes[i].device));
   }
@@ -144,6 +146,7 @@ TensorList OpNode::apply(TensorList&& grads) {
   ctx.outputs = outputs;
   ctx.input_info = info;
   ctx.needs_input_grad = needs;
+  ctx.grad_defined = std::move(grad_defined);
   TensorList result = d.fn(ctx);
   result.resize(next_edges.size());
   for (size_t i = 0; i < result.size(); ++i) {

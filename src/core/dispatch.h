@@ -12,4 +12,21 @@ namespace kiln::detail {
 // castable to their dtype, and live on their device. Throws the eager error messages.
 void check_out_targets(const OpDef& op, const std::vector<TensorMeta>& metas, std::span<Tensor> outputs);
 
+// While alive, in-place calls through the dispatcher on this thread leave version counters alone.
+// For running what a capture recorded: capture_op/capture_op_out already bumped the versions of
+// everything the graph writes, as eager would have, and autograd saved tensors at those versions.
+// Counting the writes again when the graph runs (the interpreter, the kiln backend's dispatched
+// nodes), or when a result is copied into its lazy value's storage (bind), would make a backward
+// report them "modified by an in-place operation".
+class WritesAlreadyCounted {
+ public:
+  WritesAlreadyCounted();
+  ~WritesAlreadyCounted();
+  WritesAlreadyCounted(const WritesAlreadyCounted&) = delete;
+  WritesAlreadyCounted& operator=(const WritesAlreadyCounted&) = delete;
+
+ private:
+  bool saved_;
+};
+
 }  // namespace kiln::detail

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <utility>
 
 #include "autograd/node.h"
 #include "compiler/capture/capture.h"
@@ -101,9 +102,12 @@ bool same_elementwise_layout(const Tensor& in, const Tensor& out) {
   return true;
 }
 
-// Kernels may call other ops on their outputs; those internal calls are never recorded.
+// Kernels may call other ops on their outputs and mutated inputs; those internal calls are never
+// recorded, and their writes are not counted: the op counts each tensor it writes once, as
+// PyTorch does (batch norm's running statistics are at version 1 after one training call).
 void run_kernel(const Kernel& kernel, const OpCall& call, std::span<Tensor> outputs) {
   NoGradGuard no_grad;
+  detail::WritesAlreadyCounted counted;
   kernel(call, outputs);
 }
 
@@ -114,12 +118,20 @@ bool same_layout(const Tensor& a, const Tensor& b) {
          a.strides() == b.strides();
 }
 
-void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
+thread_local bool t_writes_counted = false;  // inside detail::WritesAlreadyCounted
+
+void bump_version(const Tensor& t) {
+  if (t_writes_counted) return;
+  t.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace
 
 
 namespace detail {
+
+WritesAlreadyCounted::WritesAlreadyCounted() : saved_(std::exchange(t_writes_counted, true)) {}
+WritesAlreadyCounted::~WritesAlreadyCounted() { t_writes_counted = saved_; }
 
 void check_out_targets(const OpDef& op, const std::vector<TensorMeta>& metas, std::span<Tensor> outputs) {
   KILN_CHECK(metas.size() == outputs.size(), Error,
@@ -223,6 +235,7 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
     for (const auto& m : metas) temps.push_back(allocate(m));
     run_kernel(kernel, call, temps);
     NoGradGuard no_grad;  // the copy-back is part of this op, not a recorded op of its own
+    detail::WritesAlreadyCounted counted;  // nor a write of its own: the op counts it below
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(temps[i]);
   }
   for (Tensor& out : outputs) bump_version(out);

@@ -32,6 +32,9 @@ Scalar read_one(const Tensor& t) {
   compiler::detail::SuspendCapture eager;
   Tensor c = t.is_cpu() ? t : t.cpu();
   const void* p = c.impl().data();
+  KILN_CHECK(p != nullptr, Error,
+             "[kiln::item] this tensor holds metadata only (a graph placeholder), no value: an op's meta "
+             "function read a value. This is a Kiln bug; please report it.");
   return KILN_DISPATCH_ALL(t.dtype(), "item", [&]() -> Scalar { return Scalar(*static_cast<const scalar_t*>(p)); });
 }
 }  // namespace

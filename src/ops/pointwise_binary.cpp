@@ -103,13 +103,24 @@ DType no_bool_rule(const OpCall& c, DType common) {
   return common;
 }
 
+// A wrapped host scalar's value, where it has one. Graph passes re-run metas on placeholders that
+// carry metadata only (compiler/graph/graph.cpp meta_tensors); there a host scalar is a graph
+// input whose value each call brings, and the capture already checked the call's value.
+std::optional<Scalar> host_value(const Tensor& t) {
+  const detail::TensorImpl& impl = t.impl();
+  if (!impl.is_wrapped_number || impl.lazy || !impl.storage || !impl.storage->data) return std::nullopt;
+  return t.item();
+}
+
 DType pow_rule(const OpCall& c, DType common) {
   no_bool_rule(c, common);
   const Tensor& exponent = c.input(1);
-  if (is_integral(common) && exponent.impl().is_wrapped_number && is_integral(exponent.dtype()) &&
-      exponent.item().to_int() < 0) {
-    throw ValueError("[kiln::pow] Integers to negative integer powers are not allowed. "
-                     "Use a floating-point base or exponent.");
+  if (is_integral(common) && is_integral(exponent.dtype())) {
+    const std::optional<Scalar> e = host_value(exponent);
+    if (e && e->to_int() < 0) {
+      throw ValueError("[kiln::pow] Integers to negative integer powers are not allowed. "
+                       "Use a floating-point base or exponent.");
+    }
   }
   return common;
 }

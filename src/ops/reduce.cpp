@@ -385,12 +385,20 @@ Derivative moments_derivative(const std::string& name) {
               return {var_backward(grad_var, c.input(0), c.ints_attr(0), c.int_attr(1), c.bool_attr(2))};
             }};
   }
-  return {.formula = "self: var_backward(grads[0], ...) + mean_backward(grads[1], ...)",
+  // Each term only where its output received a gradient, as PyTorch's var_mean_backward: with
+  // correction >= N the variance's factor is infinite, and inf * 0 would poison the mean's term.
+  return {.formula = "self: var_backward(grads[0], ...) + mean_backward(grads[1], ...), each term only where "
+                     "that output received a gradient",
           .save_inputs = {0},
           .fn = [](const BackwardContext& c) -> TensorList {
             const Tensor& x = c.input(0);
-            return {var_backward(c.grad(0), x, c.ints_attr(0), c.int_attr(1), c.bool_attr(2)) +
-                    mean_backward(c.grad(1), x.sizes(), c.ints_attr(0), c.bool_attr(2))};
+            Tensor g;
+            if (c.has_grad(0)) g = var_backward(c.grad(0), x, c.ints_attr(0), c.int_attr(1), c.bool_attr(2));
+            if (c.has_grad(1)) {
+              Tensor m = mean_backward(c.grad(1), x.sizes(), c.ints_attr(0), c.bool_attr(2));
+              g = g.defined() ? g + m : m;
+            }
+            return {g};
           }};
 }
 

@@ -8,14 +8,7 @@ Ts make_inputs(const Program& program, bool float64_reference) {
   Ts inputs;
   for (const InputSpec& in : program.inputs) {
     manual_seed(in.data_seed);
-    std::vector<int64_t> base = in.sizes;
-    if (in.layout == Layout::permuted) {
-      for (size_t d = 0; d < base.size(); ++d) base[in.layout_dims[d]] = in.sizes[d];
-    } else if (in.layout == Layout::strided) {
-      for (int64_t d : in.layout_dims) base[d] = 2 * in.sizes[d] + 1;
-    } else if (in.layout == Layout::expanded) {
-      for (int64_t d : in.layout_dims) base[d] = 1;
-    }
+    const std::vector<int64_t> base = base_sizes(in);
     Tensor t;
     if (is_float(in.dtype)) {
       t = in.domain == Domain::positive ? rand(base, kFloat32) * 1.5 + 0.5

@@ -52,6 +52,18 @@ std::vector<int64_t> reduced_sizes(const std::vector<int64_t>& sizes,
   return out;
 }
 
+std::vector<int64_t> base_sizes(const InputSpec& in) {
+  std::vector<int64_t> base = in.sizes;
+  if (in.layout == Layout::permuted) {
+    for (size_t d = 0; d < base.size(); ++d) base[in.layout_dims[d]] = in.sizes[d];
+  } else if (in.layout == Layout::strided) {
+    for (int64_t d : in.layout_dims) base[d] = 2 * in.sizes[d] + 1;
+  } else if (in.layout == Layout::expanded) {
+    for (int64_t d : in.layout_dims) base[d] = 1;
+  }
+  return base;
+}
+
 std::string dtype_cpp(DType t) {
   switch (t) {
     case kFloat32:
@@ -374,14 +386,7 @@ std::string make_inputs_cpp(const Program& program) {
   for (size_t i = 0; i < program.inputs.size(); ++i) {
     const InputSpec& in = program.inputs[i];
     os << "  manual_seed(" << in.data_seed << ");\n";
-    std::vector<int64_t> base = in.sizes;
-    if (in.layout == Layout::permuted) {
-      for (size_t d = 0; d < base.size(); ++d) base[in.layout_dims[d]] = in.sizes[d];
-    } else if (in.layout == Layout::strided) {
-      for (int64_t d : in.layout_dims) base[d] = 2 * in.sizes[d] + 1;
-    } else if (in.layout == Layout::expanded) {
-      for (int64_t d : in.layout_dims) base[d] = 1;
-    }
+    const std::vector<int64_t> base = base_sizes(in);
     std::string data;
     if (is_float(in.dtype)) {
       data = in.domain == Domain::positive ? "rand(" + sizes_text(base) + ") * 1.5 + 0.5"

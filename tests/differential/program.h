@@ -242,5 +242,7 @@ bool is_float(DType t);
 std::vector<int64_t> reduced_sizes(const std::vector<int64_t>& sizes,
                                    const std::vector<int64_t>& dims, bool keepdim);
 std::string dtype_cpp(DType t);  // "kFloat32"
+// The sizes of the row-major tensor an input is made as before it is viewed into its layout.
+std::vector<int64_t> base_sizes(const InputSpec& in);
 
 }  // namespace kiln::differential

@@ -405,6 +405,7 @@ void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) 
   fresh->free_fn = nullptr;
   SuspendCapture suspend;
   NoGradGuard no_grad;
+  kiln::detail::WritesAlreadyCounted counted;  // filling a value's storage creates it; it is not a write
   // A non-owning alias of the pending storage, laid out as recorded.
   tensor_on(std::shared_ptr<Storage>(std::shared_ptr<Storage>(), &pending), v).copy_(result);
 }
@@ -471,6 +472,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     std::shared_ptr<CompiledGraph> compiled = find_or_compile(*this, graph, seg->hash, args);
     {
       NoGradGuard no_grad;
+      kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
       results = compiled->fn(args);
     }
     counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);

@@ -112,6 +112,10 @@ struct FrameEntry::Replay {
     int leaf = -1;          // an argument leaf, or
     Tensor fixed;           // a tensor the body captured from elsewhere (closure, module), or
     bool constant = false;  // a host scalar the body wrapped (fixed holds its value)
+    // An argument the body wrote in place with autograd recording (it left the call with a
+    // grad_fn, which a backward inside the call spent): a replay gives it a stand-in with that
+    // name and marks it as requiring grad, as the body did.
+    std::shared_ptr<autograd::SpentNode> history;
   };
   std::vector<Input> inputs;
   std::vector<Attr> scalars;
@@ -146,7 +150,7 @@ struct FrameEntry::Replay {
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Input& a = inputs[i];
       const Input& b = o.inputs[i];
-      if (a.leaf != b.leaf || a.constant != b.constant) return false;
+      if (a.leaf != b.leaf || a.constant != b.constant || !a.history != !b.history) return false;
       if (a.constant ? !(read_scalar(a.fixed) == read_scalar(b.fixed)) : !a.fixed.same(b.fixed)) return false;
     }
     for (size_t i = 0; i < results.size(); ++i)
@@ -220,6 +224,13 @@ bool history_consumed(const CaptureContext& ctx) {
   return true;
 }
 
+// Whether this call's capture recorded autograd node `n`.
+bool recorded_by(const CaptureContext& ctx, const std::shared_ptr<autograd::Node>& n) {
+  for (const auto& w : ctx.recorded_nodes)
+    if (w.lock() == n) return true;
+  return false;
+}
+
 // After a pure call: can later calls with the same guards skip the body? Only a capture of one
 // graph with no host reads, no autograd history left for later (a backward inside the call may
 // consume it: a training step), no random ops, whose every live output is part of the result or
@@ -251,6 +262,11 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     FrameEntry::Replay::Input in;
     if (auto it = leaf_of.find(t.unsafe_impl()); it != leaf_of.end()) {
       in.leaf = it->second;
+      if (std::shared_ptr<autograd::Node> fn = t.grad_fn(); fn && recorded_by(ctx, fn)) {
+        in.history = std::make_shared<autograd::SpentNode>();
+        in.history->label = fn->name();
+        in.history->output_shapes = fn->output_shapes;
+      }
     } else {
       in.fixed = t;  // a host scalar made into a tensor by the body is new each call: compared by value
       in.constant = t.impl().is_wrapped_number;
@@ -348,6 +364,12 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
     SuspendCapture suspend;
     NoGradGuard no_grad;
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
+  }
+  for (size_t k = 0; k < plan->inputs.size(); ++k) {
+    if (const auto& history = plan->inputs[k].history) {
+      inputs[k].impl().requires_grad = true;
+      autograd::meta(inputs[k]).grad_fn = history;
+    }
   }
   using GradKind = FrameEntry::Replay::GradSet::Kind;
   for (const auto& set : plan->grads) {

@@ -9,6 +9,9 @@
 //   - only saved tensors of autograd nodes recorded in this segment hold it (no user handle, no
 //     view, no other node): counted by references, so anything uncounted keeps it saved;
 //   - the op that produced it is pointwise (OpDef::lowering), deterministic, writes nothing else;
+//   - nothing writes the value's memory after its producer ran, nor the memory of what a recipe
+//     reads after the node that read it (in-place ops, mutated inputs, through aliases): a recipe
+//     replays its node on the values as they are after the graph;
 //   - each of that op's inputs is a graph input or a value autograd saved (kept or recomputed
 //     itself), or a value nothing holds that a short chain of such ops computes from those (up to
 //     kMaxChain ops: relu(x * w + b) saves only x, w and b), so the recipes keep alive nothing the
@@ -23,6 +26,7 @@
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/capture/segment.h"
+#include "compiler/graph/passes.h"
 #include "core/shape.h"
 #include "core/dispatch.h"
 #include "kiln/autograd.h"
@@ -104,12 +108,23 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
   // Whether the backward can compute value u from what it holds anyway: u is a graph input or a
   // saved value, or nothing holds it and a short chain of cheap ops computes it from such values
   // (relu(x * w + b) saves only x, w and b). The dead values on those chains go to `through`.
+  // A recipe replays one node on what the backward holds, i.e. on the values as they are after the
+  // graph. That is what the forward computed only when nothing writes the memory afterwards: not
+  // the recomputed value after its producer (y = x.clone(); y.add_(100): the write is part of the
+  // value), and not a value a recipe reads after the node that read it.
+  const passes::internal::WriteIndex writes(g);
+  auto unchanged_after = [&](int u, int node) {
+    return u < 0 || !writes.written_between(u, static_cast<size_t>(node) + 1, g.nodes.size());
+  };
   std::vector<int> through;
-  std::function<bool(int, int)> computable = [&](int u, int depth) {
+  std::function<bool(int, int, int)> computable = [&](int u, int reader, int depth) {
+    if (!unchanged_after(u, reader)) return false;
     if (u < 0 || g.values[u].is_input || saved[u]) return true;
-    if (alive[u] || depth == 0 || producer[u] < 0 || !cheap_to_recompute(g.nodes[producer[u]])) return false;
+    if (alive[u] || depth == 0 || producer[u] < 0 || !cheap_to_recompute(g.nodes[producer[u]]) ||
+        !unchanged_after(u, producer[u]))
+      return false;
     for (int i : g.nodes[producer[u]].inputs)
-      if (!computable(i, depth - 1)) return false;
+      if (!computable(i, producer[u], depth - 1)) return false;
     through.push_back(u);
     return true;
   };
@@ -118,10 +133,11 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
   std::vector<bool> drop(g.outputs.size(), false);
   for (size_t k = 0; k < g.outputs.size(); ++k) {
     const int v = g.outputs[k];
-    if (!saved_only[v] || producer[v] < 0 || !cheap_to_recompute(g.nodes[producer[v]])) continue;
+    const int p = producer[v];
+    if (!saved_only[v] || p < 0 || !cheap_to_recompute(g.nodes[p]) || !unchanged_after(v, p)) continue;
     const size_t mark = through.size();
     bool inputs_held = true;
-    for (int u : g.nodes[producer[v]].inputs) inputs_held = inputs_held && computable(u, kMaxChain - 1);
+    for (int u : g.nodes[p].inputs) inputs_held = inputs_held && computable(u, p, kMaxChain - 1);
     if (!inputs_held) {
       through.resize(mark);
       continue;

@@ -305,7 +305,7 @@ void write_all(int fd, std::string_view bytes, const std::string& path) {
 }
 
 // Writes `bytes` to <dir>/<name> atomically (temp file, fsync, rename), mode 0600.
-void write_file_atomically(const std::string& dir, const std::string& name, std::string_view bytes) {
+std::string write_temp_file(const std::string& dir, const std::string& name, std::string_view bytes) {
   std::string tmp = dir + "/." + name + ".XXXXXX";
   Fd out(::mkostemp(tmp.data(), O_CLOEXEC));  // 0600
   KILN_CHECK(out.fd >= 0, CompileError,
@@ -314,14 +314,21 @@ void write_file_atomically(const std::string& dir, const std::string& name, std:
     write_all(out.fd, bytes, tmp);
     KILN_CHECK(::fsync(out.fd) == 0, CompileError,
                "[kiln::compile] cannot write " + tmp + ": " + errno_text(errno) + ".");
-    KILN_CHECK(::rename(tmp.c_str(), (dir + "/" + name).c_str()) == 0, CompileError,
-               "[kiln::compile] cannot move " + tmp + " into place: " + errno_text(errno) + ".");
   } catch (...) {
     ::unlink(tmp.c_str());
     throw;
   }
+  return tmp;
 }
 
+void write_file_atomically(const std::string& dir, const std::string& name, std::string_view bytes) {
+  const std::string tmp = write_temp_file(dir, name, bytes);
+  if (::rename(tmp.c_str(), (dir + "/" + name).c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    detail::throw_error<CompileError>("[kiln::compile] cannot move " + tmp + " into place: " + errno_text(err) + ".");
+  }
+}
 
 // ---- entries ----
 

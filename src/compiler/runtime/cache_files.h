@@ -65,6 +65,8 @@ int open_private_file(const std::string& path);
 std::optional<std::string> read_private_file(const std::string& path, size_t limit);
 // Writes all of `bytes`; CompileError on failure (DiskFullError when the disk is full).
 void write_all(int fd, std::string_view bytes, const std::string& path);
+// Writes `bytes` to a new private temp file <dir>/.<name>.XXXXXX and fsyncs it; returns its path.
+std::string write_temp_file(const std::string& dir, const std::string& name, std::string_view bytes);
 // Writes <dir>/<name> atomically: a private temp file, fsync, rename.
 void write_file_atomically(const std::string& dir, const std::string& name, std::string_view bytes);
 // Creates a new file (never an existing one, never through a link), mode 0600, holding `bytes`.

@@ -358,20 +358,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   }
   std::string bytes = build();
   ++g_builds;
-  std::string tmp = vdir + "/." + key + ".bin.XXXXXX";
-  {
-    Fd out(::mkostemp(tmp.data(), O_CLOEXEC));  // 0600
-    KILN_CHECK(out.fd >= 0, CompileError,
-               "[kiln::compile] cannot create a file in " + vdir + ": " + errno_text(errno) + ".");
-    try {
-      write_all(out.fd, bytes, tmp);
-      KILN_CHECK(::fsync(out.fd) == 0, CompileError,
-                 "[kiln::compile] cannot write " + tmp + ": " + errno_text(errno) + ".");
-    } catch (...) {
-      ::unlink(tmp.c_str());
-      throw;
-    }
-  }
+  const std::string tmp = write_temp_file(vdir, key + ".bin", bytes);
   install_entry(tmp, vdir, key, ".bin");
   return bytes;
 }
