@@ -99,7 +99,8 @@ const codegen::CxxCompiler& compiler_for(const std::string& vdir) {
   Sha256 record_key;
   record_key.field("path", path);
   record_key.field("arch", arch);
-  record_key.field("cpu", arch == "native" ? cpu_fingerprint() : std::string());
+  static const std::string cpu = cpu_fingerprint();  // CPUID traps to the hypervisor in a VM: once
+  record_key.field("cpu", arch == "native" ? cpu : std::string());
   const std::string record_name = "compiler-" + record_key.hex().substr(0, 32) + ".json";
 
   std::lock_guard<std::mutex> lock(mutex);
