@@ -99,7 +99,8 @@ bool may_overlap(const Tensor& a, const Tensor& b) {
 }
 
 bool has_internal_overlap(const Tensor& t) {
-  if (!t.defined() || t.numel() <= 1) return false;
+  // Row-major tensors (most in-place targets) cannot overlap: no allocation on that path.
+  if (!t.defined() || t.numel() <= 1 || t.impl().is_contiguous) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.sizes()[d] == 1) continue;
