@@ -23,6 +23,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -1270,3 +1271,86 @@ TEST_F(KilnBackend, CompileDebugWritesGraphLoopIrAndSources) {
 }
 
 }  // namespace
+
+namespace {
+
+// The passes logged in `log`, in order: "name" for a run, "name skipped" for a skip. Every
+// [kiln:passes] line must have the documented form.
+std::vector<std::string> logged_passes(const std::string& log, bool* validated = nullptr) {
+  static const std::regex run(R"(^\[kiln:passes\] (\w+) [0-9]+\.[0-9]{3} ms, [0-9]+ -> [0-9]+ nodes( \(validated\))?$)");
+  static const std::regex skip(R"(^\[kiln:passes\] (\w+) skipped \(KILN_DISABLE_PASSES\)$)");
+  std::vector<std::string> out;
+  std::istringstream lines(log);
+  bool all_validated = true;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("[kiln:passes]", 0) != 0) continue;
+    std::smatch m;
+    if (std::regex_match(line, m, run)) {
+      out.push_back(m[1]);
+      all_validated = all_validated && m[2].matched;
+    } else if (std::regex_match(line, m, skip)) {
+      out.push_back(std::string(m[1]) + " skipped");
+    } else {
+      ADD_FAILURE() << "malformed pass log line: " << line;
+    }
+  }
+  if (validated) *validated = all_validated;
+  return out;
+}
+
+}  // namespace
+
+// Issue 19: the kiln backend's passes run from one pipeline (compiler/graph/pipeline.cpp):
+// KILN_LOGS=passes prints one line per pass in pipeline order, KILN_DISABLE_PASSES skips passes by
+// name (and rejects unknown names with the valid ones), KILN_VALIDATE_PASSES=1 validates the graph
+// after each; aot_eager's passes go through the same runner.
+TEST_F(KilnBackend, PassesRunFromOnePipelineThatLogsSkipsAndValidatesThem) {
+  auto fn = [](const Tensor& x, const Tensor& w) {
+    return cat({relu(conv2d(x, w, Tensor(), {1, 1}, {1, 1})), x.narrow(1, 0, 2)}, 1).sum();
+  };
+  Tensor x = randn({1, 3, 6, 6}), w = randn({2, 3, 3, 3});
+  const Tensor want = fn(x, w);
+  const std::vector<std::string> kiln_order = {
+      "functionalize",    "pool_before_pointwise_conv",   "fuse_conv_bn",   "fuse_batch_norm_relu",
+      "fuse_gemm_epilogue", "channels_last_convolutions", "decompose",      "functionalize_decompositions",
+      "fold_constants",   "eliminate_dead_code",          "eliminate_common_subexpressions", "cat_into_slices"};
+  {
+    LogCapture log({.passes = true});
+    auto f = kiln::compile(fn, {.backend = std::string("kiln")});
+    Delta d;
+    EXPECT_TRUE(close(f(x, w), want));
+    EXPECT_EQ(d.now().graph_runs, 1);
+    EXPECT_EQ(logged_passes(log.str()), kiln_order) << log.str();
+  }
+  {
+    ScopedEnv disable("KILN_DISABLE_PASSES", "fuse_conv_bn, cat_into_slices");
+    ScopedEnv validate("KILN_VALIDATE_PASSES", "1");
+    LogCapture log({.passes = true});
+    auto f = kiln::compile(fn, {.backend = std::string("kiln")});
+    EXPECT_TRUE(close(f(x, w), want));
+    std::vector<std::string> expected = kiln_order;
+    expected[2] = "fuse_conv_bn skipped";
+    expected.back() = "cat_into_slices skipped";
+    bool validated = false;
+    EXPECT_EQ(logged_passes(log.str(), &validated), expected) << log.str();
+    EXPECT_TRUE(validated) << "every pass line ends with (validated)";
+  }
+  {
+    LogCapture log({.passes = true});
+    auto f = kiln::compile(fn, {.backend = std::string("aot_eager")});
+    EXPECT_TRUE(close(f(x, w), want));
+    EXPECT_EQ(logged_passes(log.str()),
+              (std::vector<std::string>{"validate", "eliminate_dead_code", "eliminate_common_subexpressions"}));
+  }
+  ScopedEnv bogus("KILN_DISABLE_PASSES", "fuse_conv_bn,bogus");
+  auto f = kiln::compile(fn, {.backend = std::string("kiln")});
+  try {
+    f(x, w);
+    ADD_FAILURE() << "an unknown pass name was accepted";
+  } catch (const CompileError& e) {
+    EXPECT_NE(std::string(e.what()).find("KILN_DISABLE_PASSES names an unknown pass 'bogus'. Valid names: validate, "
+                                         "functionalize, "),
+              std::string::npos)
+        << e.what();
+  }
+}

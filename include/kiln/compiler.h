@@ -244,7 +244,7 @@ int recompile_limit();
 void set_recompile_limit(int limit);
 
 // Which logs go to the log stream. KILN_LOGS=graph_breaks,recompiles,guards,graph,output_code,
-// perf_hints (or "all") sets the initial value.
+// perf_hints,passes (or "all") sets the initial value.
 struct LogOptions {
   bool graph_breaks = false;
   bool recompiles = false;
@@ -252,6 +252,7 @@ struct LogOptions {
   bool graph = false;
   bool output_code = false;
   bool perf_hints = false;
+  bool passes = false;  // one line per graph pass a backend runs: name, time, nodes before and after
 };
 void set_logs(const LogOptions& logs);
 LogOptions logs();

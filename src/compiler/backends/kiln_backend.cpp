@@ -1,6 +1,6 @@
-// The `kiln` backend (alias "inductor"): graph passes → scheduler (fusion) → C++ code generation →
-// system compiler (cached on disk) → an executable that runs the generated kernels and dispatches
-// the remaining nodes (DESIGN §2.5).
+// The `kiln` backend (alias "inductor"): graph passes (graph/pipeline.cpp) → scheduler (fusion) →
+// C++ code generation → system compiler (cached on disk) → an executable that runs the generated
+// kernels and dispatches the remaining nodes (DESIGN §2.5).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -18,6 +18,7 @@
 #include "compiler/capture/runtime.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/graph/passes.h"
+#include "compiler/graph/pipeline.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/memory_plan.h"
 #include "compiler/runtime/cuda_graph.h"
@@ -285,29 +286,11 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
 
 CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
-  passes::functionalize(graph);
-  passes::pool_before_pointwise_conv(graph);
-  passes::fuse_conv_bn(graph);
-  passes::fuse_batch_norm_relu(graph);
-  passes::fuse_gemm_epilogue(graph);
-  // Convolutions on channels-last activations (oneDNN runs NHWC without reorders); on unless
-  // options{{"layout_optimization", false}}.
-  bool layout_optimization = true;
+  passes::PipelineOptions pipeline;
   if (const CompileOptions* o = compiling_options())
-    if (auto it = o->options.find("layout_optimization"); it != o->options.end()) layout_optimization = std::get<bool>(it->second);
-  if (layout_optimization) passes::channels_last_convolutions(graph);
-  // Batch norm in training keeps eager's fused kernel (one Welford pass for the statistics, one
-  // to normalize); its decomposition reads the input three times (measured slower on DenseNet).
-  passes::decompose(graph, {"native_batch_norm", "native_layer_norm", "softmax", "log_softmax"}, [](const Node& n) {
-    return n.op->name != "native_batch_norm" || !std::holds_alternative<bool>(n.attrs.at(0)) ||
-           !std::get<bool>(n.attrs[0]);
-  });
-  passes::functionalize(graph);  // decompositions write running statistics in place
-  passes::fold_constants(graph);
-  passes::eliminate_dead_code(graph);
-  passes::eliminate_common_subexpressions(graph);
-  // Growing concatenations (DenseNet blocks) share one buffer: each input is copied into it once.
-  passes::cat_into_slices(graph);
+    if (auto it = o->options.find("layout_optimization"); it != o->options.end())
+      pipeline.layout_optimization = std::get<bool>(it->second);
+  passes::run_kiln_pipeline(graph, pipeline);  // compiler/graph/pipeline.cpp: the passes, in order
   auto ex = std::make_shared<Executable>();
   ex->program = lower::schedule(std::move(graph));
   lower::elide_copy_backs(ex->program);

@@ -12,7 +12,7 @@
 #include <mutex>
 
 #include "compiler/capture/runtime.h"
-#include "compiler/graph/passes.h"
+#include "compiler/graph/pipeline.h"
 
 namespace kiln::compiler {
 
@@ -34,9 +34,7 @@ Registry& registry() {
     auto* reg = new Registry;  // never destroyed: compiled callables may outlive static destructors
     reg->backends["eager"] = {[](Graph& g, const Arguments&) { return interpreter(g); }, {"debug"}};
     reg->backends["aot_eager"] = {[](Graph& g, const Arguments&) {
-                                    g.validate();
-                                    passes::eliminate_dead_code(g);
-                                    passes::eliminate_common_subexpressions(g);
+                                    passes::run_aot_eager_pipeline(g);  // compiler/graph/pipeline.cpp
                                     return interpreter(g);
                                   },
                                   {"debug", "aot_autograd"}};

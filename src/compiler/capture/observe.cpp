@@ -17,7 +17,7 @@ namespace detail {
 namespace {
 
 constexpr const char* kLogNames =
-    "all, graph_breaks, recompiles, guards, graph (or graph_code), output_code, perf_hints";
+    "all, graph_breaks, recompiles, guards, graph (or graph_code), output_code, perf_hints, passes";
 
 // KILN_LOGS: comma-separated names ('+' prefixes and spaces ignored, as TORCH_LOGS allows).
 // Unknown names go into `unknown`.
@@ -47,6 +47,7 @@ LogOptions parse_logs(const char* env, std::vector<std::string>* unknown) {
     set(o.graph, {"graph", "graph_code"});
     set(o.output_code, {"output_code"});
     set(o.perf_hints, {"perf_hints"});
+    set(o.passes, {"passes"});
     if (!known && unknown) unknown->push_back(item);
     if (comma == std::string::npos) break;
     pos = comma + 1;
@@ -69,10 +70,12 @@ std::string check_logs_env(const char* env) {
 }
 
 uint32_t to_bits(const LogOptions& o) {
-  return o.graph_breaks | o.recompiles << 1 | o.guards << 2 | o.graph << 3 | o.output_code << 4 | o.perf_hints << 5;
+  return o.graph_breaks | o.recompiles << 1 | o.guards << 2 | o.graph << 3 | o.output_code << 4 | o.perf_hints << 5 |
+         o.passes << 6;
 }
 LogOptions from_bits(uint32_t b) {
-  return LogOptions{(b & 1) != 0, (b & 2) != 0, (b & 4) != 0, (b & 8) != 0, (b & 16) != 0, (b & 32) != 0};
+  return LogOptions{(b & 1) != 0,  (b & 2) != 0,  (b & 4) != 0, (b & 8) != 0,
+                    (b & 16) != 0, (b & 32) != 0, (b & 64) != 0};
 }
 
 struct Observe {
