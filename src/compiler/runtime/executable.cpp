@@ -1,0 +1,295 @@
+// The executor of the kiln backend's programs (executable.h).
+#include "compiler/runtime/executable.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "backends/autotune_scope.h"
+#include "compiler/capture/runtime.h"
+#include "core/profiler.h"
+#include "core/tensor_factory.h"
+#include "kiln/autograd.h"
+#include "kiln/detail/tensor_impl.h"
+
+#ifdef KILN_WITH_CUDA
+#include "backends/cuda/cuda_runtime.h"
+#include "backends/cuda/jit.h"
+#endif
+
+namespace kiln::compiler::runtime {
+namespace {
+
+// Holds the executable's arena for one call, or nothing when there is no plan or another call
+// holds it.
+class ArenaLease {
+ public:
+  explicit ArenaLease(const Executable& ex) {
+    if (!ex.arena) return;
+    bool expected = false;
+    if (!ex.arena->busy.compare_exchange_strong(expected, true, std::memory_order_acquire)) return;
+    arena_ = ex.arena.get();
+    if (!arena_->memory) {
+      try {
+        build(ex);
+      } catch (...) {
+        arena_->memory.reset();
+        arena_->tensors.clear();
+        arena_->busy.store(false, std::memory_order_release);
+        throw;
+      }
+    }
+  }
+  ~ArenaLease() {
+    if (arena_) arena_->busy.store(false, std::memory_order_release);
+  }
+  ArenaLease(const ArenaLease&) = delete;
+  ArenaLease& operator=(const ArenaLease&) = delete;
+  // The arena tensor of value v, or nullptr when v is not planned (or no arena is held).
+  const Tensor* tensor(const Executable& ex, int v) const {
+    if (!arena_ || ex.plan.entry_of[v] < 0) return nullptr;
+    return &arena_->tensors[v];
+  }
+  bool held() const { return arena_ != nullptr; }
+
+ private:
+  void build(const Executable& ex) {
+    const Graph& g = ex.program.graph;
+    arena_->memory = kiln::detail::allocate_storage(ex.plan.arena_bytes, kCPU);
+    arena_->tensors.assign(g.values.size(), Tensor());
+    for (const auto& e : ex.plan.entries) {
+      const ValueInfo& vi = g.values[e.value];
+      auto storage = std::make_shared<kiln::detail::Storage>();
+      storage->data = static_cast<char*>(arena_->memory->data) + e.offset;
+      storage->nbytes = e.nbytes;
+      storage->device = kCPU;  // free_fn stays null: the arena owns the memory
+      auto impl = std::make_shared<kiln::detail::TensorImpl>();
+      impl->storage = std::move(storage);
+      impl->sizes = vi.sizes;
+      impl->strides = vi.strides;
+      impl->dtype = vi.dtype;
+      impl->device = kCPU;
+      impl->refresh_metadata();
+      arena_->tensors[e.value] = Tensor(std::move(impl));
+    }
+  }
+  Arena* arena_ = nullptr;
+};
+
+double to_double(const Attr& a) {
+  if (auto* s = std::get_if<Scalar>(&a)) return s->to_double();
+  if (auto* d = std::get_if<double>(&a)) return *d;
+  if (auto* i = std::get_if<int64_t>(&a)) return static_cast<double>(*i);
+  if (auto* b = std::get_if<bool>(&a)) return *b ? 1.0 : 0.0;
+  throw CompileError("[kiln::compile] a run-time scalar of the kiln backend is not a number.");
+}
+
+int64_t to_int64(const Attr& a) {
+  if (auto* s = std::get_if<Scalar>(&a)) return s->to_int();
+  if (auto* i = std::get_if<int64_t>(&a)) return *i;
+  if (auto* b = std::get_if<bool>(&a)) return *b;
+  if (auto* d = std::get_if<double>(&a)) return static_cast<int64_t>(*d);
+  return 0;
+}
+
+// The attr a scalar slot fills, in the kind the node's attr has.
+Attr as_kind(const Attr& example, const Attr& given) {
+  if (given.index() == example.index()) return given;
+  double v = to_double(given);
+  if (std::holds_alternative<Scalar>(example)) {
+    if (auto* i = std::get_if<int64_t>(&given)) return Scalar(*i);
+    return Scalar(v);
+  }
+  if (std::holds_alternative<double>(example)) return v;
+  if (std::holds_alternative<int64_t>(example)) return static_cast<int64_t>(v);
+  if (std::holds_alternative<bool>(example)) return v != 0;
+  return given;
+}
+
+// Launches a generated CUDA kernel on the device's current stream (runtime/cuda_launch.h). Its
+// parameter block: the buffer pointers (a 0-dim CPU value's bits in place of its pointer), then
+// its run-time scalars as doubles and as int64s.
+void launch_cuda(const Executable& ex, const lower::Step& step, const std::vector<Tensor>& env,
+                 const std::vector<double>& scalars, const std::vector<int64_t>& int_scalars) {
+  const CudaKernel& ck = ex.cuda_kernels[step.kernel];
+  KILN_CHECK(ck.function, CompileError, "[kiln::compile] a generated kernel has no compiled function. This is a Kiln bug.");
+  if (ck.numel == 0) return;
+  const size_t nscalars = std::max<size_t>(ck.scalars.size(), 1);
+  std::vector<uint64_t> block(ck.buffers + 2 * nscalars, 0);
+  for (size_t b = 0; b < step.bindings.size() && b < ck.buffers; ++b) {
+    const Tensor& t = env[step.bindings[b]];
+    if (t.device().is_cpu()) {
+      std::memcpy(&block[b], t.impl().data(), static_cast<size_t>(itemsize(t.dtype())));  // a host scalar, by value
+    } else {
+      void* ptr = t.impl().data();
+      std::memcpy(&block[b], &ptr, sizeof(ptr));
+    }
+  }
+  for (size_t j = 0; j < ck.scalars.size(); ++j) {
+    std::memcpy(&block[ck.buffers + j], &scalars[ck.scalars[j]], sizeof(double));
+    std::memcpy(&block[ck.buffers + nscalars + j], &int_scalars[ck.scalars[j]], sizeof(int64_t));
+  }
+  launch_generated(ck, block, ex.autotune, env, step.bindings);
+}
+
+}  // namespace
+
+std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
+  const Graph& g = ex.program.graph;
+  KILN_CHECK(args.tensors.size() == g.inputs.size() && args.scalars.size() == g.scalars.size(), CompileError,
+             "[kiln::compile] the compiled graph takes " + std::to_string(g.inputs.size()) + " tensors and " +
+                 std::to_string(g.scalars.size()) + " scalars, but got " + std::to_string(args.tensors.size()) +
+                 " and " + std::to_string(args.scalars.size()) + ".");
+  NoGradGuard no_grad;
+  detail::SuspendCapture no_capture;
+  std::optional<kiln::backends::AutotuneScope> autotune;
+  if (ex.autotune) autotune.emplace();
+  std::vector<Tensor> env(g.values.size());
+  for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
+  for (const auto& [v, t] : g.constants) env[v] = t;
+  // Every run-time scalar both as a double and as an int64 (integer attrs keep all their bits).
+  std::vector<double> scalars(args.scalars.size());
+  std::vector<int64_t> int_scalars(args.scalars.size());
+  for (size_t k = 0; k < scalars.size(); ++k) {
+    scalars[k] = to_double(args.scalars[k]);
+    int_scalars[k] = to_int64(args.scalars[k]);
+  }
+
+  ArenaLease arena(ex);
+  std::vector<void*> pointers;
+  int64_t kernels = 0, dispatched = 0;
+  for (const lower::Step& step : ex.program.steps) {
+    if (step.kind == lower::Step::Kind::kernel) {
+      for (int v : step.allocate) {
+        if (const Tensor* t = arena.tensor(ex, v)) {
+          env[v] = *t;
+          continue;
+        }
+        const ValueInfo& vi = g.values[v];
+        env[v] = kiln::detail::make_empty_strided(vi.sizes, vi.strides, vi.dtype, vi.device);
+      }
+      for (auto [v, input] : step.write_into) env[v] = env[input];
+      pointers.clear();
+      for (int v : step.bindings) pointers.push_back(env[v].impl().data());
+      kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
+      if (ex.kernels[step.kernel]) ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data());
+      else launch_cuda(ex, step, env, scalars, int_scalars);
+      ++kernels;
+    } else {
+      ++dispatched;
+      const Node& n = g.nodes[step.node];
+      std::vector<Tensor> inputs;
+      inputs.reserve(n.inputs.size());
+      for (int v : n.inputs) inputs.push_back(v >= 0 ? env[v] : Tensor());
+      std::vector<Attr> attrs = n.attrs;
+      for (auto [attr, k] : ex.slots[step.node]) attrs[attr] = as_kind(n.attrs[attr], args.scalars[k]);
+      if (n.inplace) {
+        std::vector<Tensor> targets;
+        for (int v : n.outputs) targets.push_back(env[v]);
+        call_op_out(*n.op, std::move(inputs), std::move(attrs), targets);
+      } else if (arena.held() && ex.plan.out_node[step.node]) {
+        // reduce_overhead: the planned outputs, written in place instead of allocated.
+        std::vector<Tensor> targets;
+        targets.reserve(n.outputs.size());
+        for (int v : n.outputs) targets.push_back(*arena.tensor(ex, v));
+        call_op_out(*n.op, std::move(inputs), std::move(attrs), targets);
+        for (size_t k = 0; k < targets.size(); ++k) env[n.outputs[k]] = std::move(targets[k]);
+      } else {
+        std::vector<Tensor> outs = call_op(*n.op, std::move(inputs), std::move(attrs));
+        for (size_t k = 0; k < outs.size() && k < n.outputs.size(); ++k) env[n.outputs[k]] = std::move(outs[k]);
+      }
+    }
+    for (int v : step.release) env[v] = Tensor();
+  }
+  detail::counter_set().kernel_runs.fetch_add(kernels, std::memory_order_relaxed);
+  detail::counter_set().dispatched_nodes.fetch_add(dispatched, std::memory_order_relaxed);
+  std::vector<Tensor> out;
+  out.reserve(g.outputs.size());
+  for (int v : g.outputs) out.push_back(env[v]);
+  return out;
+}
+
+void prepare_cuda_kernels(Executable& ex, const std::vector<lower::CudaKernelSource>& sources) {
+  ex.kernels.assign(ex.program.kernels.size(), nullptr);
+  ex.cuda_kernels.assign(ex.program.kernels.size(), CudaKernel{});
+  for (size_t i = 0; i < ex.program.kernels.size(); ++i) {
+    const lower::Kernel& k = ex.program.kernels[i];
+    if (k.device.is_cpu()) continue;
+    const lower::CudaKernelSource& src = sources[i];
+    if (detail::log_options().output_code) detail::log_stream() << "[kiln.compile] output code (CUDA):\n" << src.source;
+    CudaKernel& ck = ex.cuda_kernels[i];
+    ck.device = k.device.index;
+    ck.scalars = src.scalars;
+    ck.buffers = src.buffers;
+    ck.numel = src.numel;
+    ck.per_block = src.per_block;
+    for (const lower::Store& st : k.stores) ck.written.push_back(static_cast<size_t>(st.buffer));
+    for (const lower::Store& st : k.epilogue_stores) ck.written.push_back(static_cast<size_t>(st.buffer));
+    if (k.result.buffer >= 0) ck.written.push_back(static_cast<size_t>(k.result.buffer));
+    std::sort(ck.written.begin(), ck.written.end());
+    ck.written.erase(std::unique(ck.written.begin(), ck.written.end()), ck.written.end());
+#ifndef KILN_WITH_CUDA
+    throw CompileError("[kiln::compile] a graph on a CUDA device, but Kiln was built without CUDA.");
+#endif
+  }
+#ifdef KILN_WITH_CUDA
+  // NVRTC spends most of a lone kernel's time (about 70 of 90 ms) parsing the headers, so the
+  // kernels compile in batches, one NVRTC program per batch of up to kMaxBatch kernels of one
+  // device, and the batches side by side, one worker per core. Identical sources compile once.
+  // Errors are rethrown here, in batch order.
+  {
+    constexpr size_t kMaxBatch = 32;
+    auto t0 = std::chrono::steady_clock::now();
+    std::map<std::pair<int, std::string>, std::vector<size_t>> by_source;  // (device, source) -> kernels
+    for (size_t i = 0; i < ex.program.kernels.size(); ++i)
+      if (!ex.program.kernels[i].device.is_cpu())
+        by_source[{ex.cuda_kernels[i].device, sources[i].source}].push_back(i);
+    std::map<int, std::vector<const std::vector<size_t>*>> per_device;  // unique sources, by device
+    for (const auto& [key, kernels] : by_source) per_device[key.first].push_back(&kernels);
+    const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::vector<const std::vector<size_t>*>> batches;
+    for (const auto& [device, sources_of_device] : per_device) {
+      // Enough batches to keep every core busy, none larger than kMaxBatch.
+      const size_t size = std::clamp<size_t>((sources_of_device.size() + cores - 1) / cores, 1, kMaxBatch);
+      for (size_t b = 0; b < sources_of_device.size(); b += size)
+        batches.emplace_back(sources_of_device.begin() + b,
+                             sources_of_device.begin() + std::min(b + size, sources_of_device.size()));
+    }
+    std::vector<std::exception_ptr> errors(batches.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
+        try {
+          std::vector<const lower::CudaKernelSource*> members;
+          for (const std::vector<size_t>* same : batches[j]) members.push_back(&sources[same->front()]);
+          const lower::CudaModuleSource module = lower::batch_cuda(members);
+          const int device = ex.cuda_kernels[batches[j].front()->front()].device;
+          std::vector<cuda::detail::JitFunction> fns =
+              cuda::detail::jit_functions(device, module.source, module.names, [&] { return module.source; });
+          for (size_t m = 0; m < batches[j].size(); ++m)
+            for (size_t i : *batches[j][m]) ex.cuda_kernels[i].function = fns[m];
+        } catch (...) {
+          errors[j] = std::current_exception();
+        }
+      }
+    };
+    size_t workers = std::min(batches.size(), cores);
+    std::vector<std::thread> pool;
+    for (size_t w = 1; w < workers; ++w) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    if (!batches.empty())
+      detail::record_phase("cuda_build (kiln)",
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+#endif
+}
+
+}  // namespace kiln::compiler::runtime

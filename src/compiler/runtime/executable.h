@@ -1,0 +1,67 @@
+// What the kiln backend builds from a scheduled graph, and how it runs (DESIGN §2.5): the loop
+// program, its generated kernels (a shared object of C++ kernels, NVRTC-built CUDA kernels), the
+// static memory plan of reduce_overhead, and the executor that walks the program's steps,
+// running generated kernels and dispatching the other nodes.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "compiler/codegen/cuda/cuda_codegen.h"
+#include "compiler/lower/loop_ir.h"
+#include "compiler/lower/memory_plan.h"
+#include "compiler/runtime/cuda_launch.h"
+#include "compiler/runtime/kernel_cache.h"
+#include "kiln/compiler.h"
+
+namespace kiln::compiler::runtime {
+
+using KernelFn = void (*)(void* const*, const double*, const int64_t*);
+
+// A generated kernel on a CUDA device: how it launches (its NVRTC-compiled function, work items;
+// runtime/cuda_launch.h) and how to fill its parameter block (cuda_codegen.h).
+struct CudaKernel : GeneratedKernel {
+  std::vector<int> scalars;  // Graph::scalars indices, in slot order
+  size_t buffers = 0;
+};
+
+// reduce_overhead's arena: one block per compiled graph, allocated at the first call, and a tensor
+// per planned value over it. Each of those tensors has a Storage of its own (not owning memory):
+// the dispatcher treats tensors of one Storage as overlapping and would copy through a temporary
+// on every out= call. A call takes the arena with `busy`; a concurrent call of the same graph
+// finds it taken and allocates as the default mode does.
+struct Arena {
+  std::atomic<bool> busy{false};
+  std::shared_ptr<kiln::detail::Storage> memory;
+  std::vector<Tensor> tensors;  // per graph value; undefined where not planned
+};
+
+struct Executable {
+  lower::Program program;
+  std::shared_ptr<SharedObject> library;
+  std::vector<KernelFn> kernels;  // per Program kernel (null for CUDA kernels)
+  std::vector<CudaKernel> cuda_kernels;  // per Program kernel (function null for CPU kernels)
+  // Per node step: which attrs are scalar slots.
+  std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
+  lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
+  std::unique_ptr<Arena> arena;   // set when the plan is not empty
+  bool autotune = false;          // max_autotune: library calls and generated CUDA kernels' launch
+                                  // shapes are timed (autotune_scope.h, cuda_launch.h)
+};
+
+// Runs the program's steps on `args` (the graph's inputs and run-time scalars) and returns the
+// graph's outputs: generated kernels run (CPU) or launch (CUDA, on the device's current stream),
+// the other nodes go through the dispatcher (into reduce_overhead's arena where planned).
+std::vector<Tensor> run(const Executable& ex, const Arguments& args);
+
+// Fills ex.cuda_kernels from the program's CUDA kernels and their sources, compiling them with
+// NVRTC (cached on disk) now, so that a call, or a CUDA graph capture, only launches. NVRTC spends
+// most of a lone kernel's time parsing the headers, so kernels compile in batches, one NVRTC
+// program per batch of up to 32 kernels of one device, the batches side by side; identical
+// sources compile once. Also sizes ex.kernels (the C++ kernels, filled by the caller).
+void prepare_cuda_kernels(Executable& ex, const std::vector<lower::CudaKernelSource>& sources);
+
+}  // namespace kiln::compiler::runtime
