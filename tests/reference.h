@@ -6,12 +6,30 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "kiln/kiln.h"
 
 namespace kiln::testing {
+
+// The number of elements of a tensor of `sizes`.
+inline int64_t numel_of(const std::vector<int64_t>& sizes) {
+  return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<>());
+}
+
+// A tensor of `sizes` holding values uniform in [lo, hi) from std::mt19937(seed), row-major,
+// drawn in float64 and converted to `dtype` (the same values for every dtype).
+inline Tensor random_tensor(const std::vector<int64_t>& sizes, DType dtype = kFloat32, uint32_t seed = 1,
+                            double lo = -1, double hi = 1) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  std::vector<double> v(static_cast<size_t>(numel_of(sizes)));
+  for (auto& x : v) x = dist(gen);
+  return tensor<double>(v, sizes).to(dtype);
+}
 
 // Row-major float64 copy of any tensor.
 inline std::vector<double> values(const Tensor& t) { return t.to_vector<double>(); }

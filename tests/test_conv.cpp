@@ -8,25 +8,13 @@
 #include "reference.h"
 
 using namespace kiln;
+using kiln::testing::numel_of;
+using kiln::testing::random_tensor;
 using kiln::testing::matches;
 using kiln::testing::Tolerance;
 using kiln::testing::values;
 
 namespace {
-
-int64_t numel_of(const std::vector<int64_t>& sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n;
-}
-
-Tensor random_tensor(const std::vector<int64_t>& sizes, DType dtype = kFloat32, uint32_t seed = 1) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(-1, 1);
-  std::vector<double> v(static_cast<size_t>(numel_of(sizes)));
-  for (auto& x : v) x = dist(gen);
-  return tensor<double>(v, sizes).to(dtype);
-}
 
 struct ConvArgs {
   std::vector<int64_t> stride{1, 1}, padding{0, 0}, dilation{1, 1};

@@ -5,14 +5,11 @@
 #include "reference.h"
 
 using namespace kiln;
+using kiln::testing::numel_of;
 using kiln::testing::matches;
 using kiln::testing::values;
 
 namespace {
-
-int64_t numel_of(const std::vector<int64_t>& sizes) {
-  return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<>());
-}
 
 // Deterministic, irregular values in roughly [-3, 3].
 Tensor scores(const std::vector<int64_t>& sizes, DType dtype, double seed = 0.3) {

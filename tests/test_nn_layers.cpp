@@ -11,6 +11,8 @@
 #include "reference.h"
 
 using namespace kiln;
+using kiln::testing::numel_of;
+using kiln::testing::random_tensor;
 using kiln::testing::matches;
 using kiln::testing::values;
 namespace F = kiln::nn::functional;
@@ -18,21 +20,6 @@ namespace F = kiln::nn::functional;
 namespace {
 
 const double kInf = std::numeric_limits<double>::infinity();
-
-int64_t numel_of(const std::vector<int64_t>& sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n;
-}
-
-Tensor random_tensor(const std::vector<int64_t>& sizes, uint32_t seed, DType dtype = kFloat64,
-                     double lo = -1, double hi = 1) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<double> dist(lo, hi);
-  std::vector<double> v(static_cast<size_t>(numel_of(sizes)));
-  for (auto& x : v) x = dist(gen);
-  return tensor<double>(v, sizes).to(dtype);
-}
 
 void assign(const Tensor& dst, const Tensor& src) {
   NoGradGuard g;
@@ -155,13 +142,13 @@ std::vector<double> affine_ref(const std::vector<double>& x, int64_t R, int64_t 
 TEST(NnLinear, ForwardIsTheAffineMapOverTheLastDim) {
   nn::Linear fc(3, 4);
   fc.to(kFloat64);
-  Tensor x = random_tensor({2, 5, 3}, 1);
+  Tensor x = random_tensor({2, 5, 3}, kFloat64, 1);
   auto ref = affine_ref(values(x), 10, 3, values(fc.weight), values(fc.bias), 0, 4);
   EXPECT_TRUE(matches(fc.forward(x), {2, 5, 4}, ref));
   EXPECT_TRUE(matches(fc(x), {2, 5, 4}, ref));
 
   nn::Linear no_bias(3, 2, false);
-  Tensor x32 = random_tensor({4, 3}, 2, kFloat32);
+  Tensor x32 = random_tensor({4, 3}, kFloat32, 2);
   auto ref32 = affine_ref(values(x32), 4, 3, values(no_bias.weight), {}, 0, 2);
   EXPECT_TRUE(matches(no_bias.forward(x32), {4, 2}, ref32));
   EXPECT_EQ(no_bias.weight.sizes().vec(), (std::vector<int64_t>{2, 3}));
@@ -194,7 +181,7 @@ TEST(NnConv2d, StridedDilatedGroupedConvMatchesLoops) {
                                     .groups = 2});
   conv.to(kFloat64);
   EXPECT_EQ(conv.weight.sizes().vec(), (std::vector<int64_t>{6, 2, 3, 2}));
-  Tensor x = random_tensor({2, 4, 5, 6}, 3);
+  Tensor x = random_tensor({2, 4, 5, 6}, kFloat64, 3);
   std::vector<int64_t> sizes;
   auto ref = conv_ref(pad_ref(image_of(x), 1, 1, 0, 0, "zeros"), conv.weight, conv.bias, 2, 2, 1, 2,
                       2, &sizes);
@@ -209,7 +196,7 @@ TEST(NnConv2d, SamePaddingWithEvenKernelPadsBottomRightMore) {
   nn::Conv2d conv(nn::Conv2dOptions{
       .in_channels = 2, .out_channels = 3, .kernel_size = {4, 3}, .padding = "same"});
   conv.to(kFloat64);
-  Tensor x = random_tensor({1, 2, 5, 4}, 4);
+  Tensor x = random_tensor({1, 2, 5, 4}, kFloat64, 4);
   std::vector<int64_t> sizes;
   // total padding 3 (H) -> 1 top, 2 bottom; 2 (W) -> 1 left, 1 right.
   auto ref = conv_ref(pad_ref(image_of(x), 1, 2, 1, 1, "zeros"), conv.weight, conv.bias, 1, 1, 1, 1,
@@ -219,12 +206,12 @@ TEST(NnConv2d, SamePaddingWithEvenKernelPadsBottomRightMore) {
 
   nn::Conv2d valid(
       nn::Conv2dOptions{.in_channels = 2, .out_channels = 1, .kernel_size = 3, .padding = "valid"});
-  EXPECT_EQ(valid.forward(random_tensor({1, 2, 5, 4}, 5, kFloat32)).sizes().vec(),
+  EXPECT_EQ(valid.forward(random_tensor({1, 2, 5, 4}, kFloat32, 5)).sizes().vec(),
             (std::vector<int64_t>{1, 1, 3, 2}));
 }
 
 TEST(NnConv2d, PaddingModesMatchExplicitPadding) {
-  Tensor x = random_tensor({2, 2, 4, 5}, 6);
+  Tensor x = random_tensor({2, 2, 4, 5}, kFloat64, 6);
   struct Case {
     std::string mode;
     nn::Conv2dPadding padding;
@@ -271,7 +258,7 @@ TEST(NnConv2d, DefaultInitAndBadOptions) {
   EXPECT_THROW(nn::Conv2d(nn::Conv2dOptions{.in_channels = 2, .out_channels = 4}),
                ValueError);  // no kernel_size
   nn::Conv2d ok(2, 4, 3);
-  EXPECT_THROW(ok.forward(random_tensor({1, 3, 5, 5}, 7, kFloat32)), ShapeError);
+  EXPECT_THROW(ok.forward(random_tensor({1, 3, 5, 5}, kFloat32, 7)), ShapeError);
 }
 
 // ======================= BatchNorm =======================
@@ -318,8 +305,8 @@ TEST(NnBatchNorm, TrainingNormalizesWithBatchStatsAndUpdatesRunningStats) {
   assign(bn.weight, tensor<double>({1.5, -0.5, 2.0}));
   assign(bn.bias, tensor<double>({0.1, 0.2, -0.3}));
   const std::vector<double> w{1.5, -0.5, 2.0}, b{0.1, 0.2, -0.3};
-  Tensor x1 = random_tensor({4, 3, 2, 2}, 11, kFloat64, -2, 3);
-  Tensor x2 = random_tensor({4, 3, 2, 2}, 12, kFloat64, -1, 1);
+  Tensor x1 = random_tensor({4, 3, 2, 2}, kFloat64, 11, -2, 3);
+  Tensor x2 = random_tensor({4, 3, 2, 2}, kFloat64, 12, -1, 1);
   auto s1 = channel_stats(x1), s2 = channel_stats(x2);
 
   EXPECT_TRUE(
@@ -352,8 +339,8 @@ TEST(NnBatchNorm, TrainingNormalizesWithBatchStatsAndUpdatesRunningStats) {
 TEST(NnBatchNorm, MomentumNoneKeepsACumulativeAverage) {
   nn::BatchNorm1d bn(nn::BatchNormOptions{.num_features = 2, .momentum = std::nullopt});
   bn.to(kFloat64);
-  Tensor x1 = random_tensor({5, 2}, 21), x2 = random_tensor({5, 2}, 22),
-         x3 = random_tensor({5, 2}, 23);
+  Tensor x1 = random_tensor({5, 2}, kFloat64, 21), x2 = random_tensor({5, 2}, kFloat64, 22),
+         x3 = random_tensor({5, 2}, kFloat64, 23);
   auto s1 = channel_stats(x1), s2 = channel_stats(x2), s3 = channel_stats(x3);
   bn.forward(x1);
   bn.forward(x2);
@@ -372,17 +359,17 @@ TEST(NnBatchNorm, BatchNorm1dTakesNCAndNCLInput) {
   nn::BatchNorm1d bn(3);
   bn.to(kFloat64);
   const std::vector<double> ones3(3, 1.0), zeros3(3, 0.0);
-  Tensor x = random_tensor({4, 3, 5}, 24);
+  Tensor x = random_tensor({4, 3, 5}, kFloat64, 24);
   auto s = channel_stats(x);
   EXPECT_TRUE(matches(bn.forward(x), {4, 3, 5},
                       normalize_ref(x, s.mean, s.biased_var, ones3, zeros3, 1e-5)));
-  Tensor x2 = random_tensor({6, 3}, 25);
+  Tensor x2 = random_tensor({6, 3}, kFloat64, 25);
   auto s2 = channel_stats(x2);
   EXPECT_TRUE(matches(bn.forward(x2), {6, 3},
                       normalize_ref(x2, s2.mean, s2.biased_var, ones3, zeros3, 1e-5)));
-  EXPECT_THROW(bn.forward(random_tensor({2, 3, 4, 4}, 26)), ShapeError);
+  EXPECT_THROW(bn.forward(random_tensor({2, 3, 4, 4}, kFloat64, 26)), ShapeError);
   nn::BatchNorm2d bn2(3);
-  EXPECT_THROW(bn2.forward(random_tensor({2, 3, 4}, 27, kFloat32)), ShapeError);
+  EXPECT_THROW(bn2.forward(random_tensor({2, 3, 4}, kFloat32, 27)), ShapeError);
 }
 
 TEST(NnBatchNorm, WithoutRunningStatsEvalUsesBatchStatistics) {
@@ -392,7 +379,7 @@ TEST(NnBatchNorm, WithoutRunningStatsEvalUsesBatchStatistics) {
   EXPECT_FALSE(bn.running_mean.defined());
   EXPECT_FALSE(bn.num_batches_tracked.defined());
   bn.eval();
-  Tensor x = random_tensor({3, 2, 2, 2}, 28);
+  Tensor x = random_tensor({3, 2, 2, 2}, kFloat64, 28);
   auto s = channel_stats(x);
   EXPECT_TRUE(matches(bn.forward(x), {3, 2, 2, 2},
                       normalize_ref(x, s.mean, s.biased_var, {1.0, 1.0}, {0.0, 0.0}, 1e-5)));
@@ -412,10 +399,10 @@ TEST(NnBatchNorm, DefaultInitIsOnesAndZeros) {
 TEST(NnLayerNorm, NormalizesTrailingDimsWithAffine) {
   nn::LayerNorm ln(std::vector<int64_t>{3, 4}, 1e-5);
   ln.to(kFloat64);
-  Tensor w = random_tensor({3, 4}, 31), b = random_tensor({3, 4}, 32);
+  Tensor w = random_tensor({3, 4}, kFloat64, 31), b = random_tensor({3, 4}, kFloat64, 32);
   assign(ln.weight, w);
   assign(ln.bias, b);
-  Tensor x = random_tensor({2, 3, 4}, 33);
+  Tensor x = random_tensor({2, 3, 4}, kFloat64, 33);
   auto xv = values(x), wv = values(w), bv = values(b);
   std::vector<double> ref(xv.size());
   for (int r = 0; r < 2; ++r) {
@@ -429,7 +416,7 @@ TEST(NnLayerNorm, NormalizesTrailingDimsWithAffine) {
   nn::LayerNorm no_bias(4, 1e-5, true, false);
   EXPECT_TRUE(no_bias.weight.defined());
   EXPECT_FALSE(no_bias.bias.defined());
-  EXPECT_THROW(ln.forward(random_tensor({2, 4, 3}, 34)), ShapeError);
+  EXPECT_THROW(ln.forward(random_tensor({2, 4, 3}, kFloat64, 34)), ShapeError);
 }
 
 TEST(NnGroupNorm, NormalizesGroupsOfChannels) {
@@ -437,7 +424,7 @@ TEST(NnGroupNorm, NormalizesGroupsOfChannels) {
   gn.to(kFloat64);
   assign(gn.weight, tensor<double>({1, 2, 3, 4}));
   assign(gn.bias, tensor<double>({0, -1, 1, 0.5}));
-  Tensor x = random_tensor({2, 4, 3}, 35);
+  Tensor x = random_tensor({2, 4, 3}, kFloat64, 35);
   auto xv = values(x);
   const std::vector<double> wv{1, 2, 3, 4}, bv{0, -1, 1, 0.5};
   std::vector<double> ref(xv.size());
@@ -488,7 +475,7 @@ TEST(NnEmbedding, DefaultInitIsStandardNormal) {
 
 TEST(NnDropout, EvalIsIdentityAndTrainingScalesSurvivors) {
   nn::Dropout drop(0.5);
-  Tensor x = random_tensor({1000}, 41, kFloat32, 0.5, 1.5);
+  Tensor x = random_tensor({1000}, kFloat32, 41, 0.5, 1.5);
   const auto xv = values(x);
   auto y = values(drop.forward(x));
   int zeros = 0;
@@ -507,14 +494,14 @@ TEST(NnDropout, EvalIsIdentityAndTrainingScalesSurvivors) {
 }
 
 TEST(NnFlatten, FlattensTheGivenDimRange) {
-  Tensor x = random_tensor({2, 3, 4}, 42, kFloat32);
+  Tensor x = random_tensor({2, 3, 4}, kFloat32, 42);
   EXPECT_EQ(nn::Flatten().forward(x).sizes().vec(), (std::vector<int64_t>{2, 12}));
   EXPECT_EQ(nn::Flatten(0, 1).forward(x).sizes().vec(), (std::vector<int64_t>{6, 4}));
   EXPECT_TRUE(matches(nn::Flatten().forward(x), {2, 12}, values(x)));
 }
 
 TEST(NnActivations, MatchTheirFormulas) {
-  Tensor x = random_tensor({7}, 43, kFloat64, -3, 3);
+  Tensor x = random_tensor({7}, kFloat64, 43, -3, 3);
   auto map = [&](const std::function<double(double)>& f) { return kiln::testing::map_ref(x, f); };
   EXPECT_TRUE(matches(nn::ReLU().forward(x), {7}, map([](double v) { return v > 0 ? v : 0; })));
   EXPECT_TRUE(matches(nn::Tanh().forward(x), {7}, map([](double v) { return std::tanh(v); })));
@@ -544,7 +531,7 @@ TEST(NnActivations, MatchTheirFormulas) {
 // ======================= pooling =======================
 
 TEST(NnPooling, MaxAndAvgPoolMatchWindows) {
-  Tensor x = random_tensor({1, 2, 5, 5}, 51);
+  Tensor x = random_tensor({1, 2, 5, 5}, kFloat64, 51);
   const Image im = image_of(x);
   // MaxPool2d(3, stride 2, padding 1): windows over the -inf padded input.
   std::vector<double> max_ref, avg_ref;
@@ -583,7 +570,7 @@ TEST(NnPooling, MaxAndAvgPoolMatchWindows) {
 }
 
 TEST(NnPooling, AdaptiveAvgPoolUsesFloorCeilWindows) {
-  Tensor x = random_tensor({1, 2, 5, 7}, 52);
+  Tensor x = random_tensor({1, 2, 5, 7}, kFloat64, 52);
   const Image im = image_of(x);
   std::vector<double> ref;
   const int oh = 2, ow = 3;
@@ -615,7 +602,7 @@ TEST(NnSequential, ChainsChildrenInOrder) {
   auto fc2 = std::make_shared<nn::Linear>(4, 2);
   nn::Sequential seq(fc1, std::make_shared<nn::ReLU>(), fc2);
   seq.to(kFloat64);
-  Tensor x = random_tensor({5, 3}, 61);
+  Tensor x = random_tensor({5, 3}, kFloat64, 61);
   auto h = affine_ref(values(x), 5, 3, values(fc1->weight), values(fc1->bias), 0, 4);
   for (auto& v : h) v = std::max(v, 0.0);
   auto ref = affine_ref(h, 5, 4, values(fc2->weight), values(fc2->bias), 0, 2);
@@ -652,8 +639,8 @@ TEST(NnFunctional, LossesAndActivationsForwardToTheOps) {
 
 TEST(NnAttention, SdpaMatchesSoftmaxQKtV) {
   const int64_t B = 2, L = 3, S = 4, E = 5, Ev = 2;
-  Tensor q = random_tensor({B, L, E}, 71), k = random_tensor({B, S, E}, 72),
-         v = random_tensor({B, S, Ev}, 73);
+  Tensor q = random_tensor({B, L, E}, kFloat64, 71), k = random_tensor({B, S, E}, kFloat64, 72),
+         v = random_tensor({B, S, Ev}, kFloat64, 73);
   auto none = [](int64_t, int64_t, int64_t) { return 0.0; };
   auto ref =
       attention_ref(values(q), values(k), values(v), B, L, S, E, Ev, 1 / std::sqrt(5.0), none);
@@ -671,8 +658,8 @@ TEST(NnAttention, SdpaMatchesSoftmaxQKtV) {
 
 TEST(NnAttention, SdpaCausalKeepsKeysUpToTheQuery) {
   const int64_t B = 1, L = 3, S = 4, E = 2;
-  Tensor q = random_tensor({B, L, E}, 74), k = random_tensor({B, S, E}, 75),
-         v = random_tensor({B, S, E}, 76);
+  Tensor q = random_tensor({B, L, E}, kFloat64, 74), k = random_tensor({B, S, E}, kFloat64, 75),
+         v = random_tensor({B, S, E}, kFloat64, 76);
   auto causal = [](int64_t, int64_t l, int64_t s) { return s <= l ? 0.0 : -kInf; };
   auto ref =
       attention_ref(values(q), values(k), values(v), B, L, S, E, E, 1 / std::sqrt(2.0), causal);
@@ -683,8 +670,8 @@ TEST(NnAttention, SdpaCausalKeepsKeysUpToTheQuery) {
 
 TEST(NnAttention, SdpaBoolMaskKeepsTrueAndFloatMaskIsAdded) {
   const int64_t B = 2, L = 2, S = 3, E = 4;
-  Tensor q = random_tensor({B, L, E}, 77), k = random_tensor({B, S, E}, 78),
-         v = random_tensor({B, S, E}, 79);
+  Tensor q = random_tensor({B, L, E}, kFloat64, 77), k = random_tensor({B, S, E}, kFloat64, 78),
+         v = random_tensor({B, S, E}, kFloat64, 79);
   // (L, S) bool mask broadcast over the batch; row 1 fully masked -> zeros.
   const std::vector<bool> keep{true, false, true, false, false, false};
   Tensor mask = tensor<int64_t>({1, 0, 1, 0, 0, 0}, {L, S}).to(kBool);
@@ -694,7 +681,7 @@ TEST(NnAttention, SdpaBoolMaskKeepsTrueAndFloatMaskIsAdded) {
   EXPECT_TRUE(matches(out, {B, L, E}, ref));
   EXPECT_TRUE(matches(out.select(1, 1), {B, E}, std::vector<double>(B * E, 0.0)));
 
-  Tensor fmask = random_tensor({B, L, S}, 80);
+  Tensor fmask = random_tensor({B, L, S}, kFloat64, 80);
   const auto fm = values(fmask);
   auto float_bias = [&](int64_t b, int64_t l, int64_t s) { return fm[(b * L + l) * S + s]; };
   auto fref = attention_ref(values(q), values(k), values(v), B, L, S, E, E, 0.5, float_bias);
@@ -702,8 +689,8 @@ TEST(NnAttention, SdpaBoolMaskKeepsTrueAndFloatMaskIsAdded) {
 }
 
 TEST(NnAttention, SdpaBroadcastsBatchAndHeadDims) {
-  Tensor q = random_tensor({2, 3, 4, 8}, 81), k = random_tensor({2, 3, 5, 8}, 82),
-         v = random_tensor({1, 3, 5, 6}, 83);
+  Tensor q = random_tensor({2, 3, 4, 8}, kFloat64, 81), k = random_tensor({2, 3, 5, 8}, kFloat64, 82),
+         v = random_tensor({1, 3, 5, 6}, kFloat64, 83);
   Tensor out = F::scaled_dot_product_attention(q, k, v);
   EXPECT_EQ(out.sizes().vec(), (std::vector<int64_t>{2, 3, 4, 6}));
   auto vv = values(v.expand({2, 3, 5, 6}).contiguous());
@@ -713,14 +700,14 @@ TEST(NnAttention, SdpaBroadcastsBatchAndHeadDims) {
 }
 
 TEST(NnAttention, SdpaRejectsBadInputs) {
-  Tensor q = random_tensor({1, 2, 4}, 84), k = random_tensor({1, 3, 4}, 85),
-         v = random_tensor({1, 3, 4}, 86);
+  Tensor q = random_tensor({1, 2, 4}, kFloat64, 84), k = random_tensor({1, 3, 4}, kFloat64, 85),
+         v = random_tensor({1, 3, 4}, kFloat64, 86);
   EXPECT_THROW(F::scaled_dot_product_attention(q, k.to(kFloat32), v), DTypeError);
-  EXPECT_THROW(F::scaled_dot_product_attention(q, random_tensor({1, 3, 5}, 87), v), ShapeError);
-  EXPECT_THROW(F::scaled_dot_product_attention(q, k, random_tensor({1, 2, 4}, 88)), ShapeError);
+  EXPECT_THROW(F::scaled_dot_product_attention(q, random_tensor({1, 3, 5}, kFloat64, 87), v), ShapeError);
+  EXPECT_THROW(F::scaled_dot_product_attention(q, k, random_tensor({1, 2, 4}, kFloat64, 88)), ShapeError);
   EXPECT_THROW(F::scaled_dot_product_attention(q, k, v, zeros({2, 3}, kInt64)), DTypeError);
   EXPECT_THROW(F::scaled_dot_product_attention(q, k, v, {}, 1.5), ValueError);
-  EXPECT_THROW(F::scaled_dot_product_attention(random_tensor({4}, 89), k, v), ShapeError);
+  EXPECT_THROW(F::scaled_dot_product_attention(random_tensor({4}, kFloat64, 89), k, v), ShapeError);
 }
 
 // ======================= MultiheadAttention =======================
@@ -804,8 +791,8 @@ TEST(NnMultiheadAttention, ParametersHavePyTorchNamesShapesAndInit) {
   EXPECT_EQ(names, (std::vector<std::string>{"q_proj_weight(4, 4)", "k_proj_weight(4, 3)",
                                              "v_proj_weight(4, 5)", "out_proj.weight(4, 4)"}));
   auto [cross_out, cross_w] =
-      cross.forward(random_tensor({2, 1, 4}, 90, kFloat32), random_tensor({3, 1, 3}, 91, kFloat32),
-                    random_tensor({3, 1, 5}, 92, kFloat32));
+      cross.forward(random_tensor({2, 1, 4}, kFloat32, 90), random_tensor({3, 1, 3}, kFloat32, 91),
+                    random_tensor({3, 1, 5}, kFloat32, 92));
   EXPECT_EQ(cross_out.sizes().vec(), (std::vector<int64_t>{2, 1, 4}));
   EXPECT_EQ(cross_w.sizes().vec(), (std::vector<int64_t>{1, 2, 3}));
   EXPECT_THROW(nn::MultiheadAttention(6, 4), ValueError);
@@ -816,10 +803,10 @@ TEST(NnMultiheadAttention, OutputAndWeightsMatchHandComputation) {
   const int64_t E = 4, H = 2, L = 3, S = 5, N = 2;
   nn::MultiheadAttention mha(E, H);
   mha.to(kFloat64);
-  assign(mha.in_proj_bias, random_tensor({3 * E}, 93));  // make the biases matter
-  assign(mha.out_proj->bias, random_tensor({E}, 94));
-  Tensor q = random_tensor({L, N, E}, 95), k = random_tensor({S, N, E}, 96),
-         v = random_tensor({S, N, E}, 97);
+  assign(mha.in_proj_bias, random_tensor({3 * E}, kFloat64, 93));  // make the biases matter
+  assign(mha.out_proj->bias, random_tensor({E}, kFloat64, 94));
+  Tensor q = random_tensor({L, N, E}, kFloat64, 95), k = random_tensor({S, N, E}, kFloat64, 96),
+         v = random_tensor({S, N, E}, kFloat64, 97);
   auto ref = mha_ref(mha, values(q), values(k), values(v), L, S, N,
                      [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   auto [out, w] = mha.forward(q, k, v);
@@ -845,9 +832,9 @@ TEST(NnMultiheadAttention, BatchFirstAndUnbatchedInputs) {
   nn::MultiheadAttention mha(
       nn::MultiheadAttentionOptions{.embed_dim = E, .num_heads = H, .batch_first = true});
   mha.to(kFloat64);
-  assign(mha.in_proj_bias, random_tensor({3 * E}, 98));
-  Tensor q = random_tensor({N, L, E}, 99), k = random_tensor({N, S, E}, 100),
-         v = random_tensor({N, S, E}, 101);
+  assign(mha.in_proj_bias, random_tensor({3 * E}, kFloat64, 98));
+  Tensor q = random_tensor({N, L, E}, kFloat64, 99), k = random_tensor({N, S, E}, kFloat64, 100),
+         v = random_tensor({N, S, E}, kFloat64, 101);
   auto ref = mha_ref(mha, swap01(q), swap01(k), swap01(v), L, S, N,
                      [](int64_t, int64_t, int64_t, int64_t) { return 0.0; });
   auto [out, w] = mha.forward(q, k, v);
@@ -867,8 +854,8 @@ TEST(NnMultiheadAttention, MasksMarkPositionsToIgnore) {
   const int64_t E = 4, H = 2, L = 3, S = 4, N = 2;
   nn::MultiheadAttention mha(E, H);
   mha.to(kFloat64);
-  Tensor q = random_tensor({L, N, E}, 102), k = random_tensor({S, N, E}, 103),
-         v = random_tensor({S, N, E}, 104);
+  Tensor q = random_tensor({L, N, E}, kFloat64, 102), k = random_tensor({S, N, E}, kFloat64, 103),
+         v = random_tensor({S, N, E}, kFloat64, 104);
   // key_padding_mask: batch 0 ignores key 3, batch 1 ignores keys 0 and 1. attn_mask: query 0
   // may not see key 2.
   Tensor kpm = tensor<int64_t>({0, 0, 0, 1, 1, 1, 0, 0}, {N, S}).to(kBool);
@@ -885,14 +872,14 @@ TEST(NnMultiheadAttention, MasksMarkPositionsToIgnore) {
   EXPECT_TRUE(matches(std::get<0>(mha.forward(q, k, v, kpm, false, am)), {L, N, E}, ref.out));
 
   // A float attn_mask is added to the scores.
-  Tensor fm = random_tensor({L, S}, 105);
+  Tensor fm = random_tensor({L, S}, kFloat64, 105);
   const auto fmv = values(fm);
   auto fref = mha_ref(mha, values(q), values(k), values(v), L, S, N,
                       [&](int64_t, int64_t, int64_t l, int64_t s) { return fmv[l * S + s]; });
   EXPECT_TRUE(matches(std::get<0>(mha.forward(q, k, v, {}, true, fm)), {L, N, E}, fref.out));
 
   // is_causal without a mask builds the causal mask.
-  Tensor x = random_tensor({L, N, E}, 106);
+  Tensor x = random_tensor({L, N, E}, kFloat64, 106);
   auto cref = mha_ref(mha, values(x), values(x), values(x), L, L, N,
                       [](int64_t, int64_t, int64_t l, int64_t s) { return s <= l ? 0.0 : -kInf; });
   EXPECT_TRUE(matches(std::get<0>(mha.forward(x, x, x, {}, false, {}, true, /*is_causal=*/true)),
@@ -901,13 +888,13 @@ TEST(NnMultiheadAttention, MasksMarkPositionsToIgnore) {
 
 TEST(NnMultiheadAttention, RejectsMisshapedInputs) {
   nn::MultiheadAttention mha(4, 2);
-  Tensor q = random_tensor({3, 2, 4}, 107, kFloat32), kv = random_tensor({5, 2, 4}, 108, kFloat32);
-  EXPECT_THROW(mha.forward(random_tensor({3, 2, 6}, 109, kFloat32), kv, kv), ShapeError);
+  Tensor q = random_tensor({3, 2, 4}, kFloat32, 107), kv = random_tensor({5, 2, 4}, kFloat32, 108);
+  EXPECT_THROW(mha.forward(random_tensor({3, 2, 6}, kFloat32, 109), kv, kv), ShapeError);
   EXPECT_THROW(mha.forward(q, kv, kv, zeros({2, 4}, kBool)), ShapeError);
   EXPECT_THROW(mha.forward(q, kv, kv, {}, true, zeros({3, 4}, kBool)), ShapeError);
   EXPECT_THROW(mha.forward(q, kv, kv, {}, true, zeros({3, 5}, kInt64)), DTypeError);
   EXPECT_THROW(mha.forward(q, kv.select(1, 0), kv), ShapeError);
-  EXPECT_THROW(mha.forward(random_tensor({4}, 110, kFloat32), kv, kv), ShapeError);
+  EXPECT_THROW(mha.forward(random_tensor({4}, kFloat32, 110), kv, kv), ShapeError);
 }
 
 // ======================= nn::init =======================

@@ -10,6 +10,7 @@
 #include "reference.h"
 
 using namespace kiln;
+using kiln::testing::numel_of;
 using kiln::testing::matches;
 using kiln::testing::Tolerance;
 using kiln::testing::values;
@@ -28,10 +29,6 @@ std::vector<double> random_values(int64_t n, uint64_t seed, double lo = -2.0, do
     e = lo + (hi - lo) * static_cast<double>(s >> 11) / 9007199254740992.0;
   }
   return v;
-}
-
-int64_t numel_of(const std::vector<int64_t>& sizes) {
-  return std::accumulate(sizes.begin(), sizes.end(), int64_t{1}, std::multiplies<>());
 }
 
 Tensor random_tensor(const std::vector<int64_t>& sizes, DType dtype, uint64_t seed = 1,
