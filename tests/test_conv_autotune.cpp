@@ -1,5 +1,5 @@
-// Convolution autotuning (src/backends/cpu/conv_autotune.h, compile()'s max_autotune on the CPU):
-// outside an AutotuneScope (src/backends/autotune_scope.h) convolutions run the direct plan
+// Convolution autotuning (src/kernels/cpu/conv_autotune.h, compile()'s max_autotune on the CPU):
+// outside an AutotuneScope (src/kernels/autotune_scope.h) convolutions run the direct plan
 // exactly as before and nothing is timed; inside one, float32 3x3/stride-1 convolutions time
 // direct against oneDNN's Winograd and (channels-last) Kiln's own per direction and layout, record
 // the decision and stay within float32 tolerance of a float64 reference; scopes nest;
@@ -27,8 +27,8 @@
 #include <thread>
 #include <vector>
 
-#include "backends/autotune_scope.h"
-#include "backends/cpu/conv_autotune.h"
+#include "kernels/autotune_scope.h"
+#include "kernels/cpu/conv_autotune.h"
 #include "compile_helpers.h"
 #include "kernel_cache_dir.h"
 #include "kiln/compiler.h"
@@ -41,8 +41,8 @@ using namespace kiln::testing;  // compile_helpers.h
 using cpu::ConvAlgorithm;
 using cpu::ConvAutotuneDecision;
 using cpu::ConvDirection;
-using backends::AutotuneScope;
-using backends::ConvAutotuneMode;
+using kernels::AutotuneScope;
+using kernels::ConvAutotuneMode;
 
 KILN_TEST_KERNEL_CACHE_DIR("kiln_test_conv_autotune");
 
@@ -197,33 +197,33 @@ class ConvAutotune : public ::testing::Test {
 // Scopes nest: each reads KILN_CONV_AUTOTUNE when it opens, the innermost one's mode applies, and
 // closing it restores the enclosing one's.
 TEST(AutotuneScopes, NestAndRestoreTheEnclosingConvolutionMode) {
-  EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+  EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
   {
     ScopedEnv timed("KILN_CONV_AUTOTUNE", "1");
     AutotuneScope outer;
-    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::timed);
+    EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::timed);
     {
       ScopedEnv off("KILN_CONV_AUTOTUNE", "0");
       AutotuneScope inner;
-      EXPECT_TRUE(backends::autotune_active());
-      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+      EXPECT_TRUE(kernels::autotune_active());
+      EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
       {
         ScopedEnv nhwc("KILN_CONV_AUTOTUNE", "winograd_nhwc");
         AutotuneScope innermost;
-        EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::force_winograd_nhwc);
+        EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::force_winograd_nhwc);
       }
-      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+      EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
     }
-    EXPECT_TRUE(backends::autotune_active());
-    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::timed);
+    EXPECT_TRUE(kernels::autotune_active());
+    EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::timed);
     // Another thread has no scope of its own.
     std::thread([] {
-      EXPECT_FALSE(backends::autotune_active());
-      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+      EXPECT_FALSE(kernels::autotune_active());
+      EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
     }).join();
   }
-  EXPECT_FALSE(backends::autotune_active());
-  EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+  EXPECT_FALSE(kernels::autotune_active());
+  EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
 }
 
 TEST_F(ConvAutotune, OutsideAScopeNothingIsTimedAndTheDirectPlanRuns) {
@@ -231,20 +231,20 @@ TEST_F(ConvAutotune, OutsideAScopeNothingIsTimedAndTheDirectPlanRuns) {
     SCOPED_TRACE(channels_last ? "channels_last" : "contiguous");
     const ConvParams p;
     Operands o = make_operands({4, 64, 16, 16}, {32, 64, 3, 3}, p, kFloat32, channels_last);
-    EXPECT_FALSE(backends::autotune_active());
-    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+    EXPECT_FALSE(kernels::autotune_active());
+    EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
     ConvResult before = run_conv(o, p);
     EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
     ConvResult winograd;
     {
       ScopedEnv force("KILN_CONV_AUTOTUNE", "winograd");
       AutotuneScope scope;
-      EXPECT_TRUE(backends::autotune_active());
-      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::force_winograd);
+      EXPECT_TRUE(kernels::autotune_active());
+      EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::force_winograd);
       winograd = run_conv(o, p);
     }
-    EXPECT_FALSE(backends::autotune_active());
-    EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+    EXPECT_FALSE(kernels::autotune_active());
+    EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
     if (cpu::onednn_winograd_available()) {  // elsewhere forcing it warns and runs the timed choice
       EXPECT_FALSE(bit_identical(winograd, before)) << "the forced scope should have run Winograd";
     }
@@ -254,8 +254,8 @@ TEST_F(ConvAutotune, OutsideAScopeNothingIsTimedAndTheDirectPlanRuns) {
       ScopedEnv off("KILN_CONV_AUTOTUNE", "0");
       cpu::clear_conv_autotune_decisions();
       AutotuneScope scope;
-      EXPECT_TRUE(backends::autotune_active()) << "the scope is open; only convolutions stay untimed";
-      EXPECT_EQ(backends::conv_autotune_mode(), ConvAutotuneMode::off);
+      EXPECT_TRUE(kernels::autotune_active()) << "the scope is open; only convolutions stay untimed";
+      EXPECT_EQ(kernels::conv_autotune_mode(), ConvAutotuneMode::off);
       EXPECT_TRUE(bit_identical(run_conv(o, p), before));
       EXPECT_TRUE(cpu::conv_autotune_decisions().empty());
     }

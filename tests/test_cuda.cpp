@@ -15,8 +15,8 @@
 #include "reference.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/elementwise.h"
-#include "backends/cuda/jit.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/jit.h"
 #endif
 
 using namespace kiln;

@@ -10,16 +10,19 @@
 #include <string>
 #include <vector>
 
+#include "ops/pointwise_list.h"
+#include "compiler/codegen/cpp/cpp_codegen.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/runtime/cuda_launch.h"
 #include "kiln/compiler/graph.h"
 #include "kiln/detail/tensor_impl.h"
 #include "cuda_test_helpers.h"
+#include "graph_builders.h"
 #include "kiln/kiln.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/jit.h"
+#include "kernels/cuda/jit.h"
 #endif
 
 using namespace kiln;
@@ -27,32 +30,20 @@ using kiln::compiler::Graph;
 using kiln::compiler::Node;
 using kiln::compiler::ValueInfo;
 namespace lower = kiln::compiler::lower;
+namespace codegen = kiln::compiler::codegen;
 
 namespace {
 
 const Device kGpu = cuda_device(0);
 
-const OpDef& op(std::string_view name) {
-  const OpDef* def = OpTable::instance().find(name);
-  if (!def) throw std::runtime_error("no op " + std::string(name));
-  return *def;
-}
+using kiln::testing::op;
 
 ValueInfo value(std::vector<int64_t> sizes, DType dtype = kFloat32, Device device = kGpu) {
-  ValueInfo v;
-  v.strides = kiln::detail::contiguous_strides(sizes);
-  v.sizes = std::move(sizes);
-  v.dtype = dtype;
-  v.device = device;
-  return v;
+  return kiln::testing::contiguous_value(std::move(sizes), dtype, device);
 }
 
 int call(Graph& g, std::string_view name, std::vector<int> inputs, std::vector<Attr> attrs, ValueInfo out) {
-  Node& n = g.add_node(op(name), std::move(inputs), std::move(attrs));
-  int v = g.add_value(std::move(out));
-  g.nodes.back().outputs = {v};
-  (void)n;
-  return v;
+  return kiln::testing::add_call(g, name, std::move(inputs), std::move(attrs), {std::move(out)})[0];
 }
 
 // A 0-dim CPU host scalar (what `x * 2` wraps 2 into): a graph input, as capture records it.
@@ -70,7 +61,7 @@ lower::Program lower_and_compile(Graph g, std::vector<std::string>* sources = nu
   for (const lower::Kernel& k : p.kernels) {
     if (!k.device.is_cuda()) continue;
     ++cuda_kernels;
-    lower::CudaKernelSource src = lower::generate_cuda(k);
+    codegen::CudaKernelSource src = codegen::generate_cuda(k);
     if (sources) sources->push_back(src.source);
 #ifdef KILN_WITH_CUDA
     EXPECT_NO_THROW(cuda::detail::compile_cubin(src.source, 90, k.name)) << src.source;
@@ -107,7 +98,7 @@ TEST(CudaJit, SinPlusCosTimesHostScalarIsOneKernel) {
   EXPECT_TRUE(contains(src[0], "for (int i = "));        // small: 32-bit index math
   EXPECT_TRUE(p.kernels[0].host_buffers.at(2));
   // No C++ for the system compiler.
-  EXPECT_TRUE(lower::generate_cpp(p).empty());
+  EXPECT_TRUE(codegen::generate_cpp(p).empty());
 }
 
 TEST(CudaJit, BroadcastingAndNonContiguousInputs) {
@@ -153,11 +144,20 @@ TEST(CudaJit, MixedDtypeChain) {
 }
 
 TEST(CudaJit, EveryPointwiseOpCompiles) {
-  const std::vector<std::string> unary = {"abs",  "neg",   "exp",        "log",  "log1p", "expm1", "sin",
-                                          "cos",  "tan",   "tanh",       "sigmoid", "erf", "relu", "silu",
-                                          "sqrt", "rsqrt", "reciprocal", "sign", "floor", "ceil", "round"};
-  const std::vector<std::string> binary = {"mul", "maximum", "minimum", "atan2", "pow"};
-  const std::vector<std::string> compare = {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor"};
+  // The one-functor ops of src/ops/pointwise_list.h that take floats; the integer-only bitwise
+  // ops are compiled by the integer case below.
+  std::vector<std::string> unary, binary, compare, predicate;
+#define KILN_TEST_UNARY(name, Functor, rule, derivative)              \
+  if (std::string_view(#rule) == "predicate") predicate.push_back(#name); \
+  else if (std::string_view(#rule) != "bitwise") unary.push_back(#name);
+  KILN_UNARY_POINTWISE_OPS(KILN_TEST_UNARY)
+#undef KILN_TEST_UNARY
+#define KILN_TEST_BINARY(name, Functor, rule, derivative)           \
+  if (std::string_view(#rule) == "compare") compare.push_back(#name);   \
+  else if (std::string_view(#rule) == "keep" || std::string_view(#rule) == "floating") binary.push_back(#name);
+  KILN_BINARY_POINTWISE_OPS(KILN_TEST_BINARY)
+#undef KILN_TEST_BINARY
+  binary.push_back("pow");
   for (DType t : {kFloat32, kFloat64}) {
     Graph g;
     int x = g.add_input(value({33}, t));
@@ -167,8 +167,7 @@ TEST(CudaJit, EveryPointwiseOpCompiles) {
     for (const auto& n : unary) outs.push_back(call(g, n, {x}, {}, value({33}, t)));
     for (const auto& n : binary) outs.push_back(call(g, n, {x, y}, {}, value({33}, t)));
     for (const auto& n : compare) outs.push_back(call(g, n, {x, y}, {}, value({33}, kBool)));
-    outs.push_back(call(g, "isnan", {x}, {}, value({33}, kBool)));
-    outs.push_back(call(g, "isfinite", {x}, {}, value({33}, kBool)));
+    for (const auto& n : predicate) outs.push_back(call(g, n, {x}, {}, value({33}, kBool)));
     outs.push_back(call(g, "sub", {x, y}, {Scalar(2)}, value({33}, t)));
     outs.push_back(call(g, "div", {x, y}, {}, value({33}, t)));
     outs.push_back(call(g, "div", {x, y}, {std::string("floor")}, value({33}, t)));
@@ -183,6 +182,23 @@ TEST(CudaJit, EveryPointwiseOpCompiles) {
     lower::Program p = lower_and_compile(g);
     EXPECT_EQ(p.extern_nodes, 0) << lower::describe(p);
   }
+  // The integer-only ops (bitwise, shifts) and remainder, in int64.
+  Graph g;
+  int x = g.add_input(value({33}, kInt64));
+  int y = g.add_input(value({33}, kInt64));
+  std::vector<int> outs;
+#define KILN_TEST_INTEGER_UNARY(name, Functor, rule, derivative) \
+  if (std::string_view(#rule) == "bitwise") outs.push_back(call(g, #name, {x}, {}, value({33}, kInt64)));
+  KILN_UNARY_POINTWISE_OPS(KILN_TEST_INTEGER_UNARY)
+#undef KILN_TEST_INTEGER_UNARY
+#define KILN_TEST_INTEGER_BINARY(name, Functor, rule, derivative)                  \
+  if (std::string_view(#rule) == "bitwise" || std::string_view(#rule) == "shift") \
+    outs.push_back(call(g, #name, {x, y}, {}, value({33}, kInt64)));
+  KILN_BINARY_POINTWISE_OPS(KILN_TEST_INTEGER_BINARY)
+#undef KILN_TEST_INTEGER_BINARY
+  g.outputs = outs;
+  lower::Program p = lower_and_compile(g);
+  EXPECT_EQ(p.extern_nodes, 0) << lower::describe(p);
 }
 
 TEST(CudaJit, RunTimeScalarsArePassedNotBaked) {
@@ -194,7 +210,7 @@ TEST(CudaJit, RunTimeScalarsArePassedNotBaked) {
   g.scalars = {{0, 0}, {1, 0}};  // both alphas are run-time scalars
   std::vector<std::string> src;
   lower::Program p = lower_and_compile(g, &src, 1);
-  lower::CudaKernelSource s = lower::generate_cuda(p.kernels[0]);
+  codegen::CudaKernelSource s = codegen::generate_cuda(p.kernels[0]);
   EXPECT_EQ(s.scalars, (std::vector<int>{0, 1}));
   EXPECT_TRUE(contains(s.source, "p.s[0]"));
   EXPECT_FALSE(contains(s.source, "0.25"));
@@ -224,7 +240,7 @@ TEST(CudaJit, FusedCatAndLargeIterationSpaces) {
   int ex = empty.add_input(value({0, 4}));
   empty.outputs = {call(empty, "exp", {ex}, {}, value({0, 4}))};
   lower::Program p = lower_and_compile(empty, nullptr, 1);
-  EXPECT_EQ(lower::generate_cuda(p.kernels[0]).numel, 0);
+  EXPECT_EQ(codegen::generate_cuda(p.kernels[0]).numel, 0);
 }
 
 TEST(CudaJit, KernelsNeverMixDevices) {
@@ -246,7 +262,7 @@ TEST(CudaJit, KernelsNeverMixDevices) {
   }
   EXPECT_EQ(cpu, 1);
   EXPECT_EQ(p.extern_nodes, 1) << lower::describe(p);
-  EXPECT_EQ(lower::generate_cpp(p).size(), 1u);
+  EXPECT_EQ(codegen::generate_cpp(p).size(), 1u);
 }
 
 TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
@@ -272,7 +288,7 @@ TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
     EXPECT_TRUE(k.device.is_cuda());
     if (k.kind != lower::Kernel::reduction) continue;
     ++reductions;
-    EXPECT_TRUE(lower::generate_cuda(k).per_block);
+    EXPECT_TRUE(codegen::generate_cuda(k).per_block);
   }
   EXPECT_EQ(reductions, 6);
   bool has_epilogue = false;
@@ -289,14 +305,14 @@ TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
   int zk = call(z, "sum", {zx}, {std::vector<int64_t>{0}, false}, value({0}));
   z.outputs = {zs, zm, zk};
   lower::Program zp = lower_and_compile(z, nullptr, 3);
-  EXPECT_EQ(lower::generate_cuda(zp.kernels[0]).numel, 4);
-  EXPECT_EQ(lower::generate_cuda(zp.kernels[2]).numel, 0);
+  EXPECT_EQ(codegen::generate_cuda(zp.kernels[0]).numel, 4);
+  EXPECT_EQ(codegen::generate_cuda(zp.kernels[2]).numel, 0);
 }
 
 // The kiln backend compiles a graph's kernels in batches, one NVRTC program each: kernels with
 // the same entry point name and their own Params structs share one translation unit.
 TEST(CudaJit, BatchedKernelsShareOneProgram) {
-  std::vector<lower::CudaKernelSource> kernels;
+  std::vector<codegen::CudaKernelSource> kernels;
   for (const char* unary : {"sin", "sin", "exp"}) {
     Graph g;
     int x = g.add_input(value({4, 8}));
@@ -305,7 +321,7 @@ TEST(CudaJit, BatchedKernelsShareOneProgram) {
     g.outputs = {call(g, "mul", {u, y}, {}, value({4, 8}))};
     lower::Program p = lower::schedule(std::move(g));
     ASSERT_EQ(p.kernels.size(), 1u);
-    kernels.push_back(lower::generate_cuda(p.kernels[0]));
+    kernels.push_back(codegen::generate_cuda(p.kernels[0]));
   }
   // A reduction too: its helpers must not clash with the pointwise kernels' definitions.
   {
@@ -314,12 +330,12 @@ TEST(CudaJit, BatchedKernelsShareOneProgram) {
     g.outputs = {call(g, "sum", {x}, {std::vector<int64_t>{1}, false}, value({16}))};
     lower::Program p = lower::schedule(std::move(g));
     ASSERT_EQ(p.kernels.size(), 1u);
-    kernels.push_back(lower::generate_cuda(p.kernels[0]));
+    kernels.push_back(codegen::generate_cuda(p.kernels[0]));
   }
   EXPECT_EQ(kernels[0].name, kernels[1].name);
-  std::vector<const lower::CudaKernelSource*> members;
+  std::vector<const codegen::CudaKernelSource*> members;
   for (const auto& k : kernels) members.push_back(&k);
-  lower::CudaModuleSource m = lower::batch_cuda(members);
+  codegen::CudaModuleSource m = codegen::batch_cuda(members);
   ASSERT_EQ(m.names.size(), 4u);
   for (size_t i = 0; i < m.names.size(); ++i) {
     EXPECT_EQ(m.names[i], kernels[i].name + "_" + std::to_string(i));
@@ -333,11 +349,12 @@ TEST(CudaJit, BatchedKernelsShareOneProgram) {
 TEST(CudaJit, RejectsWhatItDoesNotHandle) {
   lower::Kernel k;
   k.device = kCPU;
-  EXPECT_THROW(lower::generate_cuda(k), CompileError);
+  EXPECT_THROW(codegen::generate_cuda(k), CompileError);
   k.device = kGpu;
   k.kind = lower::Kernel::reduction;
-  k.reduce_op = "prod";
-  EXPECT_THROW(lower::generate_cuda(k), CompileError);
+  k.acc_dtype = kiln::kBool;  // no accumulator type
+
+  EXPECT_THROW(codegen::generate_cuda(k), CompileError);
 }
 
 // ---- on a GPU: compiled against eager ----

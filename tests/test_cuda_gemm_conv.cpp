@@ -22,12 +22,12 @@
 #include "reference.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/gemm_kernels.h"
+#include "kernels/cuda/gemm_kernels.h"
 #ifdef KILN_WITH_CUDNN
-#include "backends/cuda/conv_kernels.h"
+#include "kernels/cuda/conv_kernels.h"
 #endif
-#include "backends/cuda/jit.h"
-#include "backends/cuda/library_handles.h"
+#include "kernels/cuda/jit.h"
+#include "kernels/cuda/library_handles.h"
 #endif
 
 using namespace kiln;

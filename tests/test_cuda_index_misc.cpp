@@ -14,8 +14,8 @@
 #include "reference.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/jit.h"
-#include "backends/cuda/misc_kernels.h"
+#include "kernels/cuda/jit.h"
+#include "kernels/cuda/misc_kernels.h"
 
 using namespace kiln;
 using kiln::testing::op;

@@ -19,9 +19,9 @@
 #include "kiln/op_table.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/jit.h"
-#include "backends/cuda/norm_kernels.h"
-#include "backends/cuda/pool_kernels.h"
+#include "kernels/cuda/jit.h"
+#include "kernels/cuda/norm_kernels.h"
+#include "kernels/cuda/pool_kernels.h"
 #endif
 
 using namespace kiln;

@@ -15,9 +15,9 @@
 #include "kiln/kiln.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/elementwise.h"
-#include "backends/cuda/jit.h"
-#include "backends/cuda/reduce.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/jit.h"
+#include "kernels/cuda/reduce.h"
 #endif
 
 using namespace kiln;

@@ -171,6 +171,10 @@ TEST_F(GradcheckPointwise, MulDivAndAtan2MatchFiniteDifferences) {
     SCOPED_TRACE("atan2");
     check([](const Tensor& x, const Tensor& y) { return atan2(x, y); });
   }
+  {
+    SCOPED_TRACE("hypot");
+    check([](const Tensor& x, const Tensor& y) { return hypot(x, y); });
+  }
   // Scalar operands (wrapped numbers) on either side.
   EXPECT_TRUE(grad_ok([](const TensorList& in) { return TensorList{in[0] * 3, 2.5 * in[0], in[0] / 4, 2.0 / in[0]}; },
                       {t}));

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "compiler/graph/passes.h"
+#include "graph_builders.h"
 #include "kiln/compiler/graph.h"
 #include "kiln/detail/tensor_impl.h"
 #include "kiln/error.h"
@@ -21,29 +22,17 @@ using kiln::compiler::Node;
 using kiln::compiler::ValueInfo;
 namespace passes = kiln::compiler::passes;
 
-const OpDef& op(std::string_view name) {
-  const OpDef* def = kiln::OpTable::instance().find(name);
-  if (!def) throw std::runtime_error("no op " + std::string(name));
-  return *def;
-}
+using kiln::testing::op;
 
 ValueInfo value(std::vector<int64_t> sizes, std::string name = "",
                 kiln::DType dtype = kiln::kFloat32) {
-  ValueInfo v;
-  v.strides = kiln::detail::contiguous_strides(sizes);
-  v.sizes = std::move(sizes);
-  v.dtype = dtype;
-  v.name = std::move(name);
-  return v;
+  return kiln::testing::contiguous_value(std::move(sizes), dtype, kiln::kCPU, std::move(name));
 }
 
 // Appends a single-output node whose result has `sizes`; returns the result's id.
 int call(Graph& g, std::string_view name, std::vector<int> inputs, std::vector<Attr> attrs = {},
          std::vector<int64_t> sizes = {3, 3}) {
-  Node& n = g.add_node(op(name), std::move(inputs), std::move(attrs));
-  int out = g.add_value(value(sizes));
-  n.outputs = {out};
-  return out;
+  return kiln::testing::add_call(g, name, std::move(inputs), std::move(attrs), {value(std::move(sizes))})[0];
 }
 
 // x, y: f32[3, 3]; returns sin(x) + cos(y).

@@ -8,7 +8,7 @@
 // contiguous.
 #include <vector>
 
-#include "backends/cpu/conv_kernels.h"
+#include "kernels/cpu/conv_kernels.h"
 #include "reference.h"
 
 using namespace kiln;

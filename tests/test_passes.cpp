@@ -15,6 +15,7 @@
 
 #include "compile_helpers.h"
 #include "compiler/graph/passes.h"
+#include "graph_builders.h"
 #include "core/shape.h"
 #include "kiln/compiler.h"
 #include "kiln/compiler/graph.h"
@@ -39,18 +40,10 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // ---- building graphs by hand ----
 
-const OpDef& op(std::string_view name) {
-  const OpDef* def = kiln::OpTable::instance().find(name);
-  if (!def) throw std::runtime_error("no op " + std::string(name));
-  return *def;
-}
+using kiln::testing::op;
 
 ValueInfo info(std::vector<int64_t> sizes, DType dtype = kiln::kFloat32) {
-  ValueInfo v;
-  v.strides = kiln::detail::contiguous_strides(sizes);
-  v.sizes = std::move(sizes);
-  v.dtype = dtype;
-  return v;
+  return kiln::testing::contiguous_value(std::move(sizes), dtype);
 }
 
 // A placeholder with a storage group of its own (as capture records separate tensors).
@@ -63,9 +56,7 @@ int input(Graph& g, std::vector<int64_t> sizes, std::string name, DType dtype = 
 
 std::vector<int> call_n(Graph& g, std::string_view name, std::vector<int> inputs, std::vector<Attr> attrs,
                         std::vector<ValueInfo> outs) {
-  Node& n = g.add_node(op(name), std::move(inputs), std::move(attrs));
-  for (ValueInfo& v : outs) n.outputs.push_back(g.add_value(std::move(v)));
-  return g.nodes.back().outputs;
+  return kiln::testing::add_call(g, name, std::move(inputs), std::move(attrs), std::move(outs));
 }
 
 int call(Graph& g, std::string_view name, std::vector<int> inputs, std::vector<Attr> attrs,
@@ -415,7 +406,7 @@ TEST(Functionalize, AdamStepsOnSeveralParameters) {
 
 // ============================== decompose ==============================
 
-void decompose_all(Graph& g) { passes::decompose(g, passes::decomposable_ops()); }
+void decompose_all(Graph& g) { passes::decompose(g); }
 
 std::vector<Tensor> randn_like_inputs(const Graph& g, DType dtype) {
   std::vector<Tensor> in;
@@ -596,30 +587,6 @@ TEST(Decompose, SoftmaxAndLogSoftmax) {
   }
 }
 
-TEST(Decompose, GeluBothApproximations) {
-  for (const char* approximate : {"none", "tanh"}) {
-    for (DType dt : {kiln::kFloat32, kiln::kFloat64}) {
-      for (std::vector<int64_t> sizes : {std::vector<int64_t>{17}, std::vector<int64_t>{3, 4, 5}}) {
-        SCOPED_TRACE(std::string(approximate) + " " + std::string(kiln::dtype_name(dt)));
-        Graph g;
-        int x = input(g, sizes, "x", dt);
-        g.outputs = {call(g, "gelu", {x}, {std::string(approximate)}, sizes, dt)};
-        std::vector<Tensor> in = randn_like_inputs(g, dt);
-        in[0] = in[0] * 3;
-        check_decomposition(g, "gelu", in);
-        // The kernel's special values: gelu(-inf) = -0, gelu(inf) = inf.
-        Tensor special = kiln::tensor<double>({-kInf, kInf, 0.0, -1.5}, kiln::TensorOptions(dt));
-        Graph h = g;
-        h.values[h.inputs[0]] = info({4}, dt);
-        h.values[h.outputs[0]] = info({4}, dt);
-        h.values[h.inputs[0]].name = "x";
-        h.values[h.inputs[0]].storage = 0;
-        check_decomposition(h, "gelu", {special});
-      }
-    }
-  }
-}
-
 TEST(Decompose, Logsumexp) {
   for (DType dt : {kiln::kFloat32, kiln::kFloat64}) {
     for (bool keepdim : {false, true}) {
@@ -678,11 +645,10 @@ TEST(Decompose, HalfPrecisionInputs) {
                         {info({4, 6}, dt), info({4, 1}), info({4, 1})});
     h = check_pass(ln, decompose_all, randn_like_inputs(ln, dt), {}, Tol{2e-2, 2e-2});
     EXPECT_EQ(count_op(h, "native_layer_norm"), 0);
-    for (const char* name : {"softmax", "gelu"}) {
+    for (const char* name : {"softmax", "log_softmax"}) {
       Graph g;
       int y = input(g, {4, 6}, "x", dt);
-      std::vector<Attr> attrs = name == std::string("gelu") ? std::vector<Attr>{std::string("tanh")}
-                                                            : std::vector<Attr>{int64_t{1}, Attr{}};
+      std::vector<Attr> attrs{int64_t{1}, Attr{}};
       g.outputs = {call(g, name, {y}, attrs, {4, 6}, dt)};
       h = check_pass(g, decompose_all, randn_like_inputs(g, dt), {}, Tol{1e-2, 1e-3});
       EXPECT_EQ(count_op(h, name), 0);
@@ -690,21 +656,32 @@ TEST(Decompose, HalfPrecisionInputs) {
   }
 }
 
-// Only the listed ops; nodes whose scalar slot the decomposition cannot keep stay.
-TEST(Decompose, OnlyTheListedOps) {
+// Only the nodes the filter picks; the ops with a decomposition come from the op table.
+TEST(Decompose, OnlyTheNodesTheFilterPicks) {
   Graph g;
   int x = input(g, {4, 6}, "x");
   int s = call(g, "softmax", {x}, {int64_t{1}, Attr{}}, {4, 6});
-  g.outputs = {call(g, "gelu", {s}, {std::string("none")}, {4, 6})};
+  g.outputs = {call(g, "log_softmax", {s}, {int64_t{1}, Attr{}}, {4, 6})};
   Graph h = g;
-  passes::decompose(h, {"gelu"});
+  passes::decompose(h, [](const kiln::compiler::Node& n) { return n.op->name == "log_softmax"; });
   EXPECT_EQ(count_op(h, "softmax"), 1);
-  EXPECT_EQ(count_op(h, "gelu"), 0);
+  EXPECT_EQ(count_op(h, "log_softmax"), 0);
   EXPECT_EQ(h.nodes[0].name, "softmax");
   Graph k = g;
-  passes::decompose(k, {});
+  passes::decompose(k, [](const kiln::compiler::Node&) { return false; });
   EXPECT_EQ(k.op_names(), g.op_names());
-  EXPECT_TRUE(passes::decomposable_ops().count("native_batch_norm"));
+  const std::set<std::string> expected{"adaptive_avg_pool2d", "log_softmax", "logsumexp", "native_batch_norm",
+                                       "native_group_norm", "native_layer_norm", "softmax"};
+  EXPECT_EQ(passes::decomposable_ops(), expected) << "every op whose entry has a lowering::Decomposition";
+}
+
+// The kiln pipeline decomposes batch norm in evaluation only (training keeps the fused kernel).
+TEST(Decompose, BatchNormInTrainingKeepsItsKernelInThePipeline) {
+  for (bool training : {false, true}) {
+    Graph g = batch_norm_graph({{2, 3, 4, 4}, training, true, true}, kiln::kFloat32, 0.1, 1e-5, true);
+    passes::decompose(g, passes::decomposition_applies);
+    EXPECT_EQ(count_op(g, "native_batch_norm"), training ? 1 : 0) << g;
+  }
 }
 
 // ============================== fold_constants ==============================
@@ -728,7 +705,7 @@ TEST(FoldConstants, NodesOfConstantsBecomeConstants) {
 // Decompositions bake the same scalars over and over; folding leaves one constant per value.
 TEST(FoldConstants, AfterADecompositionEqualScalarsAreShared) {
   Graph g = batch_norm_graph({{2, 3, 4, 4}, true, true, true}, kiln::kFloat32, 0.1, 1e-5, true);
-  passes::decompose(g, passes::decomposable_ops());
+  passes::decompose(g);
   passes::functionalize(g);
   std::vector<Tensor> in = positive_variances(g, kiln::kFloat32);
   Graph h = check_pass(g, fold, in, {0.1, 1e-5});
@@ -805,7 +782,7 @@ struct PipelineStats {
 
 kiln::compiler::BackendFn pipeline(std::shared_ptr<PipelineStats> stats) {
   return [stats](Graph& g, const Arguments&) {
-    passes::decompose(g, passes::decomposable_ops());
+    passes::decompose(g);
     passes::functionalize(g);
     passes::fold_constants(g);
     passes::eliminate_dead_code(g);

@@ -116,6 +116,15 @@ template <class T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
                        KILN_DTYPE_CASE(int32, int32_t, __VA_ARGS__)   \
                        KILN_DTYPE_CASE(int64, int64_t, __VA_ARGS__))
 
+// Integer and bool types (bitwise ops, any/all).
+#define KILN_DISPATCH_INTEGRAL_AND_BOOL(DTYPE, NAME, ...)        \
+  KILN_DISPATCH_SWITCH(DTYPE, NAME,                              \
+                       KILN_DTYPE_CASE(bool_, bool, __VA_ARGS__)      \
+                       KILN_DTYPE_CASE(uint8, uint8_t, __VA_ARGS__)   \
+                       KILN_DTYPE_CASE(int8, int8_t, __VA_ARGS__)     \
+                       KILN_DTYPE_CASE(int32, int32_t, __VA_ARGS__)   \
+                       KILN_DTYPE_CASE(int64, int64_t, __VA_ARGS__))
+
 #define KILN_DISPATCH_ALL(DTYPE, NAME, ...)                      \
   KILN_DISPATCH_SWITCH(DTYPE, NAME,                              \
                        KILN_DTYPE_CASE(bool_, bool, __VA_ARGS__)      \

@@ -3,12 +3,13 @@
 // An OpDef holds the op's schema, its meta function (output sizes/strides/dtype/device plus every
 // input check, with its error message), a kernel per device type, and the slots that later
 // stages fill (derivative, lowering). Ops register themselves from src/ops/*.cpp; kernels register
-// from src/backends/<device>/. Registration order does not matter: both sides go through
+// from src/kernels/<device>/. Registration order does not matter: both sides go through
 // OpTable::entry(name), which creates the entry on first use.
 #pragma once
 
 #include <array>
 #include <functional>
+#include <initializer_list>
 #include <mutex>
 #include <span>
 #include <string>
@@ -16,15 +17,12 @@
 #include <variant>
 #include <vector>
 
+#include "kiln/lowering.h"
 #include "kiln/tensor.h"
 
 namespace kiln {
 
 struct OpDef;
-
-// A non-tensor argument. monostate is None.
-using Attr = std::variant<std::monostate, bool, int64_t, double, Scalar, std::vector<int64_t>,
-                          std::string, DType, Device>;
 
 // Typed access to an op's non-tensor arguments.
 struct AttrAccess {
@@ -135,9 +133,10 @@ struct OpDef {
   bool overlapping_output_ok = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
-  // The derivative (autograd) and the compiler's lowering; `kiln ops` shows both.
+  // The derivative (autograd) and how compile() lowers the op (kiln/lowering.h); `kiln ops`
+  // shows both.
   Derivative derivative;
-  std::string lowering;  // "pointwise", "reduction", "extern", "decomposition", ...
+  Lowering lowering;
   // int attrs that differ on every call (the random ops' seed and offset): compile() passes them
   // to the graph as run-time scalars instead of specializing on them. Scalar and double attrs are
   // always run-time scalars.
@@ -147,6 +146,11 @@ struct OpDef {
   // caches keyed on versions (folded conv + batch-norm weights) rely on.
   std::function<bool(const OpCall&)> writes_mutated_inputs;
 
+  // Whether the op fuses into its neighbours' generated kernel (a pointwise lowering): the
+  // scheduler chains such ops into one kernel and into a reduction's prologue or epilogue, reads
+  // a concatenation inside them (cat_into_slices), and backward may recompute them instead of
+  // saving their result (recompute). A reduction anchors a kernel of its own.
+  bool is_fusible() const { return std::holds_alternative<lowering::Pointwise>(lowering); }
   bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
   // Whether `call` writes mutated_inputs (see writes_mutated_inputs).
   bool mutates(const OpCall& call) const {
@@ -174,6 +178,8 @@ class OpTable {
 OpDef& register_op(OpDef def);
 // Registers the kernel for `device` on op `name`.
 void register_kernel(std::string_view name, DeviceType device, Kernel kernel);
+// Registers several kernels of one device: {{"uniform", uniform_kernel}, {"normal", normal_kernel}}.
+void register_kernels(DeviceType device, std::initializer_list<std::pair<std::string_view, Kernel>> kernels);
 
 // Runs an op: meta (validation), output allocation, kernel. Returns its outputs.
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs = {});

@@ -105,6 +105,8 @@ Tensor remainder(const Tensor& a, Scalar b);
 Tensor maximum(const Tensor& a, const Tensor& b);  // propagates NaN
 Tensor minimum(const Tensor& a, const Tensor& b);
 Tensor atan2(const Tensor& a, const Tensor& b);
+// sqrt(a² + b²) elementwise, without overflow in the squares; integer inputs give float.
+Tensor hypot(const Tensor& a, const Tensor& b);
 Tensor eq(const Tensor& a, const Tensor& b);
 Tensor eq(const Tensor& a, Scalar b);
 Tensor ne(const Tensor& a, const Tensor& b);

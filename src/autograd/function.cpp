@@ -2,6 +2,7 @@
 #include <atomic>
 #include <cctype>
 
+#include "core/layer_hooks.h"
 #include "autograd/node.h"
 #include "core/tensor_factory.h"
 #include "kiln/ops.h"
@@ -284,6 +285,43 @@ std::vector<Tensor> prepare_inplace(const OpDef& op, std::span<const Tensor> inp
   }
   return saved;
 }
+
+InplaceRecording begin_inplace_recording(const OpDef& op, std::span<const Tensor> inputs,
+                                         std::span<const Tensor> outputs) {
+  InplaceRecording r;
+  r.record = recording(inputs);
+  if (!r.record && is_grad_enabled())
+    for (const Tensor& out : outputs) r.record |= out.requires_grad();
+  if (r.record) {
+    r.node_inputs = prepare_inplace(op, inputs, outputs);  // may clone inputs that alias a target
+    r.overwritten = overwritten_history(inputs, outputs);  // before record() replaces grad_fn
+  }
+  return r;
+}
+
+namespace {
+
+// The dispatcher's calls into autograd (core/layer_hooks.h), installed when the library loads.
+[[maybe_unused]] const bool g_autograd_hooks_installed = [] {
+  kiln::detail::AutogradHooks& h = kiln::detail::autograd_hooks;
+  h.recording = recording;
+  h.record = [](const OpDef& op, std::span<const Tensor> inputs, std::span<const Attr> attrs,
+                std::span<Tensor> outputs) { record(op, inputs, attrs, outputs); };
+  h.begin_inplace = [](const OpDef& op, std::span<const Tensor> inputs,
+                       std::span<const Tensor> outputs) -> std::shared_ptr<void> {
+    InplaceRecording r = begin_inplace_recording(op, inputs, outputs);
+    if (!r.record) return nullptr;
+    return std::make_shared<InplaceRecording>(std::move(r));
+  };
+  h.finish_inplace = [](const std::shared_ptr<void>& state, const OpDef& op, std::span<const Attr> attrs,
+                        std::span<Tensor> outputs) {
+    const auto& r = *static_cast<const InplaceRecording*>(state.get());
+    record(op, r.node_inputs, attrs, outputs, r.overwritten);
+  };
+  return true;
+}();
+
+}  // namespace
 
 Tensor sum_to(const Tensor& grad, IntArrayRef sizes) {
   if (grad.sizes() == sizes) return grad;

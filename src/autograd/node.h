@@ -162,6 +162,18 @@ void record(const OpDef& op, std::span<const Tensor> inputs, std::span<const Att
 std::vector<Tensor> prepare_inplace(const OpDef& op, std::span<const Tensor> inputs,
                                     std::span<const Tensor> outputs);
 
+// What an in-place/out= call needs for autograd, gathered before its kernel writes: whether it
+// records (its inputs have history, or a target requires grad), the inputs its node saves
+// (prepare_inplace) and the overwritten histories (overwritten_history). After the write, pass
+// them to record().
+struct InplaceRecording {
+  bool record = false;
+  std::vector<Tensor> node_inputs;
+  std::vector<OverwrittenValue> overwritten;
+};
+InplaceRecording begin_inplace_recording(const OpDef& op, std::span<const Tensor> inputs,
+                                         std::span<const Tensor> outputs);
+
 // Reduces a broadcast gradient back to `sizes` (sum over expanded dims).
 Tensor sum_to(const Tensor& grad, IntArrayRef sizes);
 

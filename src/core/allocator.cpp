@@ -14,7 +14,7 @@
 #ifdef KILN_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "backends/cuda/caching_allocator.h"
+#include "kernels/cuda/caching_allocator.h"
 #endif
 
 namespace kiln {

@@ -6,17 +6,29 @@
 #include <memory>
 #include <utility>
 
-#include "autograd/node.h"
-#include "compiler/capture/capture.h"
 #include "core/dispatch.h"
+#include "core/layer_hooks.h"
 #include "core/profiler.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
+#include "kiln/autograd.h"  // NoGradGuard: grad mode is core state
 #include "kiln/ops.h"
 
 namespace kiln {
 
 const std::string& OpCall::name() const { return op->name; }
+
+const char* lowering_name(const Lowering& l) {
+  struct Name {
+    const char* operator()(const lowering::Extern&) const { return "extern"; }
+    const char* operator()(const lowering::View&) const { return "view"; }
+    const char* operator()(const lowering::Buffer&) const { return "buffer"; }
+    const char* operator()(const lowering::Pointwise&) const { return "pointwise"; }
+    const char* operator()(const lowering::Reduction&) const { return "reduction"; }
+    const char* operator()(const lowering::Decomposition&) const { return "decomposition"; }
+  };
+  return std::visit(Name{}, l);
+}
 
 struct OpTable::Impl {
   mutable std::mutex mutex;
@@ -73,6 +85,10 @@ OpDef& register_op(OpDef def) {
 
 void register_kernel(std::string_view name, DeviceType device, Kernel kernel) {
   OpTable::instance().entry(name).kernels[static_cast<int>(device)] = std::move(kernel);
+}
+
+void register_kernels(DeviceType device, std::initializer_list<std::pair<std::string_view, Kernel>> kernels) {
+  for (const auto& [name, kernel] : kernels) register_kernel(name, device, kernel);
 }
 
 namespace {
@@ -160,8 +176,8 @@ void check_out_targets(const OpDef& op, const std::vector<TensorMeta>& metas, st
 }  // namespace detail
 
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
-  if (auto* cap = compiler::detail::active_capture()) [[unlikely]]
-    return compiler::detail::capture_op(*cap, op, inputs, attrs);
+  if (void* cap = detail::active_capture_hook()) [[unlikely]]
+    return detail::capture_hooks.run_op(cap, op, inputs, attrs);
   detail::OpTimer timer(op.name);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
@@ -179,7 +195,8 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
       for (int i : op.mutated_inputs)
         if (inputs[i].defined()) bump_version(inputs[i]);
   }
-  if (autograd::recording(inputs)) autograd::record(op, inputs, attrs, outputs);
+  const detail::AutogradHooks& autograd = detail::autograd_hooks;
+  if (autograd.recording && autograd.recording(inputs)) autograd.record(op, inputs, attrs, outputs);
   return outputs;
 }
 
@@ -197,8 +214,8 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
                  "before performing the operation.");
     }
   }
-  if (auto* cap = compiler::detail::active_capture()) [[unlikely]] {
-    compiler::detail::capture_op_out(*cap, op, inputs, attrs, outputs);
+  if (void* cap = detail::active_capture_hook()) [[unlikely]] {
+    detail::capture_hooks.run_op_out(cap, op, inputs, attrs, outputs);
     return;
   }
   detail::OpTimer timer(op.name, /*inplace=*/true);
@@ -217,15 +234,8 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   }
   // Autograd: an in-place op on a tensor with history (or with inputs that require grad)
   // replaces the target's grad_fn with this op's node.
-  bool record = autograd::recording(inputs);
-  if (!record && is_grad_enabled())
-    for (const Tensor& out : outputs) record |= out.requires_grad();
-  std::vector<Tensor> node_inputs;
-  std::vector<autograd::OverwrittenValue> overwritten;
-  if (record) {
-    node_inputs = autograd::prepare_inplace(op, inputs, outputs);
-    overwritten = autograd::overwritten_history(inputs, outputs);  // before record() replaces grad_fn
-  }
+  const detail::AutogradHooks& autograd = detail::autograd_hooks;
+  std::shared_ptr<void> recording = autograd.begin_inplace ? autograd.begin_inplace(op, inputs, outputs) : nullptr;
 
   const Kernel& kernel = kernel_for(op, metas.empty() ? kCPU : metas[0].device);
   if (!need_temp) {
@@ -242,7 +252,7 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   if (op.mutates(call))
     for (int i : op.mutated_inputs)
       if (inputs[i].defined()) bump_version(inputs[i]);
-  if (record) autograd::record(op, node_inputs, attrs, outputs, overwritten);
+  if (recording) autograd.finish_inplace(recording, op, attrs, outputs);
 }
 
 }  // namespace kiln

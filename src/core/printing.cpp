@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "compiler/capture/capture.h"
+#include "core/layer_hooks.h"
 #include "kiln/ops.h"
 #include "kiln/tensor.h"
 
@@ -241,8 +241,8 @@ std::string add_suffixes(std::string s, const std::vector<std::string>& suffixes
 }  // namespace
 
 std::string Tensor::str() const {
-  compiler::detail::host_read("printing a tensor");
-  compiler::detail::SuspendCapture eager;  // the formatting ops are not part of the user's graph
+  detail::host_read_hook("printing a tensor");
+  detail::CaptureSuspended eager;  // the formatting ops are not part of the user's graph
   if (!defined()) return "Tensor(undefined)";
   const std::string prefix = "tensor(";
   const int64_t indent = static_cast<int64_t>(prefix.size());

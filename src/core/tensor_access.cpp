@@ -1,7 +1,7 @@
 // Host access to tensor data: data_ptr, item, to_vector, operator bool.
 #include <cstring>
 
-#include "compiler/capture/capture.h"
+#include "core/layer_hooks.h"
 #include "core/tensor_factory.h"
 #include "kiln/ops.h"
 
@@ -9,7 +9,7 @@ namespace kiln {
 
 // Every host access below is a graph break inside compile(): the pending graph runs first, so the
 // host sees the values eager mode would have computed by now.
-using compiler::detail::host_read;
+static void host_read(std::string_view what) { detail::host_read_hook(what); }
 
 void* Tensor::raw_data_ptr() const {
   host_read("Tensor::data_ptr()");
@@ -29,7 +29,7 @@ T* Tensor::data_ptr() const {
 
 namespace {
 Scalar read_one(const Tensor& t) {
-  compiler::detail::SuspendCapture eager;
+  detail::CaptureSuspended eager;
   Tensor c = t.is_cpu() ? t : t.cpu();
   const void* p = c.impl().data();
   KILN_CHECK(p != nullptr, Error,
@@ -57,7 +57,7 @@ T Tensor::item() const {
 template <class T>
 std::vector<T> Tensor::to_vector() const {
   host_read("Tensor::to_vector()");
-  compiler::detail::SuspendCapture eager;
+  detail::CaptureSuspended eager;
   Tensor c = to(kCPU).to(dtype_of_v<T>).contiguous();
   std::vector<T> out(static_cast<size_t>(c.numel()));
   if (!out.empty()) std::memcpy(static_cast<void*>(out.data()), c.impl().data(), out.size() * sizeof(T));

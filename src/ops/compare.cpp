@@ -36,7 +36,7 @@ const OpDef& kAllclose = register_op({
       detail::broadcast_sizes(a.sizes(), b.sizes(), "allclose");
       return {TensorMeta{{}, {}, DType::bool_, a.device()}};
     },
-    .lowering = "reduction",
+    .lowering = lowering::Extern{},
 });
 
 // equal(a, b) -> 0-dim bool: same sizes and values (after type promotion).
@@ -47,7 +47,7 @@ const OpDef& kEqual = register_op({
       check_same_device(c.input(0), c.input(1), "equal");
       return {TensorMeta{{}, {}, DType::bool_, c.input(0).device()}};
     },
-    .lowering = "reduction",
+    .lowering = lowering::Extern{},
 });
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "core/shape.h"
 #include "kiln/op_table.h"
+#include "ops/decompositions.h"
 #include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
@@ -117,7 +118,7 @@ std::vector<int64_t> conv2d_output_sizes(const Tensor& x, const Tensor& w, const
 
 // The layout of a convolution's result (PyTorch's mkldnn_conv_use_channels_last): channels-last
 // when the input or the weight suggests it, so a channels-last network stays NHWC. The CPU kernel
-// (backends/cpu/conv_kernels.cpp) runs in the layout this picks.
+// (kernels/cpu/conv_kernels.cpp) runs in the layout this picks.
 TensorMeta conv2d_result(const Tensor& x, const Tensor& w, std::vector<int64_t> sizes) {
   const bool channels_last = x.suggest_memory_format() == MemoryFormat::channels_last ||
                              w.suggest_memory_format() == MemoryFormat::channels_last;
@@ -147,7 +148,7 @@ const OpDef& kConv2d = register_op({
                        if (!mask[i]) g[i] = Tensor();
                      return g;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // conv2d_relu: relu(conv2d(...)) in one call (the relu runs in place on the fresh result). Made
@@ -161,7 +162,7 @@ const OpDef& kConv2dRelu = register_op({
       const Tensor& x = c.input(0);
       return {conv2d_result(x, c.input(1), conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_relu"))};
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // conv2d_bn: an inference batch norm (and optionally a relu) folded into the convolution before
@@ -187,7 +188,7 @@ const OpDef& kConv2dBn = register_op({
       }
       return {conv2d_result(x, c.input(1), conv2d_output_sizes(x, c.input(1), c.input(2), c, "conv2d_bn"))};
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // convolution_backward(grad_output, input, weight, stride, padding, dilation, groups, output_mask)
@@ -262,7 +263,7 @@ const OpDef& kConvolutionBackward = register_op({
                                       {c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3], std::vector<int64_t>{0, 1, 0}})[1];
                      return g;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& convolution_backward_op() { return kConvolutionBackward; }
@@ -404,7 +405,7 @@ const OpDef& kMaxPool2d = register_op({
                      }
                      return {max_pool_input_grad(c.grad(), indices, c)};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // Indices are flat positions in the input's H * W plane (int64), as PyTorch returns them.
@@ -428,7 +429,7 @@ const OpDef& kMaxPool2dWithIndices = register_op({
                      if (!c.needs_grad(0)) return {};
                      return {max_pool_input_grad(c.grad(0), c.output(1), c)};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // max_pool2d_with_indices_backward(grad_output, indices, input_sizes, kernel_size, stride, padding,
@@ -463,7 +464,7 @@ const OpDef& kMaxPool2dWithIndicesBackward = register_op({
                      const Tensor& indices = c.input(1);
                      return {c.grad().flatten(-2).gather(-1, indices.flatten(-2)).view(indices.sizes())};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kAvgPool2d = register_op({
@@ -485,7 +486,7 @@ const OpDef& kAvgPool2d = register_op({
                      attrs.insert(attrs.end(), c.attrs.begin(), c.attrs.end());
                      return {call_op1(avg_pool2d_backward_op(), {c.grad()}, std::move(attrs))};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // avg_pool2d_backward(grad_output, input_sizes, kernel_size, stride, padding, ceil_mode,
@@ -510,7 +511,7 @@ const OpDef& kAvgPool2dBackward = register_op({
                      if (!c.needs_grad(0)) return {};
                      return {call_op1(avg_pool2d_op(), {c.grad()}, std::vector<Attr>(c.attrs.begin() + 1, c.attrs.end()))};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kAdaptiveAvgPool2d = register_op({
@@ -535,7 +536,7 @@ const OpDef& kAdaptiveAvgPool2d = register_op({
                      if (!c.needs_grad(0)) return {};
                      return {call_op1(adaptive_avg_pool2d_backward_op(), {c.grad()}, {c.input_info[0].sizes})};
                    }},
-    .lowering = "extern",
+    .lowering = detail::adaptive_avg_pool2d_decomposition(),
 });
 
 // adaptive_avg_pool2d_backward(grad_output, input_sizes): each output's gradient spread evenly over
@@ -564,7 +565,7 @@ const OpDef& kAdaptiveAvgPool2dBackward = register_op({
                      return {call_op1(adaptive_avg_pool2d_op(), {c.grad()},
                                       {std::vector<int64_t>{s[s.size() - 2], s[s.size() - 1]}})};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& max_pool2d_with_indices_op() { return kMaxPool2dWithIndices; }

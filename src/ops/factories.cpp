@@ -21,7 +21,7 @@ const OpDef& kEmpty = register_op({
       detail::checked_numel(c.ints_attr(0), "empty");
       return {TensorMeta{c.ints_attr(0).vec(), {}, c.dtype_attr(1), c.device_attr(2)}};
     },
-    .lowering = "buffer",
+    .lowering = lowering::Buffer{},
 });
 
 // Allocation is all an empty tensor needs; the kernel has nothing to do on any device.

@@ -23,7 +23,7 @@
 namespace kiln {
 
 namespace cpu {
-// Defined in backends/cpu/index_kernels.cpp (a host read, whatever the mask's device).
+// Defined in kernels/cpu/index_kernels.cpp (a host read, whatever the mask's device).
 std::vector<Tensor> nonzero_indices(const Tensor& mask, bool linear);
 }  // namespace cpu
 
@@ -134,7 +134,7 @@ const OpDef& kIndexSelect = register_op({
                      inputs.push_back(c.input(1).reshape({-1}));
                      return {call_op1(index_put_op(), std::move(inputs), {true})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // ---------------- gather / scatter ----------------
@@ -174,7 +174,7 @@ const OpDef& kGather = register_op({
                      Tensor z = zeros(c.input_info[0].sizes, options_of(c.grad()));
                      return {call_op1(scatter_add_op(), {z, c.input(1), c.grad()}, {c.int_attr(0)})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // PyTorch's scatter_gather_dtype_check + scatter_shape_check. src is undefined for the value form.
@@ -225,7 +225,7 @@ const OpDef& kScatter = register_op({
                      if (c.needs_grad(2)) out[2] = gather_to(c.grad(), dim, c.input(1), c.input_info[2].sizes);
                      return out;
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kScatterValue = register_op({
@@ -237,7 +237,7 @@ const OpDef& kScatterValue = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {zero_scattered(c.grad(), c.int_attr(0), c.input(1))};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kScatterAdd = register_op({
@@ -252,7 +252,7 @@ const OpDef& kScatterAdd = register_op({
                      if (c.needs_grad(2)) out[2] = gather_to(c.grad(), c.int_attr(0), c.input(1), c.input_info[2].sizes);
                      return out;
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // ---------------- index / index_put ----------------
@@ -338,7 +338,7 @@ const OpDef& kIndex = register_op({
                      for (size_t i = 1; i < c.inputs.size(); ++i) inputs.push_back(c.input(i));
                      return {call_op1(index_put_op(), std::move(inputs), {true})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // Inputs: self, values, then the indices (one per leading dim of self, undefined = all of it).
@@ -395,7 +395,7 @@ const OpDef& kIndexPut = register_op({
                      }
                      return out;
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // ---------------- embedding / one_hot ----------------
@@ -426,7 +426,7 @@ const OpDef& kEmbedding = register_op({
                      return {call_op1(embedding_backward_op(), {c.grad(), c.input(1)},
                                       {c.input_info[0].sizes[0], c.int_attr(0), c.bool_attr(1)})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 // The gradient of embedding's weight: grad_output rows summed into the rows their indices name
@@ -474,7 +474,7 @@ const OpDef& kEmbeddingBackward = register_op({
                      }
                      return {g};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kOneHot = register_op({
@@ -493,7 +493,7 @@ const OpDef& kOneHot = register_op({
       detail::checked_numel(sizes, "one_hot");
       return {TensorMeta{std::move(sizes), {}, kInt64, x.device()}};
     },
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& gather_op() { return kGather; }

@@ -84,7 +84,7 @@ const OpDef& kMm = register_op({
                      if (c.needs_grad(1)) g[1] = mm_mat2_backward(c.grad(), c.input(0), c.input(1), 1);
                      return g;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kBmm = register_op({
@@ -112,7 +112,7 @@ const OpDef& kBmm = register_op({
                      if (c.needs_grad(1)) g[1] = bmm(c.input(0).transpose(1, 2), c.grad());
                      return g;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // addmm(self, mat1, mat2, beta, alpha) = beta * self + alpha * (mat1 @ mat2); self broadcasts
@@ -156,7 +156,7 @@ const OpDef& kAddmm = register_op({
                               "mat2: mm_mat2_backward(grad, mat1, alpha)",
                    .save_inputs = {1, 2},
                    .fn = [](const BackwardContext& c) { return addmm_backward(c, c.grad()); }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // addmm_relu: relu(addmm(...)) in one call, the relu applied in place to the fresh result while
@@ -173,7 +173,7 @@ const OpDef& kAddmmRelu = register_op({
                    .fn = [](const BackwardContext& c) {
                      return addmm_backward(c, where(le(c.output(0), 0), 0, c.grad()));
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kDot = register_op({
@@ -206,7 +206,7 @@ const OpDef& kDot = register_op({
                      if (c.needs_grad(1)) g[1] = mul(c.grad(), c.input(0));
                      return g;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 int64_t product(IntArrayRef sizes, size_t begin, size_t end) {

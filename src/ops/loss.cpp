@@ -99,7 +99,7 @@ const OpDef& kNllLoss = register_op({
                      return {call_op1(nll_loss_backward_op(), {c.grad(0), c.input(1), c.input(2), c.output(1)},
                                       {c.input_info[0].sizes, c.attrs[0], c.attrs[1]})};
                    }},
-    .lowering = "reduction",
+    .lowering = lowering::Extern{},
 });
 
 // nll_loss_backward(grad_output, target, weight, total_weight, self_size, reduction, ignore_index):
@@ -156,7 +156,7 @@ const OpDef& kNllLossBackward = register_op({
                        out[0] = call_op(kNllLoss, {c.grad(), c.input(1), c.input(2)}, {c.attrs[1], c.attrs[2]})[0];
                      return out;
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& nll_loss_backward_op() { return kNllLossBackward; }

@@ -27,6 +27,7 @@
 // a double backward through a normalization raises "not implemented".
 #include "core/shape.h"
 #include "kiln/op_table.h"
+#include "ops/decompositions.h"
 #include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
@@ -180,7 +181,7 @@ const OpDef& kNativeBatchNorm = register_op({
                                                  {c.attrs[0], mask}),
                                          mask);
                    }},
-    .lowering = "decomposition",
+    .lowering = detail::batch_norm_decomposition(),
     .writes_mutated_inputs = [](const OpCall& c) { return c.bool_attr(0); },  // training only
 });
 
@@ -210,7 +211,7 @@ const OpDef& kNativeBatchNormBackward = register_op({
     .schema = "native_batch_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor save_mean, "
               "Tensor save_invstd, bool train, bool[3] output_mask) -> (Tensor, Tensor, Tensor)",
     .meta = [](const OpCall& c) { return batch_norm_backward_metas(c, 1, "native_batch_norm_backward"); },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // batch_norm_relu: native_batch_norm with relu applied to output 0 in the same pass (NaN stays
@@ -234,7 +235,7 @@ const OpDef& kBatchNormRelu = register_op({
                                                  {c.attrs[0], mask}),
                                          mask);
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
     .writes_mutated_inputs = [](const OpCall& c) { return c.bool_attr(0); },  // training only
 });
 
@@ -266,7 +267,7 @@ const OpDef& kBatchNormReluBackward = register_op({
       check_mask_scalars(op, c);
       return metas;
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // batch_norm_relu_backward_recompute(grad_out, input, weight?, save_mean, save_invstd, bias?,
@@ -296,7 +297,7 @@ const OpDef& kBatchNormReluBackwardRecompute = register_op({
       check_mask_scalars(op, c);
       return metas;
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // Inputs: input, weight?, bias?. Attrs: normalized_shape, eps.
@@ -348,7 +349,7 @@ const OpDef& kNativeLayerNorm = register_op({
                                                  {c.attrs[0], mask}),
                                          mask);
                    }},
-    .lowering = "decomposition",
+    .lowering = detail::layer_norm_decomposition(),
 });
 
 // native_layer_norm_backward(grad_out, input, mean, rstd, weight?, normalized_shape, output_mask).
@@ -375,7 +376,7 @@ const OpDef& kNativeLayerNormBackward = register_op({
                      shape_str(weight.sizes()) + ".");
       return backward_metas(c, x, weight, shape.vec(), 1, op);
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 // Inputs: input, weight?, bias?. Attrs: group, eps. Statistics are (N, group).
@@ -420,7 +421,7 @@ const OpDef& kNativeGroupNorm = register_op({
                                                  {c.attrs[0], mask}),
                                          mask);
                    }},
-    .lowering = "decomposition",
+    .lowering = detail::group_norm_decomposition(),
 });
 
 // native_group_norm_backward(grad_out, input, mean, rstd, weight?, group, output_mask).
@@ -445,7 +446,7 @@ const OpDef& kNativeGroupNormBackward = register_op({
       check_channel_vector(op, weight, "weight", channels);
       return backward_metas(c, x, weight, {channels}, 1, op);
     },
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& batch_norm_backward_op() { return kNativeBatchNormBackward; }

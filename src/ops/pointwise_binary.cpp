@@ -17,6 +17,8 @@
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
 #include "ops/meta_checks.h"
+#include "ops/pointwise_list.h"
+#include "ops/pointwise_lowering.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -46,9 +48,9 @@ MetaFn binary_meta(DTypeRule rule) {
   };
 }
 
-OpDef binary_def(const char* name, const char* schema, DTypeRule rule, Derivative derivative = {}) {
+OpDef binary_def(std::string name, std::string schema, DTypeRule rule, Derivative derivative, Lowering lowering) {
   return OpDef{.name = name, .schema = schema, .meta = binary_meta(rule), .pointwise = true,
-               .derivative = std::move(derivative), .lowering = "pointwise"};
+               .derivative = std::move(derivative), .lowering = std::move(lowering)};
 }
 
 DType keep(const OpCall&, DType common) { return common; }
@@ -254,6 +256,21 @@ Derivative max_min_derivative(bool is_max) {
           }};
 }
 
+Derivative maximum_derivative() { return max_min_derivative(true); }
+Derivative minimum_derivative() { return max_min_derivative(false); }
+Derivative no_derivative() { return {}; }
+
+Derivative hypot_derivative() {
+  return {.formula = "self: grad * self / result; other: grad * other / result",
+          .save_inputs = {0, 1},
+          .save_outputs = {0},
+          .fn = [](const BackwardContext& c) -> std::vector<Tensor> {
+            const Tensor &self = c.input(0), &other = c.input(1), &result = c.output(0);
+            return {c.needs_grad(0) ? c.grad() * self / result : Tensor(),
+                    c.needs_grad(1) ? c.grad() * other / result : Tensor()};
+          }};
+}
+
 Derivative atan2_derivative() {
   return {.formula = "self: grad * other / (self^2 + other^2); other: grad * -self / (self^2 + other^2)",
           .save_inputs = {0, 1},
@@ -265,48 +282,85 @@ Derivative atan2_derivative() {
           }};
 }
 
-const OpDef& kAdd = register_op(
-    binary_def("add", "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", add_rule, add_derivative()));
-const OpDef& kSub = register_op(
-    binary_def("sub", "sub(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor", sub_rule, sub_derivative()));
-const OpDef& kMul =
-    register_op(binary_def("mul", "mul(Tensor self, Tensor other) -> Tensor", keep, mul_derivative()));
+// ---- add, sub, div, pow, remainder: attrs or eager shortcuts of their own ----
+
+// a + alpha * b (sub: a - alpha * b); alpha is 1 in most graphs, and 1 * b is exact.
+Lowering add_lowering(bool subtract) {
+  return lowering::Pointwise{[subtract](ScalarExprBuilder& b) {
+    const DType out = b.output_dtype();
+    int scaled = b.call(detail::functor_call("Mul", 2), {b.scalar_attr(0, out), b.input(1, out)}, out);
+    return b.call(detail::functor_call(subtract ? "Sub" : "Add", 2), {b.input(0, out), scaled}, out);
+  }};
+}
+
+// Div, TruncDiv or FloorDiv by the rounding mode. Integer division checks for a zero divisor
+// first (a ValueError, not SIGFPE), which only the eager kernel does.
+Lowering div_lowering() {
+  return lowering::Pointwise{[](ScalarExprBuilder& b) {
+    const DType out = b.output_dtype();
+    if (!is_floating_point(out)) return -1;
+    const char* functor = "Div";
+    if (const auto* mode = std::get_if<std::string>(&b.attr(0))) {
+      if (*mode != "trunc" && *mode != "floor") return -1;
+      functor = *mode == "trunc" ? "TruncDiv" : "FloorDiv";
+    }
+    return b.call(detail::functor_call(functor, 2), {b.input(0, out), b.input(1, out)}, out);
+  }};
+}
+
+// pow by a host scalar takes eager's shortcuts (0.5 → sqrt, -1 → reciprocal, ...), whose special
+// values differ from std::pow's: eager runs it.
+Lowering pow_lowering() {
+  lowering::Pointwise pow = detail::functor_in_output_dtype("Pow", 2);
+  return lowering::Pointwise{[f = std::move(pow.expr)](ScalarExprBuilder& b) {
+    return b.input_is_host_scalar(1) ? -1 : f(b);
+  }};
+}
+
+// Integer remainder checks for a zero divisor first, as integer division does.
+Lowering remainder_lowering() {
+  lowering::Pointwise remainder = detail::functor_in_output_dtype("Remainder", 2);
+  return lowering::Pointwise{[f = std::move(remainder.expr)](ScalarExprBuilder& b) {
+    return is_floating_point(b.output_dtype()) ? f(b) : -1;
+  }};
+}
+
+const OpDef& kAdd = register_op(binary_def("add", "add(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
+                                           add_rule, add_derivative(), add_lowering(false)));
+const OpDef& kSub = register_op(binary_def("sub", "sub(Tensor self, Tensor other, *, Scalar alpha=1) -> Tensor",
+                                           sub_rule, sub_derivative(), add_lowering(true)));
 const OpDef& kDiv = register_op(
     binary_def("div", "div(Tensor self, Tensor other, *, str? rounding_mode=None) -> Tensor", div_rule,
-               div_derivative()));
-const OpDef& kPow =
-    register_op(binary_def("pow", "pow(Tensor self, Tensor exponent) -> Tensor", pow_rule, pow_derivative()));
+               div_derivative(), div_lowering()));
+const OpDef& kPow = register_op(
+    binary_def("pow", "pow(Tensor self, Tensor exponent) -> Tensor", pow_rule, pow_derivative(), pow_lowering()));
 const OpDef& kRemainder =
     register_op(binary_def("remainder", "remainder(Tensor self, Tensor other) -> Tensor", no_bool_rule,
-                           remainder_derivative()));
-const OpDef& kMaximum = register_op(
-    binary_def("maximum", "maximum(Tensor self, Tensor other) -> Tensor", keep, max_min_derivative(true)));
-const OpDef& kMinimum = register_op(
-    binary_def("minimum", "minimum(Tensor self, Tensor other) -> Tensor", keep, max_min_derivative(false)));
-const OpDef& kAtan2 = register_op(
-    binary_def("atan2", "atan2(Tensor self, Tensor other) -> Tensor", to_float, atan2_derivative()));
-const OpDef& kEq = register_op(binary_def("eq", "eq(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kNe = register_op(binary_def("ne", "ne(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kLt = register_op(binary_def("lt", "lt(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kLe = register_op(binary_def("le", "le(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kGt = register_op(binary_def("gt", "gt(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kGe = register_op(binary_def("ge", "ge(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kLogicalAnd =
-    register_op(binary_def("logical_and", "logical_and(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kLogicalOr =
-    register_op(binary_def("logical_or", "logical_or(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kLogicalXor =
-    register_op(binary_def("logical_xor", "logical_xor(Tensor self, Tensor other) -> Tensor", to_bool));
-const OpDef& kBitwiseAnd =
-    register_op(binary_def("bitwise_and", "bitwise_and(Tensor self, Tensor other) -> Tensor", bitwise_rule));
-const OpDef& kBitwiseOr =
-    register_op(binary_def("bitwise_or", "bitwise_or(Tensor self, Tensor other) -> Tensor", bitwise_rule));
-const OpDef& kBitwiseXor =
-    register_op(binary_def("bitwise_xor", "bitwise_xor(Tensor self, Tensor other) -> Tensor", bitwise_rule));
-const OpDef& kLeftShift = register_op(binary_def(
-    "bitwise_left_shift", "bitwise_left_shift(Tensor self, Tensor other) -> Tensor", shift_rule));
-const OpDef& kRightShift = register_op(binary_def(
-    "bitwise_right_shift", "bitwise_right_shift(Tensor self, Tensor other) -> Tensor", shift_rule));
+                           remainder_derivative(), remainder_lowering()));
+
+// ---- the ops of KILN_BINARY_POINTWISE_OPS ----
+
+// The output dtype by the `rule` column of pointwise_list.h.
+DTypeRule binary_rule(std::string_view rule) {
+  if (rule == "keep") return keep;
+  if (rule == "floating") return to_float;
+  if (rule == "compare") return to_bool;
+  if (rule == "bitwise") return bitwise_rule;
+  return shift_rule;
+}
+
+OpDef listed_binary_def(const char* name, const char* functor, std::string_view rule, Derivative derivative) {
+  std::string schema = std::string(name) + "(Tensor self, Tensor other) -> Tensor";
+  Lowering lowering = rule == "compare" ? Lowering(detail::functor_in_common_dtype(functor))
+                                        : Lowering(detail::functor_in_output_dtype(functor, 2));
+  return binary_def(name, std::move(schema), binary_rule(rule), std::move(derivative), std::move(lowering));
+}
+
+// k<Functor> for every line of KILN_BINARY_POINTWISE_OPS (kMul, kLogicalAnd, ...).
+#define KILN_DEFINE_BINARY(name, Functor, rule, derivative) \
+  const OpDef& k##Functor = register_op(listed_binary_def(#name, #Functor, #rule, derivative()));
+KILN_BINARY_POINTWISE_OPS(KILN_DEFINE_BINARY)
+#undef KILN_DEFINE_BINARY
 
 Attr rounding_attr(const std::optional<std::string>& mode) { return mode ? Attr(*mode) : Attr(); }
 
@@ -341,6 +395,7 @@ Tensor remainder(const Tensor& a, const Tensor& b) { return call_op1(kRemainder,
 Tensor remainder(const Tensor& a, Scalar b) { return call_op1(kRemainder, {a, wrap(b)}); }
 Tensor maximum(const Tensor& a, const Tensor& b) { return call_op1(kMaximum, {a, b}); }
 Tensor minimum(const Tensor& a, const Tensor& b) { return call_op1(kMinimum, {a, b}); }
+Tensor hypot(const Tensor& a, const Tensor& b) { return call_op1(kHypot, {a, b}); }
 Tensor atan2(const Tensor& a, const Tensor& b) { return call_op1(kAtan2, {a, b}); }
 Tensor eq(const Tensor& a, const Tensor& b) { return call_op1(kEq, {a, b}); }
 Tensor eq(const Tensor& a, Scalar b) { return call_op1(kEq, {a, wrap(b)}); }

@@ -10,6 +10,7 @@
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
+#include "ops/pointwise_lowering.h"
 #include "ops/meta_checks.h"
 #include "kiln/ops.h"
 
@@ -55,7 +56,10 @@ const OpDef& kWhere = register_op(OpDef{
                      return {Tensor(), c.needs_grad(1) ? where(cond, c.grad(), 0) : Tensor(),
                              c.needs_grad(2) ? where(cond, 0, c.grad()) : Tensor()};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const DType out = b.output_dtype();
+      return b.call(detail::functor_call("Where", 3), {b.input(0, DType::bool_), b.input(1, out), b.input(2, out)}, out);
+    }},
 });
 
 // clamp_backward and clamp_backward_min_max (PyTorch): self gets the gradient where
@@ -99,7 +103,15 @@ const OpDef& kClamp = register_op(OpDef{
                               "max: where(self > max | max < min, grad, 0)",
                    .save_inputs = {0, 1, 2},
                    .fn = clamp_backward},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const DType out = b.output_dtype();
+      const int x = b.input(0, out);
+      const bool lo = b.has_input(1), hi = b.num_inputs() > 2 && b.has_input(2);
+      if (lo && hi) return b.call(detail::functor_call("Clamp", 3), {x, b.input(1, out), b.input(2, out)}, out);
+      if (lo) return b.call(detail::functor_call("ClampMin", 2), {x, b.input(1, out)}, out);
+      if (hi) return b.call(detail::functor_call("ClampMax", 2), {x, b.input(2, out)}, out);
+      return x;
+    }},
 });
 
 // lerp(self, end, weight): weight is a tensor or a wrapped scalar.
@@ -133,7 +145,7 @@ const OpDef& kLerp = register_op(OpDef{
                              c.needs_grad(1) ? c.grad() * weight : Tensor(),
                              c.needs_grad(2) ? c.grad() * (c.input(1) - c.input(0)) : Tensor()};
                    }},
-    .lowering = "pointwise",
+    .lowering = detail::functor_in_output_dtype("Lerp", 3),
 });
 
 DType addc_dtype(const OpCall& c) {
@@ -159,7 +171,11 @@ const OpDef& kAddcmul = register_op(OpDef{
                      return {c.grad(), c.needs_grad(1) ? c.grad() * (c.input(2) * value) : Tensor(),
                              c.needs_grad(2) ? c.grad() * (c.input(1) * value) : Tensor()};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const DType out = b.output_dtype();
+      std::string code = std::string("kiln::math::Addcmul<") + detail::c_type_name(out) + ">{$0}($1, $2, $3)";
+      return b.call(std::move(code), {b.scalar_attr(0, out), b.input(0, out), b.input(1, out), b.input(2, out)}, out);
+    }},
 });
 
 const OpDef& kAddcdiv = register_op(OpDef{
@@ -184,7 +200,11 @@ const OpDef& kAddcdiv = register_op(OpDef{
                      return {c.grad(), c.needs_grad(1) ? c.grad() * (value / t2) : Tensor(),
                              c.needs_grad(2) ? neg(c.grad()) * (value * t1 / (t2 * t2)) : Tensor()};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const DType out = b.output_dtype();
+      std::string code = std::string("kiln::math::Addcdiv<") + detail::c_type_name(out) + ">{$0}($1, $2, $3)";
+      return b.call(std::move(code), {b.scalar_attr(0, out), b.input(0, out), b.input(1, out), b.input(2, out)}, out);
+    }},
 });
 
 // masked_fill(self, mask, value): value is a 0-dim tensor (a wrapped scalar for the Scalar form).
@@ -209,7 +229,10 @@ const OpDef& kMaskedFill = register_op(OpDef{
                      return {c.needs_grad(0) ? masked_fill(c.grad(), mask, 0) : Tensor(), Tensor(),
                              c.needs_grad(2) ? where(mask, c.grad(), 0).sum() : Tensor()};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const DType out = b.output_dtype();
+      return b.call(detail::functor_call("Where", 3), {b.input(1, DType::bool_), b.input(2, out), b.input(0, out)}, out);
+    }},
 });
 
 Tensor bound(const std::optional<Scalar>& s) { return s ? wrap(*s) : Tensor(); }

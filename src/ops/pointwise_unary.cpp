@@ -13,6 +13,8 @@
 #include "kiln/op_table.h"
 #include "kiln/ops.h"
 #include "ops/meta_checks.h"
+#include "ops/pointwise_list.h"
+#include "ops/pointwise_lowering.h"
 
 namespace kiln {
 
@@ -26,25 +28,32 @@ TensorMeta unary_meta(const OpCall& c, DType dtype) {
   return TensorMeta{std::move(sizes), std::move(strides), dtype, x.device()};
 }
 
+// How the output dtype follows the input's (the `rule` column of pointwise_list.h).
 enum class UnaryRule {
-  floating,      // integer/bool → default float dtype
-  keep_numeric,  // same dtype; bool rejected
-  keep_all,      // same dtype, bool included
-  to_bool,       // bool result
-  bitwise,       // integers and bool; floating rejected
+  floating,   // integer/bool → default float dtype
+  numeric,    // same dtype; bool rejected
+  negation,   // as numeric, with the message for `-`
+  any,        // same dtype, bool included
+  predicate,  // bool result, computed in the input's dtype
+  bitwise,    // integers and bool; floating rejected
 };
 
 DType unary_dtype(const std::string& name, UnaryRule rule, DType in) {
   switch (rule) {
     case UnaryRule::floating:
       return is_integral(in, /*include_bool=*/true) ? default_dtype() : in;
-    case UnaryRule::keep_numeric:
+    case UnaryRule::numeric:
       KILN_CHECK(in != kBool, DTypeError,
                  "[kiln::" + name + "] not implemented for bool. Convert the input with .to(...) first.");
       return in;
-    case UnaryRule::keep_all:
+    case UnaryRule::negation:
+      KILN_CHECK(in != kBool, DTypeError,
+                 "[kiln::neg] Negation, the `-` operator, on a bool tensor is not supported. "
+                 "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.");
       return in;
-    case UnaryRule::to_bool:
+    case UnaryRule::any:
+      return in;
+    case UnaryRule::predicate:
       return kBool;
     case UnaryRule::bitwise:
       KILN_CHECK(is_integral(in, /*include_bool=*/true), DTypeError,
@@ -55,7 +64,8 @@ DType unary_dtype(const std::string& name, UnaryRule rule, DType in) {
   return in;
 }
 
-OpDef unary_def(std::string name, UnaryRule rule, Derivative derivative = {}) {
+// An op of KILN_UNARY_POINTWISE_OPS: `name(Tensor self) -> Tensor`, out = functor(self).
+OpDef unary_def(std::string name, const char* functor, UnaryRule rule, Derivative derivative) {
   std::string schema = name + "(Tensor self) -> Tensor";
   return OpDef{
       .name = name,
@@ -66,7 +76,8 @@ OpDef unary_def(std::string name, UnaryRule rule, Derivative derivative = {}) {
       },
       .pointwise = true,
       .derivative = std::move(derivative),
-      .lowering = "pointwise",
+      .lowering = rule == UnaryRule::predicate ? detail::functor_in_input_dtype(functor)
+                                               : detail::functor_in_output_dtype(functor, 1),
   };
 }
 
@@ -118,24 +129,83 @@ Tensor gelu_backward(const Tensor& grad, const Tensor& self, const std::string& 
   return g * (cdf + x * pdf);
 }
 
-Derivative kNegDerivative{.formula = "self: -grad",
-                          .fn = [](const BackwardContext& c) -> TensorList { return {neg(c.grad())}; }};
+// ---- the derivatives named in KILN_UNARY_POINTWISE_OPS ----
 
-const OpDef& kNeg = register_op(OpDef{
-    .name = "neg",
-    .schema = "neg(Tensor self) -> Tensor",
-    .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
-      const Tensor& x = c.input(0);
-      KILN_CHECK(x.dtype() != kBool, DTypeError,
-                 "[kiln::neg] Negation, the `-` operator, on a bool tensor is not supported. "
-                 "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead.");
-      return {unary_meta(c, x.dtype())};
-    },
-    .pointwise = true,
-    .derivative = kNegDerivative,
-    .lowering = "pointwise",
-});
+Derivative no_derivative() { return {}; }
+Derivative zero_derivative() { return zero_gradient(); }
+Derivative neg_derivative() {
+  return {.formula = "self: -grad", .fn = [](const BackwardContext& c) -> TensorList { return {neg(c.grad())}; }};
+}
+Derivative abs_derivative() {
+  return of_input("self: grad * self.sign()", [](const Tensor& g, const Tensor& x) { return g * sign(x); });
+}
+Derivative exp_derivative() {
+  return of_result("self: grad * result", [](const Tensor& g, const Tensor& y) { return g * y; });
+}
+Derivative log_derivative() {
+  return of_input("self: grad / self", [](const Tensor& g, const Tensor& x) { return g / x; });
+}
+Derivative log1p_derivative() {
+  return of_input("self: grad / (self + 1)", [](const Tensor& g, const Tensor& x) { return g / (x + 1); });
+}
+Derivative expm1_derivative() {
+  return of_result("self: grad * (result + 1)", [](const Tensor& g, const Tensor& y) { return g * (y + 1); });
+}
+Derivative sin_derivative() {
+  return of_input("self: grad * self.cos()", [](const Tensor& g, const Tensor& x) { return g * cos(x); });
+}
+Derivative cos_derivative() {
+  return of_input("self: grad * -self.sin()", [](const Tensor& g, const Tensor& x) { return g * neg(sin(x)); });
+}
+Derivative tan_derivative() {
+  return of_result("self: grad * (1 + result.pow(2))", [](const Tensor& g, const Tensor& y) { return g * (1 + y * y); });
+}
+Derivative tanh_derivative() {
+  return of_result("self: tanh_backward(grad, result) = grad * (1 - result * result)",
+                   [](const Tensor& g, const Tensor& y) { return g * (1 - y * y); });
+}
+Derivative sigmoid_derivative() {
+  return of_result("self: sigmoid_backward(grad, result) = grad * (1 - result) * result",
+                   [](const Tensor& g, const Tensor& y) { return g * (1 - y) * y; });
+}
+Derivative relu_derivative() {
+  return of_result("self: threshold_backward(grad, result, 0) = where(result <= 0, 0, grad)",
+                   [](const Tensor& g, const Tensor& y) { return where(le(y, 0), 0, g); });
+}
+Derivative silu_derivative() {
+  return of_input("self: silu_backward(grad, self) = grad * sigmoid(self) * (1 + self * (1 - sigmoid(self)))",
+                  [](const Tensor& g, const Tensor& self) {
+                    Tensor x = opmath(self);
+                    Tensor s = sigmoid(x);
+                    return opmath(g) * s * (1 + x * (1 - s));
+                  });
+}
+Derivative sqrt_derivative() {
+  return of_result("self: grad / (2 * result)", [](const Tensor& g, const Tensor& y) { return g / (2 * y); });
+}
+Derivative rsqrt_derivative() {
+  return of_result("self: -0.5 * grad * result.pow(3)",
+                   [](const Tensor& g, const Tensor& y) { return -0.5 * g * (y * y * y); });
+}
+Derivative reciprocal_derivative() {
+  return of_result("self: -grad * (result * result)", [](const Tensor& g, const Tensor& y) { return neg(g) * (y * y); });
+}
+Derivative erf_derivative() {
+  return of_input("self: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad", [](const Tensor& g, const Tensor& self) {
+    Tensor x = opmath(self);
+    return M_2_SQRTPI * exp(neg(x * x)) * opmath(g);
+  });
+}
 
+// ---- the ops ----
+
+// k<Name> for every line of KILN_UNARY_POINTWISE_OPS (kExp, kLogicalNot, ...).
+#define KILN_DEFINE_UNARY(name, Functor, rule, derivative) \
+  const OpDef& k##Functor = register_op(unary_def(#name, #Functor, UnaryRule::rule, derivative()));
+KILN_UNARY_POINTWISE_OPS(KILN_DEFINE_UNARY)
+#undef KILN_DEFINE_UNARY
+
+// gelu: Gelu or GeluTanh by its `approximate` attr.
 const OpDef& kGelu = register_op(OpDef{
     .name = "gelu",
     .schema = "gelu(Tensor self, *, str approximate='none') -> Tensor",
@@ -152,75 +222,13 @@ const OpDef& kGelu = register_op(OpDef{
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {gelu_backward(c.grad(), c.input(0), c.string_attr(0))};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) {
+      const auto* approximate = std::get_if<std::string>(&b.attr(0));
+      if (!approximate) return -1;
+      const DType out = b.output_dtype();
+      return b.call(detail::functor_call(*approximate == "tanh" ? "GeluTanh" : "Gelu", 1), {b.input(0, out)}, out);
+    }},
 });
-
-const OpDef& kAbs = register_op(unary_def(
-    "abs", UnaryRule::keep_numeric,
-    of_input("self: grad * self.sign()", [](const Tensor& g, const Tensor& x) { return g * sign(x); })));
-const OpDef& kExp = register_op(unary_def(
-    "exp", UnaryRule::floating, of_result("self: grad * result", [](const Tensor& g, const Tensor& y) { return g * y; })));
-const OpDef& kLog = register_op(unary_def(
-    "log", UnaryRule::floating, of_input("self: grad / self", [](const Tensor& g, const Tensor& x) { return g / x; })));
-const OpDef& kLog1p = register_op(unary_def(
-    "log1p", UnaryRule::floating,
-    of_input("self: grad / (self + 1)", [](const Tensor& g, const Tensor& x) { return g / (x + 1); })));
-const OpDef& kExpm1 = register_op(unary_def(
-    "expm1", UnaryRule::floating,
-    of_result("self: grad * (result + 1)", [](const Tensor& g, const Tensor& y) { return g * (y + 1); })));
-const OpDef& kSin = register_op(unary_def(
-    "sin", UnaryRule::floating,
-    of_input("self: grad * self.cos()", [](const Tensor& g, const Tensor& x) { return g * cos(x); })));
-const OpDef& kCos = register_op(unary_def(
-    "cos", UnaryRule::floating,
-    of_input("self: grad * -self.sin()", [](const Tensor& g, const Tensor& x) { return g * neg(sin(x)); })));
-const OpDef& kTan = register_op(unary_def(
-    "tan", UnaryRule::floating,
-    of_result("self: grad * (1 + result.pow(2))", [](const Tensor& g, const Tensor& y) { return g * (1 + y * y); })));
-const OpDef& kTanh = register_op(unary_def(
-    "tanh", UnaryRule::floating,
-    of_result("self: tanh_backward(grad, result) = grad * (1 - result * result)",
-              [](const Tensor& g, const Tensor& y) { return g * (1 - y * y); })));
-const OpDef& kSigmoid = register_op(unary_def(
-    "sigmoid", UnaryRule::floating,
-    of_result("self: sigmoid_backward(grad, result) = grad * (1 - result) * result",
-              [](const Tensor& g, const Tensor& y) { return g * (1 - y) * y; })));
-const OpDef& kRelu = register_op(unary_def(
-    "relu", UnaryRule::keep_numeric,
-    of_result("self: threshold_backward(grad, result, 0) = where(result <= 0, 0, grad)",
-              [](const Tensor& g, const Tensor& y) { return where(le(y, 0), 0, g); })));
-const OpDef& kSilu = register_op(unary_def(
-    "silu", UnaryRule::floating,
-    of_input("self: silu_backward(grad, self) = grad * sigmoid(self) * (1 + self * (1 - sigmoid(self)))",
-             [](const Tensor& g, const Tensor& self) {
-               Tensor x = opmath(self);
-               Tensor s = sigmoid(x);
-               return opmath(g) * s * (1 + x * (1 - s));
-             })));
-const OpDef& kSqrt = register_op(unary_def(
-    "sqrt", UnaryRule::floating,
-    of_result("self: grad / (2 * result)", [](const Tensor& g, const Tensor& y) { return g / (2 * y); })));
-const OpDef& kRsqrt = register_op(unary_def(
-    "rsqrt", UnaryRule::floating,
-    of_result("self: -0.5 * grad * result.pow(3)",
-              [](const Tensor& g, const Tensor& y) { return -0.5 * g * (y * y * y); })));
-const OpDef& kReciprocal = register_op(unary_def(
-    "reciprocal", UnaryRule::floating,
-    of_result("self: -grad * (result * result)", [](const Tensor& g, const Tensor& y) { return neg(g) * (y * y); })));
-const OpDef& kSign = register_op(unary_def("sign", UnaryRule::keep_all, zero_gradient()));
-const OpDef& kFloor = register_op(unary_def("floor", UnaryRule::keep_numeric, zero_gradient()));
-const OpDef& kCeil = register_op(unary_def("ceil", UnaryRule::keep_numeric, zero_gradient()));
-const OpDef& kRound = register_op(unary_def("round", UnaryRule::keep_numeric, zero_gradient()));
-const OpDef& kErf = register_op(unary_def(
-    "erf", UnaryRule::floating,
-    of_input("self: 2.0 / sqrt(M_PI) * exp(-(self.pow(2))) * grad", [](const Tensor& g, const Tensor& self) {
-      Tensor x = opmath(self);
-      return M_2_SQRTPI * exp(neg(x * x)) * opmath(g);
-    })));
-const OpDef& kLogicalNot = register_op(unary_def("logical_not", UnaryRule::to_bool));
-const OpDef& kIsNan = register_op(unary_def("isnan", UnaryRule::to_bool));
-const OpDef& kIsFinite = register_op(unary_def("isfinite", UnaryRule::to_bool));
-const OpDef& kBitwiseNot = register_op(unary_def("bitwise_not", UnaryRule::bitwise));
 
 Tensor& in_place(const OpDef& op, Tensor& self) {
   Tensor out[1] = {self};

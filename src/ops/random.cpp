@@ -101,7 +101,7 @@ const OpDef& kUniform = register_op({
     },
     .pointwise = true,
     .derivative = no_inputs_derivative(),
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {3, 4},  // seed, offset
 });
 
@@ -121,7 +121,7 @@ const OpDef& kNormal = register_op({
     },
     .pointwise = true,
     .derivative = no_inputs_derivative(),
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {3, 4},  // seed, offset
 });
 
@@ -164,7 +164,7 @@ const OpDef& kRandint = register_op({
       return {m};
     },
     .pointwise = true,
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {3, 4},  // seed, offset
 });
 
@@ -180,7 +180,7 @@ const OpDef& kBernoulli = register_op({
     },
     .pointwise = true,
     .derivative = zero_sample_derivative(),
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {0, 1},  // seed, offset
 });
 
@@ -195,7 +195,7 @@ const OpDef& kBernoulliP = register_op({
     },
     .pointwise = true,
     .derivative = zero_sample_derivative(),
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {1, 2},  // seed, offset
 });
 
@@ -223,7 +223,7 @@ const OpDef& kNativeDropout = register_op({
                      double scale = !train ? 1.0 : (p == 1.0 ? 0.0 : 1.0 / (1.0 - p));
                      return {mul(c.grad() * c.output(1), scale)};
                    }},
-    .lowering = "decomposition",
+    .lowering = lowering::Extern{},
     .runtime_attrs = {2, 3},  // seed, offset
 });
 

@@ -91,7 +91,7 @@ const OpDef& kArange = register_op({
       int64_t n = arange_size(c.scalar_attr(0), c.scalar_attr(1), c.scalar_attr(2), t);
       return {TensorMeta{{n}, {}, t, c.device_attr(4)}};
     },
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
 });
 
 // linspace(start, end, steps, *, dtype, device): steps evenly spaced values from start to end.
@@ -108,7 +108,7 @@ const OpDef& kLinspace = register_op({
                  "[kiln::linspace] linspace is not implemented for dtype bool. Use an integer or floating dtype.");
       return {TensorMeta{{steps}, {}, t, c.device_attr(4)}};
     },
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
 });
 
 // eye(n, m, *, dtype, device): ones on the main diagonal of an n x m matrix.
@@ -123,7 +123,7 @@ const OpDef& kEye = register_op({
       detail::checked_numel({n, m}, "eye");
       return {TensorMeta{{n, m}, {}, c.dtype_attr(2), c.device_attr(3)}};
     },
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
 });
 
 Tensor finish(Tensor t, const TensorOptions& o) {

@@ -11,6 +11,7 @@
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/op_table.h"
+#include "ops/decompositions.h"
 #include "kiln/ops.h"
 
 namespace kiln {
@@ -207,7 +208,7 @@ const OpDef& kSum = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {sum_backward(c.grad(), c.input_info[0].sizes, c.ints_attr(0), c.bool_attr(1))};
                    }},
-    .lowering = "reduction",
+    .lowering = lowering::Reduction{ReduceOp::sum},
 });
 
 const OpDef& kMean = register_op({
@@ -226,7 +227,7 @@ const OpDef& kMean = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {mean_backward(c.grad(), c.input_info[0].sizes, c.ints_attr(0), c.bool_attr(1))};
                    }},
-    .lowering = "reduction",
+    .lowering = lowering::Reduction{ReduceOp::sum, /*mean=*/true},
 });
 
 const OpDef& kProd = register_op({
@@ -244,7 +245,7 @@ const OpDef& kProd = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {prod_backward(c)};
                    }},
-    .lowering = "reduction",
+    .lowering = lowering::Extern{},
 });
 
 // ---------------- max, min, amax, amin ----------------
@@ -269,7 +270,7 @@ OpDef extremum_all_def(const std::string& name) {
                        Tensor mask = isnan(value).item<bool>() ? isnan(x) : eq(x, value);
                        return {where(mask, c.grad() / mask.sum(), Scalar(0.0))};
                      }},
-      .lowering = "reduction",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -301,7 +302,7 @@ OpDef extremum_dim_def(const std::string& name) {
                        Tensor z = zeros(c.input_info[0].sizes, TensorOptions(g.dtype(), g.device()));
                        return {scatter(z, dim, indices, g)};
                      }},
-      .lowering = "reduction",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -328,7 +329,7 @@ OpDef amax_like_def(const std::string& name) {
                        Tensor hit = eq(restore_reduced(c.output(0), mask, keepdim), x);
                        return {(g / hit.sum(c.ints_attr(0), true)) * hit.to(g.dtype())};
                      }},
-      .lowering = "reduction",
+      .lowering = lowering::Reduction{name == "amax" ? ReduceOp::max : ReduceOp::min},
   };
 }
 
@@ -351,7 +352,7 @@ OpDef argmax_like_def(const std::string& name) {
         check_reduced_dims_nonempty(x, mask, name);
         return {out_meta(x, reduced_sizes(x, mask, keepdim), kInt64)};
       },
-      .lowering = "reduction",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -418,7 +419,7 @@ OpDef moments_def(const std::string& name, bool with_mean) {
         return out;
       },
       .derivative = moments_derivative(name),
-      .lowering = "reduction",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -488,7 +489,7 @@ const OpDef& kNorm = register_op({
                    .save_inputs = {0},
                    .save_outputs = {0},
                    .fn = [](const BackwardContext& c) -> TensorList { return {norm_backward(c)}; }},
-    .lowering = "reduction",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kLogsumexp = register_op({
@@ -512,7 +513,7 @@ const OpDef& kLogsumexp = register_op({
                      Tensor r = restore_reduced(c.output(0), mask, keepdim);
                      return {g * exp(x - r)};
                    }},
-    .lowering = "decomposition",
+    .lowering = detail::logsumexp_decomposition(),
 });
 
 // ---------------- any, all ----------------
@@ -528,7 +529,7 @@ OpDef any_all_def(const std::string& name) {
         DType t = x.dtype() == kUInt8 ? kUInt8 : kBool;
         return {out_meta(x, reduced_sizes(x, mask, c.bool_attr(1)), t)};
       },
-      .lowering = "reduction",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -558,7 +559,7 @@ const OpDef& kCumsum = register_op({
                      Tensor rev = arange(n - 1, -1, -1, TensorOptions(kInt64, g.device()));
                      return {index_select(cumsum(index_select(g, dim, rev), dim), dim, rev)};
                    }},
-    .lowering = "extern",
+    .lowering = lowering::Extern{},
 });
 
 OpDef softmax_def(const std::string& name) {
@@ -582,7 +583,7 @@ OpDef softmax_def(const std::string& name) {
                        const OpDef& op = name == "softmax" ? softmax_backward_op() : log_softmax_backward_op();
                        return {call_op1(op, {c.grad(), c.output(0)}, {c.attrs[0], c.input_info[0].dtype})};
                      }},
-      .lowering = "decomposition",
+      .lowering = detail::softmax_decomposition(name == "log_softmax"),
   };
 }
 
@@ -654,7 +655,7 @@ OpDef softmax_backward_def(const std::string& name) {
         return {out_meta(y, y.sizes().vec(), c.dtype_attr(1))};
       },
       .derivative = std::move(d),
-      .lowering = "extern",
+      .lowering = lowering::Extern{},
   };
 }
 

@@ -124,7 +124,7 @@ const OpDef& kCat = register_op({
                      }
                      return out;
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& constant_pad_op();
@@ -164,7 +164,7 @@ const OpDef& kConstantPad = register_op({
                      for (int64_t& p : neg) p = -p;
                      return {call_op1(constant_pad_op(), {c.grad()}, {std::move(neg), Scalar(0)})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& constant_pad_op() { return kConstantPad; }
@@ -220,7 +220,7 @@ OpDef mode_pad_def(const std::string& name, int64_t k, bool reflect) {
                      .fn = [backward](const BackwardContext& c) -> TensorList {
                        return {call_op1(*backward, {c.grad()}, {c.input_info[0].sizes, c.attrs[0]})};
                      }},
-      .lowering = "index",
+      .lowering = lowering::Extern{},
   };
 }
 
@@ -265,7 +265,7 @@ OpDef mode_pad_backward_def(const std::string& forward_name, int64_t k, bool ref
                      .fn = [forward](const BackwardContext& c) -> TensorList {
                        return {call_op1(*forward, {c.grad()}, {c.attrs[1]})};
                      }},
-      .lowering = "extern",
+      .lowering = lowering::Extern{},
   };
 }
 

@@ -43,7 +43,7 @@ const OpDef& kView = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {c.grad().reshape(c.input_info[0].sizes)};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 const OpDef& kPermute = register_op({
@@ -73,7 +73,7 @@ const OpDef& kPermute = register_op({
                      for (int64_t i = 0; i < n; ++i) inverse[wrap_dim(dims[i], n, "permute")] = i;
                      return {c.grad().permute(inverse)};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 const OpDef& kExpand = register_op({
@@ -117,7 +117,7 @@ const OpDef& kExpand = register_op({
     },
     .derivative = {.formula = "self: grad.sum_to(self.sizes())",
                    .fn = [](const BackwardContext& c) -> TensorList { return {c.grad()}; }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 // slice(self, dim, start, stop, step): Python slice semantics (clamped, negative from the end).
@@ -152,7 +152,7 @@ const OpDef& kSlice = register_op({
                      return {call_op1(slice_backward_op(), {c.grad()},
                                       {c.input_info[0].sizes, c.attrs[0], c.attrs[1], c.attrs[2], c.attrs[3]})};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 const OpDef& kSelect = register_op({
@@ -181,7 +181,7 @@ const OpDef& kSelect = register_op({
                      return {call_op1(select_backward_op(), {c.grad()},
                                       {c.input_info[0].sizes, c.attrs[0], c.attrs[1]})};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 // squeeze(self, dims): removes the listed dims of size 1 (all size-1 dims when dims is empty).
@@ -204,7 +204,7 @@ const OpDef& kSqueeze = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {c.grad().reshape(c.input_info[0].sizes)};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 const OpDef& kUnsqueeze = register_op({
@@ -225,7 +225,7 @@ const OpDef& kUnsqueeze = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {c.grad().reshape(c.input_info[0].sizes)};
                    }},
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 const OpDef& kAsStrided = register_op({
@@ -252,7 +252,7 @@ const OpDef& kAsStrided = register_op({
                      std::to_string(capacity) + " elements.");
       return {view_meta(x, sizes.vec(), strides.vec(), offset)};
     },
-    .lowering = "view",
+    .lowering = lowering::View{},
 });
 
 // copy(src, dtype, device, channels_last): a new tensor with src's values converted, row-major
@@ -274,7 +274,7 @@ const OpDef& kCopy = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {c.grad().to(c.input_info[0].device, c.input_info[0].dtype)};
                    }},
-    .lowering = "pointwise",
+    .lowering = lowering::Pointwise{[](ScalarExprBuilder& b) { return b.input(0, b.output_dtype()); }},
 });
 
 // fill(value, size, dtype, device): a tensor of `size` filled with the 0-dim `value`.
@@ -292,7 +292,7 @@ const OpDef& kFill = register_op({
     .overlapping_output_ok = true,
     .derivative = {.formula = "value: grad.sum()",
                    .fn = [](const BackwardContext& c) -> TensorList { return {c.grad().sum()}; }},
-    .lowering = "pointwise",
+    .lowering = lowering::Extern{},
 });
 
 // The derivatives of slice and select: a zero tensor of the input's shape with the gradient
@@ -308,7 +308,7 @@ const OpDef& kSliceBackward = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {call_op1(kSlice, {c.grad()}, {c.attrs[1], c.attrs[2], c.attrs[3], c.attrs[4]})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& kSelectBackward = register_op({
@@ -321,7 +321,7 @@ const OpDef& kSelectBackward = register_op({
                    .fn = [](const BackwardContext& c) -> TensorList {
                      return {call_op1(kSelect, {c.grad()}, {c.attrs[1], c.attrs[2]})};
                    }},
-    .lowering = "index",
+    .lowering = lowering::Extern{},
 });
 
 const OpDef& slice_backward_op() { return kSliceBackward; }

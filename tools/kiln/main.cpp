@@ -66,7 +66,7 @@ int run_ops(const std::vector<std::string>& args) {
     nlohmann::json j = nlohmann::json::array();
     for (const auto* op : ops)
       j.push_back({{"name", op->name}, {"schema", op->schema}, {"devices", devices_of(*op)},
-                   {"derivative", op->derivative.formula}, {"lowering", op->lowering}});
+                   {"derivative", op->derivative.formula}, {"lowering", kiln::lowering_name(op->lowering)}});
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -80,7 +80,7 @@ int run_ops(const std::vector<std::string>& args) {
   for (const auto* op : ops) {
     std::cout << fmt::format("{:<{}}  {:<{}}  {:<10}  {:<13}  {}\n", op->name, wname, devices_of(*op),
                              wdev, op->derivative ? "yes" : "-",
-                             op->lowering.empty() ? "-" : op->lowering, op->schema);
+                             kiln::lowering_name(op->lowering), op->schema);
   }
   std::cout << ops.size() << " ops\n";
   return 0;

@@ -534,6 +534,11 @@ struct Atan2 {
   template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return std::atan2(a, b); }
 };
 
+// sqrt(a² + b²) without overflow or underflow in the squares (C's hypot; inf if either is inf).
+struct Hypot {
+  template <class T> KILN_HD KILN_MATH_INLINE T operator()(T a, T b) const { return std::hypot(a, b); }
+};
+
 struct Eq {
   template <class T> KILN_HD KILN_MATH_INLINE bool operator()(T a, T b) const { return a == b; }
 };

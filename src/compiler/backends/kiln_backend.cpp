@@ -12,6 +12,7 @@
 #include <fstream>
 
 #include "compiler/capture/runtime.h"
+#include "compiler/codegen/cpp/cpp_codegen.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "compiler/graph/passes.h"
 #include "compiler/graph/pipeline.h"
@@ -27,7 +28,7 @@ namespace {
 
 // KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
 void write_debug(const Graph& before, const lower::Program& p, const lower::MemoryPlan& plan,
-                 const std::vector<std::string>& sources, const std::vector<lower::CudaKernelSource>& cuda_sources) {
+                 const std::vector<std::string>& sources, const std::vector<codegen::CudaKernelSource>& cuda_sources) {
   const char* flag = std::getenv("KILN_COMPILE_DEBUG");
   if (!flag || std::string(flag) == "0") return;
   static std::atomic<int> counter{0};
@@ -76,11 +77,11 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     if (k.ops.size() > 6) ops += "+...";
     k.profile_name = "kernel[" + ops + "]";
   }
-  std::vector<std::string> sources = lower::generate_cpp(ex->program);
+  std::vector<std::string> sources = codegen::generate_cpp(ex->program);
   // Per Program kernel: the CUDA source of a kernel on a GPU (empty for CPU kernels).
-  std::vector<lower::CudaKernelSource> cuda_sources(ex->program.kernels.size());
+  std::vector<codegen::CudaKernelSource> cuda_sources(ex->program.kernels.size());
   for (size_t i = 0; i < cuda_sources.size(); ++i)
-    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = lower::generate_cuda(ex->program.kernels[i]);
+    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = codegen::generate_cuda(ex->program.kernels[i]);
   // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
   // max_autotune includes it too, as torch's max-autotune includes CUDA graphs (the static plan is
   // the CPU's counterpart); max_autotune_no_cudagraphs does not.

@@ -9,6 +9,7 @@
 #include "compiler/capture/runtime.h"
 #include "compiler/capture/segment.h"
 #include "core/dispatch.h"
+#include "core/layer_hooks.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"
@@ -49,6 +50,22 @@ inline void mix_value(uint64_t& h, const ValueInfo& v) {
 
 CaptureContext* active_capture() { return t_capture; }
 CaptureContext* exchange_capture(CaptureContext* ctx) { return std::exchange(t_capture, ctx); }
+
+// The dispatcher's calls into capture (core/layer_hooks.h), installed when the library loads.
+[[maybe_unused]] const bool g_capture_hooks_installed = [] {
+  kiln::detail::CaptureHooks& h = kiln::detail::capture_hooks;
+  h.active = [] { return static_cast<void*>(t_capture); };
+  h.run_op = [](void* cap, const OpDef& op, std::vector<Tensor>& inputs, std::vector<Attr>& attrs) {
+    return capture_op(*static_cast<CaptureContext*>(cap), op, inputs, attrs);
+  };
+  h.run_op_out = [](void* cap, const OpDef& op, std::vector<Tensor>& inputs, std::vector<Attr>& attrs,
+                    std::span<Tensor> outputs) {
+    capture_op_out(*static_cast<CaptureContext*>(cap), op, inputs, attrs, outputs);
+  };
+  h.host_read = [](std::string_view what) { host_read(what); };
+  h.exchange = [](void* cap) { return static_cast<void*>(exchange_capture(static_cast<CaptureContext*>(cap))); };
+  return true;
+}();
 
 SuspendCapture::SuspendCapture() : saved_(t_capture) { t_capture = nullptr; }
 SuspendCapture::~SuspendCapture() { t_capture = saved_; }
@@ -333,15 +350,8 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   std::vector<TensorMeta> metas = op.meta(call);
   kiln::detail::check_out_targets(op, metas, outputs);
 
-  bool record = autograd::recording(inputs);
-  if (!record && is_grad_enabled())
-    for (const Tensor& out : outputs) record |= out.requires_grad();
-  std::vector<Tensor> node_inputs;
-  std::vector<autograd::OverwrittenValue> overwritten;
-  if (record) {
-    node_inputs = autograd::prepare_inplace(op, inputs, outputs);  // may capture clones
-    overwritten = autograd::overwritten_history(inputs, outputs);  // before record() replaces grad_fn
-  }
+  // May capture clones of inputs that alias a target.
+  autograd::InplaceRecording recording = autograd::begin_inplace_recording(op, inputs, outputs);
 
   Segment& seg = cap.pending();
   std::vector<int> in_ids = value_ids(seg, inputs);
@@ -355,9 +365,9 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   if (op.mutates(OpCall(&op, inputs, attrs)))
     for (int i : op.mutated_inputs)
       if (inputs[i].defined()) bump_version(inputs[i]);
-  if (record) {
+  if (recording.record) {
     cap.autograd = true;
-    autograd::record(op, node_inputs, attrs, outputs, overwritten);
+    autograd::record(op, recording.node_inputs, attrs, outputs, recording.overwritten);
     tag_autograd_nodes(cap, outputs);
   }
 }

@@ -55,7 +55,7 @@ CustomOp custom_op(CustomOpDef def) {
   if (def.cpu_kernel) op.kernels[static_cast<int>(DeviceType::cpu)] = std::move(def.cpu_kernel);
   if (def.cuda_kernel) op.kernels[static_cast<int>(DeviceType::cuda)] = std::move(def.cuda_kernel);
   op.derivative = std::move(def.derivative);
-  op.lowering = "extern";  // opaque to the compiler: called as is, never traced into
+  op.lowering = lowering::Extern{};  // opaque to the compiler: called as is, never traced into
   return CustomOp(&register_op(std::move(op)));
 }
 

@@ -10,6 +10,7 @@
 
 #include "compiler/capture/runtime.h"
 #include "compiler/graph/format.h"
+#include "core/layer_hooks.h"
 
 namespace kiln::compiler {
 
@@ -110,7 +111,16 @@ void check_log_settings() {
   KILN_CHECK(error.empty(), ValueError, error);
 }
 
-void warn(const std::string& message) { log_stream() << "[kiln.compile] WARNING: " << message << "\n"; }
+void warn(const std::string& message) { kiln::detail::log_warning(message); }
+
+namespace {
+// Where the eager kernels' logs go (core/layer_hooks.h): this file's stream and options.
+[[maybe_unused]] const bool g_log_hooks_installed = [] {
+  kiln::detail::log_hooks.stream = []() -> std::ostream& { return log_stream(); };
+  kiln::detail::log_hooks.perf_hints = [] { return log_options().perf_hints; };
+  return true;
+}();
+}  // namespace
 
 void record_phase(const std::string& phase, double seconds) {
   Observe& o = observe();

@@ -8,7 +8,7 @@
 // graph's outputs when
 //   - only saved tensors of autograd nodes recorded in this segment hold it (no user handle, no
 //     view, no other node): counted by references, so anything uncounted keeps it saved;
-//   - the op that produced it is pointwise (OpDef::lowering), deterministic, writes nothing else;
+//   - the op that produced it is fusible (OpDef::is_fusible), deterministic, writes nothing else;
 //   - nothing writes the value's memory after its producer ran, nor the memory of what a recipe
 //     reads after the node that read it (in-place ops, mutated inputs, through aliases): a recipe
 //     replays its node on the values as they are after the graph;
@@ -40,7 +40,7 @@ namespace {
 
 bool cheap_to_recompute(const Node& n) {
   const OpDef& op = *n.op;
-  return !n.inplace && n.outputs.size() == 1 && op.kind == OpKind::compute && op.lowering == "pointwise" &&
+  return !n.inplace && n.outputs.size() == 1 && op.kind == OpKind::compute && op.is_fusible() &&
          op.mutated_inputs.empty() && op.runtime_attrs.empty();
 }
 

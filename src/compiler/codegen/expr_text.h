@@ -2,11 +2,14 @@
 #pragma once
 
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace kiln::compiler::lower {
+#include "kiln/lowering.h"
+
+namespace kiln::compiler::codegen {
 
 // prefix + n, built with += (GCC 12 warns falsely (-Wrestrict) on `"e" + std::to_string(n)`).
 inline std::string numbered(const char* prefix, int64_t n) {
@@ -32,4 +35,29 @@ inline std::string substitute(const std::string& code, const std::vector<int>& a
   return out;
 }
 
-}  // namespace kiln::compiler::lower
+// ---- the one table of reductions (ReduceOp) both generators print ----
+
+// The identity of `op` in type t, through the generator's `literal` (which spells infinities for
+// its compiler); integer bounds are written out (NVRTC has no <limits>).
+template <class Literal>
+std::string reduce_identity(ReduceOp op, DType t, Literal literal) {
+  if (op == ReduceOp::sum) return literal(0.0, t);
+  const bool max = op == ReduceOp::max;
+  if (is_floating_point(t)) return literal(max ? -INFINITY : INFINITY, t);
+  switch (t) {
+    case DType::int64: return max ? "(-9223372036854775807LL - 1)" : "9223372036854775807LL";
+    case DType::int32: return max ? "(-2147483647 - 1)" : "2147483647";
+    case DType::int8: return max ? "static_cast<int8_t>(-128)" : "static_cast<int8_t>(127)";
+    case DType::uint8: return max ? "static_cast<uint8_t>(0)" : "static_cast<uint8_t>(255)";
+    default: return literal(0.0, t);
+  }
+}
+
+// `a` combined with `b`: a sum, or the NaN-propagating kiln::math::Maximum / Minimum (the
+// functors eager's amax/amin kernels use).
+inline std::string reduce_combine(ReduceOp op, const std::string& a, const std::string& b) {
+  if (op == ReduceOp::sum) return a + " + " + b;
+  return std::string("kiln::math::") + (op == ReduceOp::max ? "Maximum" : "Minimum") + "{}(" + a + ", " + b + ")";
+}
+
+}  // namespace kiln::compiler::codegen

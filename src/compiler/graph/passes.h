@@ -47,20 +47,23 @@ void eliminate_common_subexpressions(Graph& graph);
 // re-derived afterwards (refresh_layouts).
 void functionalize(Graph& graph);
 
-// Replaces the nodes of the listed ops by their decompositions into core ops, traced from
-// ordinary Kiln code in passes/decompositions.cpp (decomposable_ops() lists them). Attrs the
+// Replaces the nodes of ops with a decomposition lowering (lowering::Decomposition in the op's
+// entry; the functions are ordinary Kiln code in src/ops/decompositions.cpp) by the graphs traced
+// from them. Attrs the
 // decomposition reads are baked in, except float run-time scalars (eps, momentum), which stay
 // run-time scalars: the slot moves to a node that materializes the value as a 0-dim tensor (or
 // becomes unused, {-1, -1}, where the decomposition does not read it).
 // A node stays as it is when its op has no decomposition, when the decomposition does not apply
-// (its inputs' dtypes or sizes, see decompositions.cpp), when it reads a scalar slot it cannot
+// (its inputs' dtypes or sizes, see src/ops/decompositions.cpp), when it reads a scalar slot it cannot
 // keep, or when it is an in-place (out=) call. Decompositions may write inputs in place (the
 // batch-norm running statistics), so run functionalize() afterwards; outputs nothing reads
 // become dead code, so run eliminate_dead_code() too. Slots never change position.
-// `filter`, when given, picks which nodes of those ops to decompose.
-void decompose(Graph& graph, const std::set<std::string>& ops,
-               const std::function<bool(const Node&)>& filter = {});
-// The ops decompose() knows.
+// `filter`, when given, picks which of those nodes to decompose (the kiln pipeline passes
+// decomposition_applies).
+void decompose(Graph& graph, const std::function<bool(const Node&)>& filter = {});
+// Whether the kiln backend decomposes this node: its decomposition's `applies` accepts its attrs.
+bool decomposition_applies(const Node& node);
+// The ops with a decomposition, by name.
 std::set<std::string> decomposable_ops();
 
 // Evaluates, when the graph is compiled, the nodes whose inputs are all constants (or None), and
@@ -132,22 +135,6 @@ namespace internal {
 
 // Whether `v` names a value of `g` (not -1, the id of None, and not out of range).
 inline bool valid(const Graph& g, int v) { return v >= 0 && static_cast<size_t>(v) < g.values.size(); }
-
-// One entry of the decomposition table (passes/decompositions.cpp).
-struct Decomposition {
-  // Attrs the decomposition reads as 0-dim float64 tensors (passed after the op's tensor inputs)
-  // instead of C++ values: the float attrs that compile() turns into run-time scalars.
-  std::vector<int> scalar_attrs;
-  // The decomposition, traced with capture on: `call` holds the node's inputs (undefined for
-  // None) and attrs; `scalars` one 0-dim tensor per scalar_attrs entry. Returns one tensor per op
-  // output, each a new value (not an input, not a view), or {} to leave the node as it is.
-  std::function<std::vector<Tensor>(const OpCall& call, std::span<const Tensor> scalars)> fn;
-};
-
-// The table entry for `op`, or nullptr.
-const Decomposition* find_decomposition(std::string_view op);
-// The names in the table.
-std::vector<std::string> decomposition_names();
 
 // FX-style names for nodes added by a pass: "mul", then "mul_1", ... one past the largest suffix
 // in use by the graph's nodes and placeholders when the namer was made, or handed out since.

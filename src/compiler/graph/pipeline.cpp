@@ -109,13 +109,6 @@ class PassRunner {
   bool validate_;
 };
 
-// Batch norm in training keeps eager's fused kernel (one Welford pass for the statistics, one to
-// normalize); its decomposition reads the input three times (measured slower on DenseNet).
-bool decompose_node(const Node& n) {
-  return n.op->name != "native_batch_norm" || !std::holds_alternative<bool>(n.attrs.at(0)) ||
-         !std::get<bool>(n.attrs[0]);
-}
-
 }  // namespace
 
 void run_aot_eager_pipeline(Graph& graph) {
@@ -133,9 +126,7 @@ void run_kiln_pipeline(Graph& graph, const PipelineOptions& options) {
   p.run("fuse_batch_norm_relu", fuse_batch_norm_relu);
   p.run("fuse_gemm_epilogue", fuse_gemm_epilogue);
   if (options.layout_optimization) p.run("channels_last_convolutions", channels_last_convolutions);
-  p.run("decompose", [](Graph& g) {
-    decompose(g, {"native_batch_norm", "native_layer_norm", "softmax", "log_softmax"}, decompose_node);
-  });
+  p.run("decompose", [](Graph& g) { decompose(g, decomposition_applies); });
   p.run("functionalize_decompositions", functionalize);  // decompositions write running statistics in place
   p.run("fold_constants", [](Graph& g) { fold_constants(g); });
   p.run("eliminate_dead_code", eliminate_dead_code);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/lower/loop_ir.h"
 
 namespace kiln::compiler::lower {
@@ -107,7 +108,7 @@ int elide_copy_backs(Program& p) {
     const Step& st = p.steps[s];
     if (st.kind != Step::Kind::node) continue;
     const Node& n = g.nodes[st.node];
-    if (n.op->name != "copy" || !n.inplace || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
+    if (n.op != &known_ops().copy || !n.inplace || n.inputs.size() != 1 || n.outputs.size() != 1) continue;
     const int v = n.inputs[0], input = n.outputs[0];
     if (v < 0 || !g.values[input].is_input || is_output[v] || storer[v] < 0) continue;
     if (!same_layout(g.values[v], g.values[input]) || shares_storage(input)) continue;

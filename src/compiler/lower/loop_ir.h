@@ -13,9 +13,16 @@
 #include <utility>
 #include <vector>
 
+#include <functional>
+
 #include "kiln/compiler/graph.h"
 
 namespace kiln::compiler::lower {
+
+// "sum", "max", "min" (the loop IR's text, logs).
+inline const char* reduce_op_name(ReduceOp op) {
+  return op == ReduceOp::sum ? "sum" : op == ReduceOp::max ? "max" : "min";
+}
 
 // One operation of a kernel body, in SSA form: operands are earlier expressions.
 struct Expr {
@@ -66,7 +73,7 @@ struct Kernel {
   std::vector<bool> host_buffers;  // per buffer: a 0-dim CPU value read by a CUDA kernel (passed by value)
   // Reductions: dims of `sizes` that are reduced; the accumulated expression; how; the result.
   std::vector<bool> reduced;
-  std::string reduce_op;         // "sum", "max", "min"
+  ReduceOp reduce_op = ReduceOp::sum;
   int reduce_expr = -1;
   DType acc_dtype = DType::float32;
   double scale = 1;              // mean: 1 / count
@@ -110,10 +117,19 @@ Program schedule(Graph graph);
 // Returns how many it dropped. See copy_back.cpp for when it is safe.
 int elide_copy_backs(Program& p);
 
-// The C++ source of every CPU kernel of `p` (one translation unit per chunk of kernels, so that the
-// system compiler can build them in parallel). Kernels with identical bodies are emitted once:
-// the duplicates' names are set to the first one's.
-std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit = 24);
+// A kernel with a fused cat, split at the cat's segment boundaries into one kernel per non-empty
+// segment: each covers its segment's range of the cat dim (loads, stores and the result shifted
+// there) and reads the segment's input as a plain load. Both code generators print these pieces
+// where they do not index the cat in one loop. A kernel without a cat comes back as it is.
+std::vector<Kernel> split_at_cat_segments(const Kernel& k);
+
+// Per expression of `k`, whether it varies along the loops: the expressions `is_source` picks
+// (loads of memory, a cat, a reduction's result) and everything computed from them. The rest is
+// loop-invariant (scalars, constants, host values), and the printers hoist it out of the loops.
+std::vector<bool> loop_variant_exprs(const Kernel& k, const std::function<bool(size_t expr)>& is_source);
+
+// The loop variables of a nest of `rank` loops: i0 (outermost), i1, ...
+std::vector<std::string> loop_variables(size_t rank);
 
 // The loop IR as text (KILN_COMPILE_DEBUG).
 std::string describe(const Program& p);

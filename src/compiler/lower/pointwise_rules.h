@@ -43,7 +43,7 @@ bool is_lowerable_pointwise(const Graph& g, int node);
 int lower_pointwise(ExprBuilder& b, const Graph& g, int node, const std::vector<int>& inputs);
 
 struct ReductionInfo {
-  std::string op;         // "sum", "max", "min"
+  ReduceOp op = ReduceOp::sum;
   std::vector<bool> reduced;  // per input dim
   bool keepdim = false;
   bool mean = false;

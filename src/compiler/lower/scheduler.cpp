@@ -14,6 +14,7 @@
 #include <optional>
 #include <set>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/lower/pointwise_rules.h"
 
 namespace kiln::compiler::lower {
@@ -35,7 +36,7 @@ std::vector<int64_t> broadcast_strides(const ValueInfo& v, const std::vector<int
 // the output's rank.
 bool is_lowerable_cat(const Graph& g, int node) {
   const Node& n = g.nodes[node];
-  if (n.op->name != "cat" || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
+  if (n.op != &known_ops().cat || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
   const ValueInfo& out = g.values[n.outputs[0]];
   if (!codegen_dtype(out.dtype) || !(out.device.is_cpu() || out.device.is_cuda())) return false;
   for (int v : n.inputs) {
@@ -550,7 +551,7 @@ std::string describe(const Program& p) {
     }
     const Kernel& k = p.kernels[st.kernel];
     out += "step " + std::to_string(s) + ": " + k.name + " (" +
-           (k.kind == Kernel::pointwise ? "pointwise" : "reduction " + k.reduce_op) + ") over [";
+           (k.kind == Kernel::pointwise ? "pointwise" : std::string("reduction ") + reduce_op_name(k.reduce_op)) + ") over [";
     for (size_t d = 0; d < k.sizes.size(); ++d) out += (d ? ", " : "") + std::to_string(k.sizes[d]);
     out += "]";
     if (!k.device.is_cpu()) out += " on " + k.device.str();

@@ -13,8 +13,8 @@
 #ifdef KILN_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "backends/cuda/caching_allocator.h"
-#include "backends/cuda/cuda_runtime.h"
+#include "kernels/cuda/caching_allocator.h"
+#include "kernels/cuda/cuda_runtime.h"
 #endif
 
 namespace kiln::compiler::runtime {

@@ -14,9 +14,9 @@
 #include <string>
 #include <unordered_map>
 
-#include "backends/cuda/autotune.h"
-#include "backends/cuda/cuda_runtime.h"
-#include "backends/cuda/jit.h"
+#include "kernels/cuda/autotune.h"
+#include "kernels/cuda/cuda_runtime.h"
+#include "kernels/cuda/jit.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 #include "core/tensor_factory.h"
 #endif
@@ -53,11 +53,11 @@ namespace cu = kiln::cuda::detail;
 
 // Threads a block, and the most blocks per SM (0: one per work item or per `block` elements).
 struct Shape {
-  int block = lower::kCudaBlock;
+  int block = codegen::kCudaBlock;
   int per_sm = 16;
 };
 
-Shape default_shape(bool per_block) { return per_block ? Shape{lower::kCudaBlock, 32} : Shape{lower::kCudaBlock, 16}; }
+Shape default_shape(bool per_block) { return per_block ? Shape{codegen::kCudaBlock, 32} : Shape{codegen::kCudaBlock, 16}; }
 
 int64_t grid_of(const GeneratedKernel& k, const Shape& s) {
   const int64_t wanted = k.per_block ? k.numel : (k.numel + s.block - 1) / s.block;
@@ -66,7 +66,7 @@ int64_t grid_of(const GeneratedKernel& k, const Shape& s) {
 }
 
 // The candidates, the default first. A reduction's block reduces through shared memory sized for
-// lower::kCudaBlock threads and halves a power of two: its blocks stay powers of two up to that.
+// codegen::kCudaBlock threads and halves a power of two: its blocks stay powers of two up to that.
 std::vector<Shape> candidates(const GeneratedKernel& k) {
   std::vector<Shape> all{default_shape(k.per_block)};
   const std::vector<int> blocks = k.per_block ? std::vector<int>{256, 128, 64, 32} : std::vector<int>{256, 128};

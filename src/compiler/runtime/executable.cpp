@@ -10,7 +10,7 @@
 #include <string>
 #include <thread>
 
-#include "backends/autotune_scope.h"
+#include "kernels/autotune_scope.h"
 #include "compiler/capture/runtime.h"
 #include "core/profiler.h"
 #include "core/tensor_factory.h"
@@ -18,8 +18,8 @@
 #include "kiln/detail/tensor_impl.h"
 
 #ifdef KILN_WITH_CUDA
-#include "backends/cuda/cuda_runtime.h"
-#include "backends/cuda/jit.h"
+#include "kernels/cuda/cuda_runtime.h"
+#include "kernels/cuda/jit.h"
 #endif
 
 namespace kiln::compiler::runtime {
@@ -147,7 +147,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
                  " and " + std::to_string(args.scalars.size()) + ".");
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
-  std::optional<kiln::backends::AutotuneScope> autotune;
+  std::optional<kiln::kernels::AutotuneScope> autotune;
   if (ex.autotune) autotune.emplace();
   std::vector<Tensor> env(g.values.size());
   for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = args.tensors[k];
@@ -214,13 +214,13 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   return out;
 }
 
-void prepare_cuda_kernels(Executable& ex, const std::vector<lower::CudaKernelSource>& sources) {
+void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelSource>& sources) {
   ex.kernels.assign(ex.program.kernels.size(), nullptr);
   ex.cuda_kernels.assign(ex.program.kernels.size(), CudaKernel{});
   for (size_t i = 0; i < ex.program.kernels.size(); ++i) {
     const lower::Kernel& k = ex.program.kernels[i];
     if (k.device.is_cpu()) continue;
-    const lower::CudaKernelSource& src = sources[i];
+    const codegen::CudaKernelSource& src = sources[i];
     if (detail::log_options().output_code) detail::log_stream() << "[kiln.compile] output code (CUDA):\n" << src.source;
     CudaKernel& ck = ex.cuda_kernels[i];
     ck.device = k.device.index;
@@ -265,9 +265,9 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<lower::CudaKernelSou
     auto work = [&] {
       for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
         try {
-          std::vector<const lower::CudaKernelSource*> members;
+          std::vector<const codegen::CudaKernelSource*> members;
           for (const std::vector<size_t>* same : batches[j]) members.push_back(&sources[same->front()]);
-          const lower::CudaModuleSource module = lower::batch_cuda(members);
+          const codegen::CudaModuleSource module = codegen::batch_cuda(members);
           const int device = ex.cuda_kernels[batches[j].front()->front()].device;
           std::vector<cuda::detail::JitFunction> fns =
               cuda::detail::jit_functions(device, module.source, module.names, [&] { return module.source; });

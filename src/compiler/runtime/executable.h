@@ -62,6 +62,6 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args);
 // most of a lone kernel's time parsing the headers, so kernels compile in batches, one NVRTC
 // program per batch of up to 32 kernels of one device, the batches side by side; identical
 // sources compile once. Also sizes ex.kernels (the C++ kernels, filled by the caller).
-void prepare_cuda_kernels(Executable& ex, const std::vector<lower::CudaKernelSource>& sources);
+void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelSource>& sources);
 
 }  // namespace kiln::compiler::runtime

@@ -21,6 +21,7 @@
 #include "compiler/codegen/cpp/cxx_driver.h"
 #include "compiler/runtime/cache_files.h"
 #include "core/embedded_headers.h"
+#include "core/layer_hooks.h"
 #include "kiln/error.h"
 
 #ifndef KILN_VERSION
@@ -363,5 +364,19 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   install_entry(tmp, vdir, key, ".bin");
   return bytes;
 }
+
+namespace {
+
+// The eager CUDA kernels' share of the cache (core/layer_hooks.h), installed when the library loads.
+[[maybe_unused]] const bool g_kernel_cache_hooks_installed = [] {
+  kiln::detail::kernel_cache_hooks.load_or_build_blob =
+      [](const std::string& kind, const std::vector<std::pair<std::string, std::string>>& key_fields,
+         const std::string& label, const std::function<std::string()>& build) {
+        return load_or_build_blob(BlobRequest{kind, key_fields, label}, build);
+      };
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace kiln::compiler::runtime

@@ -4,6 +4,8 @@
 // nest over its (coalesced) iteration space with every size and stride a literal, OpenMP across
 // the outer loops of large kernels, `omp simd` on the innermost loop, and the scalar math of
 // kiln/math/functors.h — the functors the eager kernels use.
+#include "compiler/codegen/cpp/cpp_codegen.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -11,11 +13,14 @@
 #include <set>
 #include <sstream>
 
+#include "core/iteration_space.h"
 #include "compiler/codegen/expr_text.h"
 #include "compiler/lower/loop_ir.h"
 #include "compiler/lower/pointwise_rules.h"
 
-namespace kiln::compiler::lower {
+namespace kiln::compiler::codegen {
+
+using namespace lower;  // the loop IR this file prints
 
 namespace {
 
@@ -31,62 +36,19 @@ std::string literal(double v, DType t) {
   return std::string("static_cast<") + ctype(t) + ">(" + buf + ")";
 }
 
-// The iteration space after dropping size-1 dims, ordering the dims as the leading access lies in
-// memory, and merging dims that every access walks contiguously (and, for reductions, that are
-// both reduced or both kept).
-struct Space {
-  std::vector<int64_t> sizes;
-  std::vector<bool> reduced;
-  std::vector<std::vector<int64_t>> strides;  // per access
-};
-
-// Loop order: the dims sorted by the leading access's strides, largest outermost, so that a
-// channels-last (NHWC) buffer of sizes (N, C, H, W) is walked N, H, W, C — one contiguous run —
-// instead of with a stride-C inner loop. The leading access is a pointwise kernel's first store, a
-// reduction's first access (its input); dims it broadcasts keep their place. The sort is stable,
-// so row-major kernels keep their order.
-std::vector<size_t> memory_order(const Kernel& k, const std::vector<const std::vector<int64_t>*>& accesses,
-                                 size_t first_store) {
-  std::vector<size_t> dims;
-  for (size_t d = 0; d < k.sizes.size(); ++d)
-    if (k.sizes[d] != 1) dims.push_back(d);
-  const size_t lead_access = k.kind == Kernel::reduction ? 0 : first_store;
-  if (lead_access >= accesses.size()) return dims;
-  const std::vector<int64_t>& lead = *accesses[lead_access];
-  std::vector<size_t> placed;  // dims with a stride in the leading access, to be sorted
-  for (size_t d : dims)
-    if (lead[d] != 0) placed.push_back(d);
-  std::vector<size_t> sorted = placed;
-  std::stable_sort(sorted.begin(), sorted.end(), [&](size_t a, size_t b) { return lead[a] > lead[b]; });
-  for (size_t i = 0, j = 0; i < dims.size(); ++i)
-    if (lead[dims[i]] != 0) dims[i] = sorted[j++];
-  return dims;
-}
+// The iteration space (core/iteration_space.h): size-1 dims dropped, dims ordered as the leading
+// access lies in memory, largest stride outermost (a channels-last NHWC buffer of sizes (N, C, H,
+// W) is walked N, H, W, C: one contiguous run, not a stride-C inner loop), and dims every access
+// walks contiguously merged (reduced with reduced, kept with kept). The leading access is a
+// pointwise kernel's first store, a reduction's first access (its input).
+using Space = kiln::detail::IterationSpace;
 
 Space coalesce(const Kernel& k, const std::vector<const std::vector<int64_t>*>& accesses, size_t first_store) {
-  Space s;
-  const std::vector<size_t> dims = memory_order(k, accesses, first_store);
-  for (size_t d : dims) {
-    s.sizes.push_back(k.sizes[d]);
-    s.reduced.push_back(k.kind == Kernel::reduction && k.reduced[d]);
-  }
-  s.strides.resize(accesses.size());
-  for (size_t a = 0; a < accesses.size(); ++a)
-    for (size_t d : dims) s.strides[a].push_back((*accesses[a])[d]);
-  // Merge from the innermost dim outwards.
-  for (size_t d = s.sizes.size(); d-- > 1;) {
-    bool ok = s.reduced[d - 1] == s.reduced[d];
-    for (size_t a = 0; ok && a < accesses.size(); ++a) ok = s.strides[a][d - 1] == s.strides[a][d] * s.sizes[d];
-    if (!ok) continue;
-    s.sizes[d - 1] *= s.sizes[d];
-    s.sizes.erase(s.sizes.begin() + d);
-    s.reduced.erase(s.reduced.begin() + d);
-    for (auto& st : s.strides) {
-      st[d - 1] = st[d];
-      st.erase(st.begin() + d);
-    }
-  }
-  return s;
+  std::vector<std::vector<int64_t>> strides;
+  for (const std::vector<int64_t>* a : accesses) strides.push_back(*a);
+  const bool reduction = k.kind == Kernel::reduction;
+  return kiln::detail::coalesce_dims(k.sizes, strides, kiln::detail::DimOrder::lead_operand,
+                                     reduction ? 0 : first_store, reduction ? k.reduced : std::vector<bool>{});
 }
 
 std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const std::vector<std::string>& vars) {
@@ -126,9 +88,8 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     // Nothing to visit; a reduction over an empty dim still writes its identity (0, NaN for a
     // mean) into every kept position.
     if (k.kind != Kernel::reduction) return;
-    std::vector<std::string> v;
-    for (size_t d = 0; d < sp.sizes.size(); ++d) v.push_back(numbered("i", static_cast<int64_t>(d)));
-    std::string init = k.reduce_op == "sum" ? literal(k.scale == 1 ? 0.0 : 0.0 * k.scale, k.acc_dtype)
+    const std::vector<std::string> v = loop_variables(sp.sizes.size());
+    std::string init = k.reduce_op == ReduceOp::sum ? literal(k.scale == 1 ? 0.0 : 0.0 * k.scale, k.acc_dtype)
                                             : literal(std::numeric_limits<double>::quiet_NaN(), k.acc_dtype);
     os << "  {\n";
     std::string indent = "  ";
@@ -158,12 +119,8 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   }
   os << "  {\n";
   // Loop-invariant expressions (scalars, constants and what depends only on them) go first.
-  std::vector<bool> varies(k.exprs.size(), false);
-  for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (x.kind == Expr::load || x.kind == Expr::reduced) varies[e] = true;
-    for (int a : x.args) varies[e] = varies[e] || varies[a];
-  }
+  const std::vector<bool> varies = loop_variant_exprs(
+      k, [&](size_t e) { return k.exprs[e].kind == Expr::load || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
   const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
   auto emit_expr = [&](std::ostringstream& out, size_t e, const std::string& indent, const std::vector<std::string>& vars) {
@@ -183,8 +140,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     }
     out << ";\n";
   };
-  std::vector<std::string> vars;
-  for (size_t d = 0; d < rank; ++d) vars.push_back(numbered("i", static_cast<int64_t>(d)));
+  const std::vector<std::string> vars = loop_variables(rank);
   for (size_t e = 0; e < k.exprs.size(); ++e)
     if (!varies[e]) emit_expr(os, e, "  ", vars);
 
@@ -193,20 +149,8 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   for (size_t d = 0; d < rank; ++d) (sp.reduced[d] ? red : kept).push_back(d);
   const bool reduction = k.kind == Kernel::reduction;
   const char* acc_t = ctype(k.acc_dtype);
-  auto init = [&]() -> std::string {
-    if (k.reduce_op == "sum") return literal(0, k.acc_dtype);
-    if (k.reduce_op == "max") {
-      return is_floating_point(k.acc_dtype) ? std::string("-std::numeric_limits<") + acc_t + ">::infinity()"
-                                            : std::string("std::numeric_limits<") + acc_t + ">::lowest()";
-    }
-    return is_floating_point(k.acc_dtype) ? std::string("std::numeric_limits<") + acc_t + ">::infinity()"
-                                          : std::string("std::numeric_limits<") + acc_t + ">::max()";
-  };
-  auto combine = [&]() -> std::string {
-    std::string e = numbered("e", k.reduce_expr);
-    if (k.reduce_op == "sum") return "acc = acc + " + e + ";";
-    return std::string("acc = kiln::math::") + (k.reduce_op == "max" ? "Maximum" : "Minimum") + "{}(acc, " + e + ");";
-  };
+  auto init = [&] { return reduce_identity(k.reduce_op, k.acc_dtype, literal); };
+  auto combine = [&] { return "acc = " + reduce_combine(k.reduce_op, "acc", numbered("e", k.reduce_expr)) + ";"; };
 
   std::string indent = "  ";
   int64_t kept_total = 1;
@@ -214,7 +158,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   // Parallel: the outer kept loops of a big kernel; a full sum reduction parallelizes its outer
   // reduced loop with an OpenMP reduction instead.
   const bool par = total >= kParallelThreshold;
-  const bool full_sum = reduction && kept.empty() && k.reduce_op == "sum";
+  const bool full_sum = reduction && kept.empty() && k.reduce_op == ReduceOp::sum;
   if (reduction && kept.empty()) os << indent << acc_t << " acc = " << init() << ";\n";
   std::vector<size_t> order = kept;
   order.insert(order.end(), red.begin(), red.end());
@@ -236,7 +180,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     if (innermost) {
       if (!reduction || !sp.reduced[d]) {
         simd = "simd";
-      } else if (k.reduce_op == "sum") {
+      } else if (k.reduce_op == ReduceOp::sum) {
         simd = parallel.empty() ? "simd reduction(+ : acc)" : "simd";
       }
     }
@@ -305,34 +249,8 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
          << "]);\n";
     }
   }
-  const Expr* cat = nullptr;
-  for (const Expr& e : k.exprs)
-    if (e.kind == Expr::cat) cat = &e;
-  if (!cat) {
-    emit_nest(os, k);
-  } else {
-    const size_t d = static_cast<size_t>(cat->cat_dim);
-    for (size_t s = 0; s < cat->segments.size(); ++s) {
-      const int64_t start = cat->segments[s].start, len = cat->segments[s].end - start;
-      if (len == 0) continue;
-      Kernel inst = k;
-      inst.sizes[d] = len;
-      for (Expr& e : inst.exprs) {
-        if (e.kind == Expr::load) e.offset += start * e.strides[d];
-        if (e.kind == Expr::cat) {
-          Expr::Segment seg = e.segments[s];
-          e.kind = Expr::load;
-          e.buffer = seg.buffer;
-          e.strides = seg.strides;
-          e.offset = 0;
-          e.segments.clear();
-        }
-      }
-      for (Store& st : inst.stores) st.offset += start * st.strides[d];
-      if (inst.kind == Kernel::reduction) inst.result.offset += start * inst.result.strides[d];
-      emit_nest(os, inst);
-    }
-  }
+  // A fused cat: one loop nest per segment (split_at_cat_segments), each reading its input.
+  for (const Kernel& piece : split_at_cat_segments(k)) emit_nest(os, piece);
   os << "}\n\n";
 }
 
@@ -371,4 +289,4 @@ std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit) {
   return units;
 }
 
-}  // namespace kiln::compiler::lower
+}  // namespace kiln::compiler::codegen

@@ -1,4 +1,5 @@
 // CUDA C++ for the CUDA kernels of a Program (see cuda_codegen.h).
+#include "core/iteration_space.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
 
 #include <algorithm>
@@ -14,7 +15,9 @@
 #include "compiler/codegen/expr_text.h"
 #include "compiler/lower/pointwise_rules.h"
 
-namespace kiln::compiler::lower {
+namespace kiln::compiler::codegen {
+
+using namespace lower;  // the loop IR this file prints
 
 namespace {
 
@@ -63,52 +66,17 @@ std::string call_code(const Expr& x) {
   return substitute(c, x.args);
 }
 
-// The iteration space of one loop: size-1 dims dropped, dims ordered as the first store lies in
-// memory (largest stride outermost, so the innermost index walks contiguous memory and
-// neighbouring threads touch neighbouring elements), and dims every access walks contiguously
-// merged.
-struct Space {
-  std::vector<int64_t> sizes;                 // outermost first
-  std::vector<bool> reduced;                  // per dim (reductions)
-  std::vector<std::vector<int64_t>> strides;  // per access
-};
+// The iteration space of one loop (core/iteration_space.h): size-1 dims dropped, dims ordered as
+// access `lead` lies in memory (largest stride outermost, so the innermost index walks contiguous
+// memory and neighbouring threads touch neighbouring elements), and dims every access walks
+// contiguously merged.
+using Space = kiln::detail::IterationSpace;
 
 Space coalesce(const std::vector<int64_t>& sizes, const std::vector<const std::vector<int64_t>*>& accesses,
                size_t lead, const std::vector<bool>& reduced = {}) {
-  std::vector<size_t> dims;
-  for (size_t d = 0; d < sizes.size(); ++d)
-    if (sizes[d] != 1) dims.push_back(d);
-  if (lead < accesses.size()) {
-    const std::vector<int64_t>& l = *accesses[lead];
-    std::vector<size_t> placed;
-    for (size_t d : dims)
-      if (l[d] != 0) placed.push_back(d);
-    std::vector<size_t> sorted = placed;
-    std::stable_sort(sorted.begin(), sorted.end(), [&](size_t a, size_t b) { return l[a] > l[b]; });
-    for (size_t i = 0, j = 0; i < dims.size(); ++i)
-      if (l[dims[i]] != 0) dims[i] = sorted[j++];
-  }
-  Space s;
-  for (size_t d : dims) {
-    s.sizes.push_back(sizes[d]);
-    s.reduced.push_back(d < reduced.size() && reduced[d]);
-  }
-  s.strides.resize(accesses.size());
-  for (size_t a = 0; a < accesses.size(); ++a)
-    for (size_t d : dims) s.strides[a].push_back((*accesses[a])[d]);
-  for (size_t d = s.sizes.size(); d-- > 1;) {
-    bool ok = s.reduced[d - 1] == s.reduced[d];
-    for (size_t a = 0; ok && a < accesses.size(); ++a) ok = s.strides[a][d - 1] == s.strides[a][d] * s.sizes[d];
-    if (!ok) continue;
-    s.sizes[d - 1] *= s.sizes[d];
-    s.sizes.erase(s.sizes.begin() + static_cast<std::ptrdiff_t>(d));
-    s.reduced.erase(s.reduced.begin() + static_cast<std::ptrdiff_t>(d));
-    for (auto& st : s.strides) {
-      st[d - 1] = st[d];
-      st.erase(st.begin() + static_cast<std::ptrdiff_t>(d));
-    }
-  }
-  return s;
+  std::vector<std::vector<int64_t>> strides;
+  for (const std::vector<int64_t>* a : accesses) strides.push_back(*a);
+  return kiln::detail::coalesce_dims(sizes, strides, kiln::detail::DimOrder::lead_operand, lead, reduced);
 }
 
 std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const std::vector<std::string>& vars,
@@ -139,6 +107,45 @@ bool fits_int32(const Space& s, const std::vector<int64_t>& offsets) {
   return true;
 }
 
+// The code of an expression that reads no memory: a run-time scalar (its Params slot), a
+// constant or a call.
+std::string value_code(const Expr& x, const std::vector<int>& scalar_slot) {
+  switch (x.kind) {
+    case Expr::scalar:
+      return (x.dtype == DType::int64 ? "p.is[" : "p.s[") + std::to_string(scalar_slot.at(x.scalar_index)) + "]";
+    case Expr::constant: return literal(x.value, x.dtype);
+    default: return call_code(x);
+  }
+}
+
+// A kernel's memory accesses in the order the loops index them: its loads of device memory (host
+// values are kernel arguments, not accesses), then its stores; each with its offset.
+struct Accesses {
+  std::vector<const std::vector<int64_t>*> strides;
+  std::vector<int64_t> offsets;
+  std::vector<int> load_access;  // per expression: its access, -1 if it is no load of memory
+  size_t first_store = 0;
+
+  void add(const std::vector<int64_t>& st, int64_t offset) {
+    strides.push_back(&st);
+    offsets.push_back(offset);
+  }
+};
+
+Accesses loads_and_stores(const Kernel& k) {
+  Accesses a;
+  a.load_access.assign(k.exprs.size(), -1);
+  for (size_t e = 0; e < k.exprs.size(); ++e) {
+    const Expr& x = k.exprs[e];
+    if (x.kind != Expr::load || host(k, x.buffer)) continue;
+    a.load_access[e] = static_cast<int>(a.strides.size());
+    a.add(x.strides, x.offset);
+  }
+  a.first_store = a.strides.size();
+  for (const Store& st : k.stores) a.add(st.strides, st.offset);
+  return a;
+}
+
 // One grid-stride loop computing kernel `k` over its iteration space. A fused cat (Expr::cat,
 // along `cat_dim`) reads the segment its index along that dim falls in: the dim is kept apart
 // when dims merge, and each cat expression picks its segment's buffer with a chain of
@@ -146,32 +153,17 @@ bool fits_int32(const Space& s, const std::vector<int64_t>& offsets) {
 // or two segments (in channels-last memory, where channels are innermost).
 // Returns false when the cat dim vanished (size 1): the caller emits one loop per segment.
 bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot, int cat_dim = -1) {
-  std::vector<const std::vector<int64_t>*> accesses;
-  std::vector<int64_t> offsets;
-  std::vector<int> load_access(k.exprs.size(), -1);
+  Accesses a = loads_and_stores(k);
   std::vector<int> segment_access(k.exprs.size(), -1);  // a cat's first segment access
   for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (x.kind == Expr::load && !host(k, x.buffer)) {
-      load_access[e] = static_cast<int>(accesses.size());
-      accesses.push_back(&x.strides);
-      offsets.push_back(x.offset);
-    }
+    if (k.exprs[e].kind != Expr::cat) continue;
+    segment_access[e] = static_cast<int>(a.strides.size());
+    for (const Expr::Segment& seg : k.exprs[e].segments) a.add(seg.strides, 0);
   }
-  const size_t first_store = accesses.size();
-  for (const Store& s : k.stores) {
-    accesses.push_back(&s.strides);
-    offsets.push_back(s.offset);
-  }
-  for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (x.kind != Expr::cat) continue;
-    segment_access[e] = static_cast<int>(accesses.size());
-    for (const Expr::Segment& seg : x.segments) {
-      accesses.push_back(&seg.strides);
-      offsets.push_back(0);
-    }
-  }
+  const std::vector<const std::vector<int64_t>*>& accesses = a.strides;
+  const std::vector<int64_t>& offsets = a.offsets;
+  const std::vector<int>& load_access = a.load_access;
+  const size_t first_store = a.first_store;
   // The cat dim is marked "reduced" so that it merges with no other dim.
   std::vector<bool> marked;
   if (cat_dim >= 0) {
@@ -188,17 +180,12 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
   if (total == 0) return true;
   const char* idx = fits_int32(sp, offsets) ? "int" : "long long";
   const size_t rank = sp.sizes.size();
-  std::vector<std::string> vars;
-  for (size_t d = 0; d < rank; ++d) vars.push_back(numbered("i", static_cast<int64_t>(d)));
+  const std::vector<std::string> vars = loop_variables(rank);
 
   // Loop-invariant expressions (scalars, constants, host values and what depends only on them)
   // are computed once per thread.
-  std::vector<bool> varies(k.exprs.size(), false);
-  for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (load_access[e] >= 0 || x.kind == Expr::cat) varies[e] = true;
-    for (int a : x.args) varies[e] = varies[e] || varies[a];
-  }
+  const std::vector<bool> varies =
+      loop_variant_exprs(k, [&](size_t e) { return load_access[e] >= 0 || k.exprs[e].kind == Expr::cat; });
   auto emit_expr = [&](size_t e, const char* indent) {
     const Expr& x = k.exprs[e];
     os << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
@@ -208,10 +195,8 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
         else os << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars, idx) << "]";
         break;
       case Expr::scalar:
-        os << (x.dtype == DType::int64 ? "p.is[" : "p.s[") << scalar_slot.at(x.scalar_index) << "]";
-        break;
-      case Expr::constant: os << literal(x.value, x.dtype); break;
-      case Expr::call: os << call_code(x); break;
+      case Expr::constant:
+      case Expr::call: os << value_code(x, scalar_slot); break;
       case Expr::cat: {
         // [&]{...}(): the segment whose range holds the index along the cat dim.
         os << "[&]() -> " << ctype(x.dtype) << " {\n";
@@ -258,54 +243,25 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
   return true;
 }
 
-// The identity of a reduction in its accumulator type (no <limits> under NVRTC).
-std::string reduction_init(const Kernel& k) {
-  const DType t = k.acc_dtype;
-  const bool max = k.reduce_op == "max";
-  if (k.reduce_op == "sum") return literal(0, t);
-  if (is_floating_point(t)) return literal(max ? -INFINITY : INFINITY, t);
-  switch (t) {
-    case DType::int64: return max ? "(-9223372036854775807LL - 1)" : "9223372036854775807LL";
-    case DType::int32: return max ? "(-2147483647 - 1)" : "2147483647";
-    case DType::int8: return max ? "static_cast<int8_t>(-128)" : "static_cast<int8_t>(127)";
-    case DType::uint8: return max ? "static_cast<uint8_t>(0)" : "static_cast<uint8_t>(255)";
-    default: return literal(0, t);
-  }
-}
+std::string reduction_init(const Kernel& k) { return reduce_identity(k.reduce_op, k.acc_dtype, literal); }
 
 std::string reduction_combine(const Kernel& k, const std::string& a, const std::string& b) {
-  if (k.reduce_op == "sum") return a + " + " + b;
-  return std::string("kiln::math::") + (k.reduce_op == "max" ? "Maximum" : "Minimum") + "{}(" + a + ", " + b + ")";
+  return reduce_combine(k.reduce_op, a, b);
 }
 
 // A reduction: one block per kept position (grid-stride over them); the block's threads stride
 // over the reduced elements (computing the prologue and its stores on the way), combine in shared
 // memory, and thread 0 writes the result and computes the epilogue.
 void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot) {
-  std::vector<const std::vector<int64_t>*> accesses;
-  std::vector<int64_t> offsets;
-  std::vector<int> load_access(k.exprs.size(), -1);
-  for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (x.kind == Expr::load && !host(k, x.buffer)) {
-      load_access[e] = static_cast<int>(accesses.size());
-      accesses.push_back(&x.strides);
-      offsets.push_back(x.offset);
-    }
-  }
-  const size_t first_store = accesses.size();
-  for (const Store& st : k.stores) {
-    accesses.push_back(&st.strides);
-    offsets.push_back(st.offset);
-  }
-  const size_t result_access = accesses.size();
-  accesses.push_back(&k.result.strides);
-  offsets.push_back(k.result.offset);
-  const size_t first_epilogue_store = accesses.size();
-  for (const Store& st : k.epilogue_stores) {
-    accesses.push_back(&st.strides);
-    offsets.push_back(st.offset);
-  }
+  Accesses a = loads_and_stores(k);
+  const size_t result_access = a.strides.size();
+  a.add(k.result.strides, k.result.offset);
+  const size_t first_epilogue_store = a.strides.size();
+  for (const Store& st : k.epilogue_stores) a.add(st.strides, st.offset);
+  const std::vector<const std::vector<int64_t>*>& accesses = a.strides;
+  const std::vector<int64_t>& offsets = a.offsets;
+  const std::vector<int>& load_access = a.load_access;
+  const size_t first_store = a.first_store;
   Space sp = coalesce(k.sizes, accesses, 0, k.reduced);
   int64_t kept_total = 1, red_total = 1;
   std::vector<size_t> kept, red;
@@ -319,20 +275,15 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
   for (size_t d = 0; d < bounds.sizes.size(); ++d)
     if (bounds.sizes[d] == 0) bounds.sizes[d] = 1;
   const char* idx = fits_int32(bounds, offsets) ? "int" : "long long";
-  std::vector<std::string> vars;
-  for (size_t d = 0; d < sp.sizes.size(); ++d) vars.push_back(numbered("i", static_cast<int64_t>(d)));
+  const std::vector<std::string> vars = loop_variables(sp.sizes.size());
   // Kept-position accesses (result, epilogue) have stride 0 on reduced dims: index_of skips them.
   auto kept_only = [&](std::vector<int64_t> st) {
     for (size_t d = 0; d < st.size(); ++d)
       if (sp.reduced[d]) st[d] = 0;
     return st;
   };
-  std::vector<bool> varies(k.exprs.size(), false);
-  for (size_t e = 0; e < k.exprs.size(); ++e) {
-    const Expr& x = k.exprs[e];
-    if (load_access[e] >= 0 || x.kind == Expr::reduced) varies[e] = true;
-    for (int a : x.args) varies[e] = varies[e] || varies[a];
-  }
+  const std::vector<bool> varies =
+      loop_variant_exprs(k, [&](size_t e) { return load_access[e] >= 0 || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
   const char* acc_t = ctype(k.acc_dtype);
   const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
@@ -349,10 +300,8 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
         }
         break;
       case Expr::scalar:
-        os << (x.dtype == DType::int64 ? "p.is[" : "p.s[") << scalar_slot.at(x.scalar_index) << "]";
-        break;
-      case Expr::constant: os << literal(x.value, x.dtype); break;
-      case Expr::call: os << call_code(x); break;
+      case Expr::constant:
+      case Expr::call: os << value_code(x, scalar_slot); break;
       case Expr::reduced: os << "kg::convert<" << ctype(x.dtype) << ">(" << result_value << ")"; break;
       case Expr::cat: break;  // cuda_codegen_supports refuses reductions with cats
     }
@@ -417,7 +366,6 @@ size_t CudaKernelSource::slots() const { return buffers + 2 * std::max<size_t>(s
 bool cuda_codegen_supports(const Kernel& k) {
   if (!k.device.is_cuda()) return false;
   if (k.kind == Kernel::reduction) {
-    if (k.reduce_op != "sum" && k.reduce_op != "max" && k.reduce_op != "min") return false;
     if (!codegen_dtype(k.acc_dtype) || k.acc_dtype == DType::bool_) return false;
     for (const Expr& e : k.exprs)
       if (e.kind == Expr::cat) return false;
@@ -449,7 +397,7 @@ CudaModuleSource batch_cuda(const std::vector<const CudaKernelSource*>& kernels)
 CudaKernelSource generate_cuda(const Kernel& k) {
   KILN_CHECK(cuda_codegen_supports(k), CompileError,
              "[kiln::compile] the CUDA code generator handles pointwise and sum/max/min kernels on CUDA devices only (got " +
-                 std::string(k.kind == Kernel::pointwise ? "a pointwise" : "a reduction " + k.reduce_op) + " kernel on " +
+                 std::string(k.kind == Kernel::pointwise ? "a pointwise" : std::string("a reduction ") + reduce_op_name(k.reduce_op)) + " kernel on " +
                  k.device.str() + "). This is a Kiln bug.");
   CudaKernelSource out;
   out.buffers = k.buffers.size();
@@ -518,31 +466,12 @@ CudaKernelSource generate_cuda(const Kernel& k) {
     os << loop.str();
   } else {
     // A cat along a dim of size 1 (one non-empty segment): one loop per segment, in which the cat
-    // reads one input like a plain load (as the CPU code generator splits its loop nest).
-    const size_t d = static_cast<size_t>(cat->cat_dim);
-    for (size_t s = 0; s < cat->segments.size(); ++s) {
-      const int64_t start = cat->segments[s].start, len = cat->segments[s].end - start;
-      if (len == 0) continue;
-      Kernel inst = k;
-      inst.sizes[d] = len;
-      for (Expr& e : inst.exprs) {
-        if (e.kind == Expr::load && !host(inst, e.buffer)) e.offset += start * e.strides[d];
-        if (e.kind == Expr::cat) {
-          Expr::Segment seg = e.segments[s];
-          e.kind = Expr::load;
-          e.buffer = seg.buffer;
-          e.strides = seg.strides;
-          e.offset = 0;
-          e.segments.clear();
-        }
-      }
-      for (Store& st : inst.stores) st.offset += start * st.strides[d];
-      emit_loop(os, inst, slot_of);
-    }
+    // reads one input like a plain load (split_at_cat_segments, as the CPU code generator prints).
+    for (const Kernel& piece : split_at_cat_segments(k)) emit_loop(os, piece, slot_of);
   }
   os << "}\n";
   out.source = os.str();
   return out;
 }
 
-}  // namespace kiln::compiler::lower
+}  // namespace kiln::compiler::codegen

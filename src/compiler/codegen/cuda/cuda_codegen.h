@@ -1,5 +1,5 @@
 // CUDA C++ for the CUDA kernels of a lowered Program (DESIGN §2.5, "codegen"), compiled at run
-// time with NVRTC (backends/cuda/jit.h).
+// time with NVRTC (kernels/cuda/jit.h).
 //
 // Each kernel becomes `extern "C" __global__ void kiln_fused(Params p)`: a grid-stride loop over
 // its (coalesced) iteration space with every size and stride a literal, and the scalar math of
@@ -16,7 +16,9 @@
 
 #include "compiler/lower/loop_ir.h"
 
-namespace kiln::compiler::lower {
+namespace kiln::compiler::codegen {
+
+using lower::Kernel;
 
 // Generated kernels are named "kiln_fused_" + the first fused ops ("kiln_fused_cat_sub_mul_relu"),
 // so that profilers (ncu, bench/kernel_table.py) tell them apart.
@@ -51,4 +53,4 @@ CudaModuleSource batch_cuda(const std::vector<const CudaKernelSource*>& kernels)
 // Whether generate_cuda handles kernel `k`.
 bool cuda_codegen_supports(const Kernel& k);
 
-}  // namespace kiln::compiler::lower
+}  // namespace kiln::compiler::codegen

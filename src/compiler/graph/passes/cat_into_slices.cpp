@@ -25,6 +25,7 @@
 #include <map>
 #include <numeric>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
@@ -41,7 +42,7 @@ struct CatInfo {
 // A cat this pass may turn into a view: one output of the inputs' dtype and rank, not a graph
 // output and not written in place, inputs that nothing writes in place.
 bool eligible(const Graph& g, const Node& n, const std::vector<char>& written, const std::vector<bool>& is_output) {
-  if (!n.op || n.op->name != "cat" || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
+  if (!n.op || n.op != &known_ops().cat || n.inplace || n.outputs.size() != 1 || n.inputs.empty()) return false;
   const int out = n.outputs[0];
   if (!valid(g, out) || is_output[out] || written[out]) return false;
   const ValueInfo& o = g.values[out];
@@ -90,7 +91,7 @@ Node make_node(const OpDef& op, std::vector<int> inputs, std::vector<Attr> attrs
 bool materialized(const Graph& g, int out, const std::vector<std::vector<int>>& consumers) {
   for (int c : consumers[out]) {
     const Node& n = g.nodes[c];
-    if (n.inplace || !n.op || n.op->lowering != "pointwise") return true;
+    if (n.inplace || !n.op || !n.op->is_fusible()) return true;
   }
   return false;
 }

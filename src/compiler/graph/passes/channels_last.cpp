@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <string>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
 #include "kiln/tensor.h"
@@ -18,12 +19,12 @@ namespace {
 
 bool is_convolution(const Node& n) {
   if (!n.op || n.inplace || n.inputs.empty()) return false;
-  const std::string& name = n.op->name;
-  return name == "conv2d" || name == "conv2d_relu" || name == "conv2d_bn";
+  const KnownOps& ops = known_ops();
+  return n.op == &ops.conv2d || n.op == &ops.conv2d_relu || n.op == &ops.conv2d_bn;
 }
 
 bool is_convolution_backward(const Node& n) {
-  return n.op && !n.inplace && n.op->name == "convolution_backward" && n.inputs.size() >= 2;
+  return n.op && !n.inplace && n.op == &known_ops().convolution_backward && n.inputs.size() >= 2;
 }
 
 // A 4-D activation in a dtype the device's convolutions run fastest channels-last (oneDNN on the
@@ -85,7 +86,7 @@ bool view_needs_row_major_input(const Graph& g, const Node& n, const std::vector
   if (!n.is_view() || n.inplace || n.inputs.empty() || n.inputs[0] < 0) return false;
   const int x = n.inputs[0];
   if (static_cast<size_t>(x) >= recorded.size() || g.values[x].strides == recorded[x]) return false;
-  if (n.op->name == "as_strided") return true;
+  if (n.op == &known_ops().as_strided) return true;
   std::vector<Tensor> inputs;
   for (int v : n.inputs) inputs.push_back(v < 0 ? Tensor() : internal::meta_tensor(g.values[v]));
   try {

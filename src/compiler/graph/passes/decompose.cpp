@@ -75,7 +75,7 @@ class Splicer {
   // Appends the decomposition of `n` to the node list and records the renaming of its outputs.
   // `slots[a]` is the scalar slot on attr a (-1: none). Returns false (nothing appended) when it
   // does not apply; the caller keeps the node.
-  bool splice(const Node& n, const internal::Decomposition& d, const std::vector<int>& slots) {
+  bool splice(const Node& n, const lowering::Decomposition& d, const std::vector<int>& slots) {
     for (size_t a = 0; a < slots.size(); ++a)
       if (slots[a] >= 0 && std::find(d.scalar_attrs.begin(), d.scalar_attrs.end(), a) == d.scalar_attrs.end())
         return false;  // a run-time scalar the decomposition would bake in
@@ -283,12 +283,18 @@ std::string NodeNamer::operator()(std::string_view op_name) {
 }  // namespace internal
 
 std::set<std::string> decomposable_ops() {
-  std::vector<std::string> names = internal::decomposition_names();
-  return {names.begin(), names.end()};
+  std::set<std::string> names;
+  for (const OpDef* op : OpTable::instance().all())
+    if (std::holds_alternative<lowering::Decomposition>(op->lowering)) names.insert(op->name);
+  return names;
 }
 
-void decompose(Graph& g, const std::set<std::string>& ops, const std::function<bool(const Node&)>& filter) {
-  if (ops.empty()) return;
+bool decomposition_applies(const Node& n) {
+  const auto* d = n.op ? std::get_if<lowering::Decomposition>(&n.op->lowering) : nullptr;
+  return d && (!d->applies || d->applies(n.attrs));
+}
+
+void decompose(Graph& g, const std::function<bool(const Node&)>& filter) {
   const int num_nodes = static_cast<int>(g.nodes.size());
   std::vector<std::vector<int>> slots(num_nodes);  // per node: slot index per attr, -1 if none
   for (size_t k = 0; k < g.scalars.size(); ++k) {
@@ -304,9 +310,8 @@ void decompose(Graph& g, const std::set<std::string>& ops, const std::function<b
   Splicer splicer(g, out);
   for (int i = 0; i < num_nodes; ++i) {
     Node& n = g.nodes[i];
-    const internal::Decomposition* d =
-        n.op && !n.inplace && ops.count(n.op->name) && (!filter || filter(n)) ? internal::find_decomposition(n.op->name)
-                                                                                : nullptr;
+    const auto* d = n.op && !n.inplace && (!filter || filter(n)) ? std::get_if<lowering::Decomposition>(&n.op->lowering)
+                                                                 : nullptr;
     if (d && splicer.splice(n, *d, slots[i])) continue;
     new_index[i] = static_cast<int>(out.size());
     out.push_back(std::move(n));

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -158,7 +159,7 @@ void functionalize(Graph& g) {
   // as_strided reads raw storage offsets, which a new buffer does not keep.
   std::vector<char> strided_after(num_nodes + 1, 0);
   for (int i = num_nodes - 1; i >= 0; --i)
-    strided_after[i] = strided_after[i + 1] || (g.nodes[i].op && g.nodes[i].op->name == "as_strided");
+    strided_after[i] = strided_after[i + 1] || (g.nodes[i].op && g.nodes[i].op == &known_ops().as_strided);
 
   // Per current value: its alias root (a base: itself), the node index of its last read or
   // write (kAfterGraph for graph outputs), and per root the values defined so far.

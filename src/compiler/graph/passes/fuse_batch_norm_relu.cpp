@@ -11,14 +11,15 @@
 // instead of reading it, so each of its two passes streams one tensor less.
 #include <vector>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
 
 namespace {
 
-bool is(const Node& n, const char* name, size_t inputs, size_t outputs) {
-  return !n.inplace && n.op->name == name && n.inputs.size() == inputs &&
+bool is(const Node& n, const OpDef& op, size_t inputs, size_t outputs) {
+  return !n.inplace && n.op == &op && n.inputs.size() == inputs &&
          n.outputs.size() == outputs;
 }
 
@@ -43,11 +44,11 @@ void fuse_batch_norm_relu(Graph& g) {
   // comes before (DenseNet's cat), which beats an extern call (measured).
   for (size_t b = 0; b < g.nodes.size(); ++b) {
     Node& bn = g.nodes[b];
-    if (!is(bn, "native_batch_norm", 5, 3) || bn.attrs.size() != 3) continue;
+    if (!is(bn, known_ops().native_batch_norm, 5, 3) || bn.attrs.size() != 3) continue;
     if (!std::holds_alternative<bool>(bn.attrs[0]) || !std::get<bool>(bn.attrs[0])) continue;
     const int y = bn.outputs[0];
     const int c = consumer[y];
-    if (c < 0 || writes.written(y) || !is(g.nodes[c], "relu", 1, 1)) continue;
+    if (c < 0 || writes.written(y) || !is(g.nodes[c], known_ops().relu, 1, 1)) continue;
     if (!batch_norm_relu.has_kernel(g.values[y].device.type)) continue;
     const int relu_out = g.nodes[c].outputs[0];
     if (!same_tensor_type(y, relu_out)) continue;
@@ -82,23 +83,23 @@ void fuse_batch_norm_relu(Graph& g) {
   // them is written in place, so reading them later reads the same values).
   for (size_t k = 0; k < g.nodes.size(); ++k) {
     Node& bwd = g.nodes[k];
-    if (!is(bwd, "native_batch_norm_backward", 5, 3) || bwd.attrs.size() != 2) continue;
+    if (!is(bwd, known_ops().native_batch_norm_backward, 5, 3) || bwd.attrs.size() != 2) continue;
     const int masked = bwd.inputs[0];
     if (masked < 0 || uses[masked] != 1 || writes.written(masked) || producer[masked] < 0) continue;
     const int w = producer[masked];
     const Node& where = g.nodes[w];
-    if (erase[w] || !is(where, "where", 3, 1)) continue;
+    if (erase[w] || !is(where, known_ops().where, 3, 1)) continue;
     const int condition = where.inputs[0], fill = where.inputs[1], grad = where.inputs[2];
     if (condition < 0 || fill < 0 || grad < 0 || uses[condition] != 1 || producer[condition] < 0)
       continue;
     const int l = producer[condition];
     const Node& le = g.nodes[l];
-    if (erase[l] || !is(le, "le", 2, 1)) continue;
+    if (erase[l] || !is(le, known_ops().le, 2, 1)) continue;
     const int r = le.inputs[0], threshold = le.inputs[1];
     if (r < 0 || threshold < 0 || producer[r] < 0) continue;
     const Node& relu = g.nodes[producer[r]];
     const bool from_relu =
-        (relu.op == &batch_norm_relu && relu.outputs[0] == r) || is(relu, "relu", 1, 1);
+        (relu.op == &batch_norm_relu && relu.outputs[0] == r) || is(relu, known_ops().relu, 1, 1);
     const int x = bwd.inputs[1];
     // No broadcasting: grad, r and the masked gradient have the input's sizes and dtype, so the
     // comparison runs in r's dtype and the fill takes grad's (0-dim operands do not promote).

@@ -2,6 +2,7 @@
 // relu becomes one conv2d_bn node, whose kernel folds the batch norm into the weights and bias
 // and runs the relu as a oneDNN post-op. The rewrite applies only where the intermediate values
 // are read by nothing else (a training graph whose backward reads them keeps its nodes).
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
@@ -23,7 +24,7 @@ void fuse_conv_bn(Graph& g) {
   std::vector<bool> erase(g.nodes.size(), false);
   for (size_t b = 0; b < g.nodes.size(); ++b) {
     Node& bn = g.nodes[b];
-    if (bn.op->name != "native_batch_norm" || bn.inplace || bn.inputs.size() != 5 || bn.outputs.size() != 3) continue;
+    if (bn.op != &known_ops().native_batch_norm || bn.inplace || bn.inputs.size() != 5 || bn.outputs.size() != 3) continue;
     if (!std::holds_alternative<bool>(bn.attrs.at(0)) || std::get<bool>(bn.attrs[0])) continue;  // training
     if (uses[bn.outputs[1]] != 0 || uses[bn.outputs[2]] != 0) continue;
     if (bn.inputs[3] < 0 || bn.inputs[4] < 0) continue;
@@ -31,7 +32,7 @@ void fuse_conv_bn(Graph& g) {
     const int p = producer[x];
     if (p < 0 || uses[x] != 1 || written[x]) continue;
     const Node& conv = g.nodes[p];
-    if (conv.op->name != "conv2d" || conv.inputs.size() != 3 || erase[p]) continue;
+    if (conv.op != &known_ops().conv2d || conv.inputs.size() != 3 || erase[p]) continue;
     const ValueInfo& xi = g.values[x];
     if (xi.dtype != DType::float32 || !xi.device.is_cpu()) continue;
     bool params_ok = true;
@@ -43,7 +44,7 @@ void fuse_conv_bn(Graph& g) {
     // An optional relu reading only the batch norm's output.
     int relu = -1;
     const int y = bn.outputs[0];
-    if (int c = consumer[y]; c >= 0 && !g.nodes[c].inplace && g.nodes[c].op->name == "relu" && !written[y]) relu = c;
+    if (int c = consumer[y]; c >= 0 && !g.nodes[c].inplace && g.nodes[c].op == &known_ops().relu && !written[y]) relu = c;
 
     Node fused;
     fused.op = &conv2d_bn;

@@ -2,6 +2,7 @@
 // applies the relu in place while the GEMM's result is hot in cache, instead of a second pass
 // over it in a generated kernel. The rewrite applies only where the relu is the only reader of
 // the addmm's result; training graphs qualify, since relu's backward reads the relu's result.
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
@@ -20,13 +21,13 @@ void fuse_gemm_epilogue(Graph& g) {
   internal::NodeNamer namer(g);
   std::vector<char> erase(g.nodes.size(), 0);
   for (Node& gemm : g.nodes) {
-    if (gemm.op->name != "addmm" || gemm.inplace || gemm.outputs.size() != 1) continue;
+    if (gemm.op != &known_ops().addmm || gemm.inplace || gemm.outputs.size() != 1) continue;
     const int y = gemm.outputs[0];
     // One use and that a relu's: not a graph output, no view of it; nothing writes its memory.
     const int r = reader[y];
     if (r < 0 || written[y]) continue;
     const Node& relu = g.nodes[r];
-    if (relu.op->name != "relu" || relu.inplace || relu.outputs.size() != 1) continue;
+    if (relu.op != &known_ops().relu || relu.inplace || relu.outputs.size() != 1) continue;
     if (!addmm_relu->has_kernel(g.values[y].device.type)) continue;
     // The fused node takes the addmm's place, with its inputs and attrs in the same order, so that
     // its scalar slots (beta, alpha: node index and attr index) stay valid; the relu goes. Running

@@ -16,6 +16,7 @@
 // Results agree with the original order up to rounding (sums taken in another order).
 #include <vector>
 
+#include "compiler/graph/known_ops.h"
 #include "compiler/graph/passes.h"
 
 namespace kiln::compiler::passes {
@@ -37,7 +38,7 @@ bool is_false(const Attr& a) { return std::holds_alternative<bool>(a) && !std::g
 
 // conv2d(x, w, None, stride 1, padding 0, dilation, groups) with a 1x1 kernel.
 bool pointwise_conv(const Graph& g, const Node& n) {
-  if (n.inplace || n.op->name != "conv2d" || n.inputs.size() != 3 || n.outputs.size() != 1 || n.attrs.size() != 4)
+  if (n.inplace || n.op != &known_ops().conv2d || n.inputs.size() != 3 || n.outputs.size() != 1 || n.attrs.size() != 4)
     return false;
   if (n.inputs[2] >= 0 || !internal::valid(g, n.inputs[0]) || !internal::valid(g, n.inputs[1])) return false;
   const std::vector<int64_t>& w = g.values[n.inputs[1]].sizes;
@@ -47,7 +48,7 @@ bool pointwise_conv(const Graph& g, const Node& n) {
 // avg_pool2d(y, kernel, stride, padding 0, ceil_mode false, count_include_pad, divisor None):
 // every window full.
 bool full_window_pool(const Node& n) {
-  return !n.inplace && n.op->name == "avg_pool2d" && n.inputs.size() == 1 && n.outputs.size() == 1 &&
+  return !n.inplace && n.op == &known_ops().avg_pool2d && n.inputs.size() == 1 && n.outputs.size() == 1 &&
          n.attrs.size() == 6 && ints_are(n.attrs[2], {0, 0}) && is_false(n.attrs[3]) &&
          std::holds_alternative<std::monostate>(n.attrs[5]);
 }
