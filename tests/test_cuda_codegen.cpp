@@ -19,6 +19,7 @@
 #include "kiln/detail/tensor_impl.h"
 #include "cuda_test_helpers.h"
 #include "graph_builders.h"
+#include "op_samples.h"
 #include "kiln/kiln.h"
 
 #ifdef KILN_WITH_CUDA
@@ -395,6 +396,36 @@ TEST(CudaCodegen, SinPlusCosTimesTwo) {
   auto c = compiler::counters();
   EXPECT_GE(c.kernel_runs, 3);
   EXPECT_EQ(c.dispatched_nodes, 0);
+}
+
+// The op table on the GPU: every op with a pointwise or reduction lowering that has a CUDA kernel,
+// called in one compiled function per float dtype, runs in generated kernels and matches eager.
+TEST(CudaCodegen, EveryOpWithAFusedLoweringInTheTableFusesAndMatchesEager) {
+  SKIP_WITHOUT_GPU();
+  std::vector<const OpDef*> ops;
+  for (const OpDef* op : OpTable::instance().all())
+    if (kiln::testing::has_fused_lowering(*op) && op->has_kernel(DeviceType::cuda)) ops.push_back(op);
+  ASSERT_GE(ops.size(), 60u);
+  // Positive (log, sqrt, pow stay finite: the comparison below does not match NaN with NaN).
+  auto floats = [](IntArrayRef sizes, DType t, size_t) { return (randint(1, 17, sizes) * 0.25).to(t); };
+  for (DType t : {kFloat32, kFloat64}) {
+    SCOPED_TRACE(dtype_name(t));
+    compiler::reset();
+    const kiln::testing::SampleBatch batch = kiln::testing::sample_batch(ops, t, kGpu, floats);
+    EXPECT_TRUE(batch.unknown.empty());
+    EXPECT_GE(batch.calls.size(), 50u);
+    auto compiled = compile([&batch](const std::vector<Tensor>& in) { return batch.run(in); }, kKiln);
+    std::vector<Tensor> got = compiled(batch.inputs);
+    EXPECT_EQ(compiler::counters().dispatched_nodes, 0) << "every lowered op runs in generated code";
+    EXPECT_GT(compiler::counters().kernel_runs, 0);
+    ASSERT_EQ(got.size(), batch.eager.size());
+    const double tol = t == kFloat64 ? 1e-12 : 1e-5;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const bool reduction = std::holds_alternative<lowering::Reduction>(batch.producer[i]->lowering);
+      EXPECT_TRUE(same(got[i], batch.eager[i], reduction ? 100 * tol : tol, reduction ? 100 * tol : tol))
+          << batch.producer[i]->name;
+    }
+  }
 }
 
 TEST(CudaCodegen, BroadcastingAndNonContiguous) {

@@ -33,6 +33,7 @@
 
 #include "compile_helpers.h"
 #include "kernel_cache_dir.h"
+#include "op_samples.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
 #include "kiln/models.h"
@@ -153,116 +154,38 @@ class KilnBackend : public CompilerTest {
 
 // ================================ the op table ================================
 
-// Sample arguments for an op of the table, built from its schema: tensors of `dtype` (input 0 with
-// special values for floats, the others half-integers with many ties; bool for a condition or a
-// mask; 0-dim for a fill value), attrs that exercise the lowering (alpha and value 0.75, a reduction over dim 1, gelu's
-// default). nullopt for a parameter type this does not know, which fails the test below.
-struct SampleCall {
-  std::vector<Tensor> inputs;
-  std::vector<Attr> attrs;
-};
-
-std::optional<SampleCall> sample_call(const OpDef& op, DType dtype) {
-  SampleCall call;
-  const std::string& schema = op.schema;
-  const size_t open = schema.find('('), close = schema.find(')');
-  std::stringstream params(schema.substr(open + 1, close - open - 1));
-  for (std::string p; std::getline(params, p, ',');) {
-    p.erase(0, p.find_first_not_of(' '));
-    if (p == "*") continue;
-    const std::string type = p.substr(0, p.find(' '));
-    const std::string rest = p.substr(p.find(' ') + 1);
-    const std::string name = rest.substr(0, rest.find('='));
-    const std::string default_value = rest.find('=') == std::string::npos ? "" : rest.substr(rest.find('=') + 1);
-    const std::vector<int64_t> sizes{4, 16};
-    if (type.starts_with("Tensor")) {
-      if (name == "condition" || name == "mask") call.inputs.push_back(randint(0, 2, sizes).to(kBool));
-      else if (name == "value") call.inputs.push_back(full({}, 0.75).to(dtype));  // masked_fill's 0-dim fill
-      else if (dtype == kBool) call.inputs.push_back(randint(0, 2, sizes).to(kBool));
-      else if (!is_floating_point(dtype)) call.inputs.push_back(randint(-5, 6, sizes).to(dtype));
-      else call.inputs.push_back(call.inputs.empty() ? special_values(sizes, dtype) : halves(sizes, dtype));
-    } else if (type == "Scalar") {
-      call.attrs.emplace_back(is_floating_point(dtype) ? Scalar(0.75) : Scalar(2));
-    } else if (type == "str?" || type == "ScalarType?") {
-      call.attrs.emplace_back();  // None
-    } else if (type == "str") {
-      call.attrs.emplace_back(default_value.substr(1, default_value.size() - 2));  // 'none' -> none
-    } else if (type.starts_with("int[")) {
-      call.attrs.emplace_back(std::vector<int64_t>{1});
-    } else if (type == "bool") {
-      call.attrs.emplace_back(false);
-    } else if (type == "ScalarType") {
-      call.attrs.emplace_back(dtype);
-    } else if (type == "Device") {
-      call.attrs.emplace_back(kCPU);
-    } else {
-      return std::nullopt;
-    }
-  }
-  return call;
-}
-
-bool has_fused_lowering(const OpDef& op) {
-  return std::holds_alternative<lowering::Pointwise>(op.lowering) ||
-         std::holds_alternative<lowering::Reduction>(op.lowering);
-}
-
 // Walks the op table: every op with a pointwise or reduction lowering, called in one compiled
 // function per dtype, matches eager. In float32 and float64 every one of them runs inside generated
 // kernels (no node goes through the dispatcher); in int64 and bool some lowerings leave a case to
 // eager on purpose (integer division and remainder check for zero divisors), so those dtypes check
-// the values only. A new pointwise op is covered here by being in the table.
+// the values only. A new pointwise op is covered here by being in the table (op_samples.h).
 TEST_F(KilnBackend, EveryOpWithAFusedLoweringInTheTableFusesAndMatchesEager) {
   std::vector<const OpDef*> ops;
   for (const OpDef* op : OpTable::instance().all())
     if (has_fused_lowering(*op)) ops.push_back(op);
   ASSERT_GE(ops.size(), 60u) << "the pointwise and reduction ops of the table";
+  // Input 0 with special values (NaN, infinities, signed zeros), the others half-integers with ties.
+  auto floats = [](IntArrayRef sizes, DType t, size_t index) {
+    return index == 0 ? special_values(sizes, t) : halves(sizes, t);
+  };
   std::set<std::string> covered;
   for (DType t : {kFloat32, kFloat64, kInt64, kBool}) {
     SCOPED_TRACE(dtype_name(t));
-    // The ops eager accepts in this dtype, with their arguments.
-    std::vector<std::pair<const OpDef*, SampleCall>> calls;
-    std::vector<Tensor> inputs, want;
-    std::vector<std::string> names;
-    for (const OpDef* op : ops) {
-      std::optional<SampleCall> call = sample_call(*op, t);
-      ASSERT_TRUE(call) << "no sample arguments for " << op->schema;
-      std::vector<Tensor> eager;
-      try {
-        eager = call_op(*op, call->inputs, call->attrs);
-      } catch (const Error&) {
-        continue;  // a dtype the op rejects
-      }
-      for (const Tensor& x : call->inputs) inputs.push_back(x);
-      for (const Tensor& y : eager) {
-        want.push_back(y);
-        names.push_back(op->name);
-      }
-      calls.emplace_back(op, std::move(*call));
-      covered.insert(op->name);
-    }
-    auto all_ops = [&calls](const std::vector<Tensor>& in) {
-      std::vector<Tensor> out;
-      size_t next = 0;
-      for (const auto& [op, call] : calls) {
-        std::vector<Tensor> args(in.begin() + next, in.begin() + next + call.inputs.size());
-        next += call.inputs.size();
-        for (Tensor& y : call_op(*op, args, call.attrs)) out.push_back(y);
-      }
-      return out;
-    };
-    auto compiled = compile_kiln(all_ops);
+    const SampleBatch batch = sample_batch(ops, t, kCPU, floats);
+    EXPECT_TRUE(batch.unknown.empty()) << "no sample arguments for " << batch.unknown.front();
+    for (const auto& [op, call] : batch.calls) covered.insert(op->name);
+    auto compiled = compile_kiln([&batch](const std::vector<Tensor>& in) { return batch.run(in); });
     Delta d;
-    std::vector<Tensor> got = compiled(inputs);
+    std::vector<Tensor> got = compiled(batch.inputs);
     if (is_floating_point(t)) {
       EXPECT_EQ(d.now().dispatched_nodes, 0) << "every lowered op runs in generated code";
     }
     EXPECT_GT(d.now().kernel_runs, 0);
-    ASSERT_EQ(got.size(), want.size());
+    ASSERT_EQ(got.size(), batch.eager.size());
     for (size_t i = 0; i < got.size(); ++i) {
-      const OpDef* op = OpTable::instance().find(names[i]);
+      const OpDef* op = batch.producer[i];
       const Tol tol = std::holds_alternative<lowering::Reduction>(op->lowering) ? reduction_tol(t) : exact_tol(t);
-      EXPECT_TRUE(matches(got[i], want[i], tol)) << names[i];
+      EXPECT_TRUE(matches(got[i], batch.eager[i], tol)) << op->name;
     }
   }
   for (const OpDef* op : ops) EXPECT_TRUE(covered.count(op->name)) << op->name << " ran in no dtype";
