@@ -1,5 +1,5 @@
 // The kiln backend (DESIGN §2.5, issue 5) against eager (DESIGN §3): every pointwise lowering of
-// src/compiler/lower/pointwise_rules.cpp in every dtype it serves, broadcasting and layouts, fused
+// src/compiler/lower/node_lowering.cpp in every dtype it serves, broadcasting and layouts, fused
 // chains, reductions with prologues, fused cat, run-time scalars, nodes left to the dispatcher,
 // in-place writes to inputs, whole models, and the KILN_COMPILE_DEBUG dump.
 //
@@ -34,6 +34,7 @@
 #include "compile_helpers.h"
 #include "kernel_cache_dir.h"
 #include "op_samples.h"
+#include "ops/pointwise_list.h"
 #include "kiln/compiler.h"
 #include "kiln/kiln.h"
 #include "kiln/models.h"
@@ -195,36 +196,19 @@ TEST_F(KilnBackend, EveryOpWithAFusedLoweringInTheTableFusesAndMatchesEager) {
 
 using Unary = std::pair<const char*, Tensor (*)(const Tensor&)>;
 
-// Every unary lowering of pointwise_rules.cpp (gelu in both approximations).
+// Every unary op of src/ops/pointwise_list.h that takes floats (bitwise_not takes integers), and
+// gelu in both approximations.
 const std::vector<Unary>& unary_ops() {
-  static const std::vector<Unary> ops = {
-      {"abs", [](const Tensor& x) { return abs(x); }},
-      {"neg", [](const Tensor& x) { return neg(x); }},
-      {"exp", [](const Tensor& x) { return exp(x); }},
-      {"log", [](const Tensor& x) { return log(x); }},
-      {"log1p", [](const Tensor& x) { return log1p(x); }},
-      {"expm1", [](const Tensor& x) { return expm1(x); }},
-      {"sin", [](const Tensor& x) { return sin(x); }},
-      {"cos", [](const Tensor& x) { return cos(x); }},
-      {"tan", [](const Tensor& x) { return tan(x); }},
-      {"tanh", [](const Tensor& x) { return tanh(x); }},
-      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }},
-      {"erf", [](const Tensor& x) { return erf(x); }},
-      {"relu", [](const Tensor& x) { return relu(x); }},
-      {"silu", [](const Tensor& x) { return silu(x); }},
-      {"sqrt", [](const Tensor& x) { return sqrt(x); }},
-      {"rsqrt", [](const Tensor& x) { return rsqrt(x); }},
-      {"reciprocal", [](const Tensor& x) { return reciprocal(x); }},
-      {"sign", [](const Tensor& x) { return sign(x); }},
-      {"floor", [](const Tensor& x) { return floor(x); }},
-      {"ceil", [](const Tensor& x) { return ceil(x); }},
-      {"round", [](const Tensor& x) { return round(x); }},
-      {"gelu", [](const Tensor& x) { return gelu(x); }},
-      {"gelu_tanh", [](const Tensor& x) { return gelu(x, "tanh"); }},
-      {"logical_not", [](const Tensor& x) { return logical_not(x); }},
-      {"isnan", [](const Tensor& x) { return isnan(x); }},
-      {"isfinite", [](const Tensor& x) { return isfinite(x); }},
-  };
+  static const std::vector<Unary> ops = [] {
+    std::vector<Unary> v;
+#define KILN_TEST_UNARY(name, Functor, rule, derivative) \
+  if (std::string_view(#rule) != "bitwise") v.push_back({#name, [](const Tensor& x) { return kiln::name(x); }});
+    KILN_UNARY_POINTWISE_OPS(KILN_TEST_UNARY)
+#undef KILN_TEST_UNARY
+    v.push_back({"gelu", [](const Tensor& x) { return gelu(x); }});
+    v.push_back({"gelu_tanh", [](const Tensor& x) { return gelu(x, "tanh"); }});
+    return v;
+  }();
   return ops;
 }
 
@@ -261,30 +245,26 @@ using Binary = std::pair<const char*, Tensor (*)(const Tensor&, const Tensor&)>;
 // Every binary lowering: add/sub with alpha 1, a float alpha and an integer alpha; div in its three
 // rounding modes; comparisons and logical ops.
 const std::vector<Binary>& binary_ops() {
-  static const std::vector<Binary> ops = {
-      {"add", [](const Tensor& a, const Tensor& b) { return add(a, b); }},
-      {"add_alpha_2.5", [](const Tensor& a, const Tensor& b) { return add(a, b, 2.5); }},
-      {"add_alpha_-3", [](const Tensor& a, const Tensor& b) { return add(a, b, -3); }},
-      {"sub", [](const Tensor& a, const Tensor& b) { return sub(a, b); }},
-      {"sub_alpha_0.5", [](const Tensor& a, const Tensor& b) { return sub(a, b, 0.5); }},
-      {"mul", [](const Tensor& a, const Tensor& b) { return mul(a, b); }},
-      {"div", [](const Tensor& a, const Tensor& b) { return div(a, b); }},
-      {"div_trunc", [](const Tensor& a, const Tensor& b) { return div(a, b, "trunc"); }},
-      {"div_floor", [](const Tensor& a, const Tensor& b) { return div(a, b, "floor"); }},
-      {"maximum", [](const Tensor& a, const Tensor& b) { return maximum(a, b); }},
-      {"minimum", [](const Tensor& a, const Tensor& b) { return minimum(a, b); }},
-      {"atan2", [](const Tensor& a, const Tensor& b) { return atan2(a, b); }},
-      {"pow", [](const Tensor& a, const Tensor& b) { return pow(a, b); }},
-      {"eq", [](const Tensor& a, const Tensor& b) { return eq(a, b); }},
-      {"ne", [](const Tensor& a, const Tensor& b) { return ne(a, b); }},
-      {"lt", [](const Tensor& a, const Tensor& b) { return lt(a, b); }},
-      {"le", [](const Tensor& a, const Tensor& b) { return le(a, b); }},
-      {"gt", [](const Tensor& a, const Tensor& b) { return gt(a, b); }},
-      {"ge", [](const Tensor& a, const Tensor& b) { return ge(a, b); }},
-      {"logical_and", [](const Tensor& a, const Tensor& b) { return logical_and(a, b); }},
-      {"logical_or", [](const Tensor& a, const Tensor& b) { return logical_or(a, b); }},
-      {"logical_xor", [](const Tensor& a, const Tensor& b) { return logical_xor(a, b); }},
-  };
+  static const std::vector<Binary> ops = [] {
+    std::vector<Binary> v = {
+        {"add", [](const Tensor& a, const Tensor& b) { return add(a, b); }},
+        {"add_alpha_2.5", [](const Tensor& a, const Tensor& b) { return add(a, b, 2.5); }},
+        {"add_alpha_-3", [](const Tensor& a, const Tensor& b) { return add(a, b, -3); }},
+        {"sub", [](const Tensor& a, const Tensor& b) { return sub(a, b); }},
+        {"sub_alpha_0.5", [](const Tensor& a, const Tensor& b) { return sub(a, b, 0.5); }},
+        {"div", [](const Tensor& a, const Tensor& b) { return div(a, b); }},
+        {"div_trunc", [](const Tensor& a, const Tensor& b) { return div(a, b, "trunc"); }},
+        {"div_floor", [](const Tensor& a, const Tensor& b) { return div(a, b, "floor"); }},
+        {"pow", [](const Tensor& a, const Tensor& b) { return pow(a, b); }},
+    };
+    // The ops of src/ops/pointwise_list.h that take floats (bitwise ops and shifts take integers).
+#define KILN_TEST_BINARY(name, Functor, rule, derivative)                      \
+  if (std::string_view(#rule) != "bitwise" && std::string_view(#rule) != "shift") \
+    v.push_back({#name, [](const Tensor& a, const Tensor& b) { return kiln::name(a, b); }});
+    KILN_BINARY_POINTWISE_OPS(KILN_TEST_BINARY)
+#undef KILN_TEST_BINARY
+    return v;
+  }();
   return ops;
 }
 

@@ -15,7 +15,7 @@
 #include <set>
 
 #include "compiler/graph/known_ops.h"
-#include "compiler/lower/pointwise_rules.h"
+#include "compiler/lower/node_lowering.h"
 
 namespace kiln::compiler::lower {
 

@@ -16,7 +16,7 @@
 #include "core/iteration_space.h"
 #include "compiler/codegen/expr_text.h"
 #include "compiler/lower/loop_ir.h"
-#include "compiler/lower/pointwise_rules.h"
+#include "compiler/lower/node_lowering.h"
 
 namespace kiln::compiler::codegen {
 

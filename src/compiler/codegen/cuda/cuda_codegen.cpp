@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "compiler/codegen/expr_text.h"
-#include "compiler/lower/pointwise_rules.h"
+#include "compiler/lower/node_lowering.h"
 
 namespace kiln::compiler::codegen {
 

@@ -1,5 +1,5 @@
-// Pointwise and reduction lowerings (see pointwise_rules.h).
-#include "compiler/lower/pointwise_rules.h"
+// Pointwise and reduction lowerings (see node_lowering.h).
+#include "compiler/lower/node_lowering.h"
 
 #include <variant>
 
