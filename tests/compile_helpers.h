@@ -71,6 +71,10 @@ inline compiler::Counters operator-(compiler::Counters a, const compiler::Counte
   a.kernel_runs -= b.kernel_runs;
   a.dispatched_nodes -= b.dispatched_nodes;
   a.recomputed_values -= b.recomputed_values;
+  a.cuda_graph_captures -= b.cuda_graph_captures;
+  a.cuda_graph_replays -= b.cuda_graph_replays;
+  a.cuda_graph_output_copies -= b.cuda_graph_output_copies;
+  a.kernel_builds -= b.kernel_builds;
   return a;
 }
 

@@ -192,6 +192,24 @@ TEST_F(KilnBackend, EveryOpWithAFusedLoweringInTheTableFusesAndMatchesEager) {
   for (const OpDef* op : ops) EXPECT_TRUE(covered.count(op->name)) << op->name << " ran in no dtype";
 }
 
+// compiler::counters().kernel_builds counts kernel sources the system compiler built: a kernel the
+// cache lacks builds once; the same kernels compiled again (a second compile() of the function, as
+// after a recompile) come from the cache and build nothing.
+TEST_F(KilnBackend, KernelBuildsCountsWhatTheSystemCompilerBuilt) {
+  auto f = [](const Tensor& x) { return hypot(sin(x), cos(x)) * x - 0.5; };
+  Tensor x = randn({7, 13});
+  Delta cold;
+  auto first = compile_kiln(f);
+  EXPECT_TRUE(matches(first(x), f(x), exact_tol(kFloat32)));
+  EXPECT_EQ(cold.now().graph_compiles, 1);
+  EXPECT_GE(cold.now().kernel_builds, 1) << "this binary's fresh cache has no such kernel";
+  Delta warm;
+  auto second = compile_kiln(f);
+  EXPECT_TRUE(matches(second(x), f(x), exact_tol(kFloat32)));
+  EXPECT_EQ(warm.now().graph_compiles, 1);
+  EXPECT_EQ(warm.now().kernel_builds, 0) << "the same kernels come from the cache";
+}
+
 // ================================ pointwise: unary ================================
 
 using Unary = std::pair<const char*, Tensor (*)(const Tensor&)>;

@@ -288,6 +288,8 @@ struct Counters {
   int64_t cuda_graph_output_copies = 0; // replayed outputs returned in new memory: the caller still
                                         // held the graph's buffer from an earlier call (or the
                                         // output has gaps); the others are the graph's buffers
+  int64_t kernel_builds = 0;    // kernel sources built by the system C++ compiler or NVRTC because the
+                                // kernel cache did not have them (generated and eager CUDA kernels)
 };
 Counters counters();
 

@@ -226,6 +226,7 @@ Counters counters() {
   out.cuda_graph_captures = c.cuda_graph_captures.load();
   out.cuda_graph_replays = c.cuda_graph_replays.load();
   out.cuda_graph_output_copies = c.cuda_graph_output_copies.load();
+  out.kernel_builds = c.kernel_builds.load();
   return out;
 }
 
@@ -241,7 +242,7 @@ void reset() {
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
                   &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
                   &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays,
-                  &c.cuda_graph_output_copies})
+                  &c.cuda_graph_output_copies, &c.kernel_builds})
     a->store(0);
 }
 

@@ -208,7 +208,7 @@ struct CounterSet {
   std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},
       graph_runs{0}, graph_breaks{0}, eager_frames{0}, replays{0}, kernel_runs{0}, dispatched_nodes{0},
       recomputed_values{0}, cuda_graph_captures{0}, cuda_graph_replays{0},
-      cuda_graph_output_copies{0};
+      cuda_graph_output_copies{0}, kernel_builds{0};
 };
 CounterSet& counter_set();
 uint64_t reset_epoch();

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "compiler/capture/runtime.h"
 #include "compiler/codegen/cpp/cxx_driver.h"
 #include "compiler/runtime/cache_files.h"
 #include "core/embedded_headers.h"
@@ -252,7 +253,7 @@ SharedObject::SharedObject(int fd, std::string path, std::string label)
     std::string why = error ? error : "unknown error";
     if (::access("/proc/self/fd", F_OK) != 0) why += " (/proc is not mounted; Kiln needs it)";
     ::close(fd_);
-    detail::throw_error<CompileError>(
+    kiln::detail::throw_error<CompileError>(
         "[kiln::compile] cannot load the kernel library " + path_ + " built for " + label_ + ": " +
         why + ". Delete the file to rebuild it; if that does not help, please report it.");
   }
@@ -328,6 +329,7 @@ std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
   }
   build_entry(req, cxx, flags, vdir, key, label);
   ++g_builds;
+  compiler::detail::counter_set().kernel_builds.fetch_add(1, std::memory_order_relaxed);
   VerifiedEntry built = verify_entry(so_path, sum_path, false);
   KILN_CHECK(built.state == VerifiedEntry::State::valid, CompileError,
              "[kiln::compile] the kernel library " + so_path + " built for " + label +
@@ -360,6 +362,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   }
   std::string bytes = build();
   ++g_builds;
+  compiler::detail::counter_set().kernel_builds.fetch_add(1, std::memory_order_relaxed);
   const std::string tmp = write_temp_file(vdir, key + ".bin", bytes);
   install_entry(tmp, vdir, key, ".bin");
   return bytes;
