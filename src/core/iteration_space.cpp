@@ -44,7 +44,7 @@ void order_by_lead(std::vector<size_t>& order, const std::vector<int64_t>& lead)
 
 }  // namespace
 
-IterationSpace coalesce_dims(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
+IterationSpace coalesce_dims(IntArrayRef sizes, const std::vector<std::vector<int64_t>>& strides,
                              DimOrder order_kind, size_t lead, const std::vector<bool>& reduced) {
   IterationSpace s;
   std::vector<size_t> order;  // dims of size > 1

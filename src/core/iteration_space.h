@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kiln/array_ref.h"
+
 namespace kiln::detail {
 
 enum class DimOrder : uint8_t {
@@ -36,7 +38,7 @@ struct IterationSpace {
 // `strides[k]`: operand k's strides over `sizes`, one per dim. `reduced` (optional): per dim,
 // whether a reduction sums it; reduced and kept dims never merge. `lead`: the operand that decides
 // the order for DimOrder::lead_operand (ignored, order kept, when out of range).
-IterationSpace coalesce_dims(const std::vector<int64_t>& sizes, const std::vector<std::vector<int64_t>>& strides,
+IterationSpace coalesce_dims(IntArrayRef sizes, const std::vector<std::vector<int64_t>>& strides,
                              DimOrder order, size_t lead = 0, const std::vector<bool>& reduced = {});
 
 }  // namespace kiln::detail

@@ -340,25 +340,30 @@ const OpDef& kRemainder =
 
 // ---- the ops of KILN_BINARY_POINTWISE_OPS ----
 
-// The output dtype by the `rule` column of pointwise_list.h.
-DTypeRule binary_rule(std::string_view rule) {
-  if (rule == "keep") return keep;
-  if (rule == "floating") return to_float;
-  if (rule == "compare") return to_bool;
-  if (rule == "bitwise") return bitwise_rule;
-  return shift_rule;
+// The `rule` column of pointwise_list.h.
+enum class BinaryRule { keep, floating, compare, bitwise, shift };
+
+DTypeRule dtype_rule(BinaryRule rule) {
+  switch (rule) {
+    case BinaryRule::keep: return keep;
+    case BinaryRule::floating: return to_float;
+    case BinaryRule::compare: return to_bool;
+    case BinaryRule::bitwise: return bitwise_rule;
+    case BinaryRule::shift: return shift_rule;
+  }
+  return keep;
 }
 
-OpDef listed_binary_def(const char* name, const char* functor, std::string_view rule, Derivative derivative) {
+OpDef listed_binary_def(const char* name, const char* functor, BinaryRule rule, Derivative derivative) {
   std::string schema = std::string(name) + "(Tensor self, Tensor other) -> Tensor";
-  Lowering lowering = rule == "compare" ? Lowering(detail::functor_in_common_dtype(functor))
-                                        : Lowering(detail::functor_in_output_dtype(functor, 2));
-  return binary_def(name, std::move(schema), binary_rule(rule), std::move(derivative), std::move(lowering));
+  Lowering lowering = rule == BinaryRule::compare ? Lowering(detail::functor_in_common_dtype(functor))
+                                                  : Lowering(detail::functor_in_output_dtype(functor, 2));
+  return binary_def(name, std::move(schema), dtype_rule(rule), std::move(derivative), std::move(lowering));
 }
 
 // k<Functor> for every line of KILN_BINARY_POINTWISE_OPS (kMul, kLogicalAnd, ...).
 #define KILN_DEFINE_BINARY(name, Functor, rule, derivative) \
-  const OpDef& k##Functor = register_op(listed_binary_def(#name, #Functor, #rule, derivative()));
+  const OpDef& k##Functor = register_op(listed_binary_def(#name, #Functor, BinaryRule::rule, derivative()));
 KILN_BINARY_POINTWISE_OPS(KILN_DEFINE_BINARY)
 #undef KILN_DEFINE_BINARY
 

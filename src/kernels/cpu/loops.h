@@ -82,7 +82,7 @@ struct StridedLoop {
     std::vector<std::vector<int64_t>> bs(N);
     for (size_t k = 0; k < N; ++k)
       bs[k] = detail::broadcast_strides(ops[k]->sizes(), ops[k]->strides(), shape);
-    detail::IterationSpace space = detail::coalesce_dims(shape.vec(), bs, detail::DimOrder::operands_in_turn);
+    detail::IterationSpace space = detail::coalesce_dims(shape, bs, detail::DimOrder::operands_in_turn);
     numel = space.numel;
     sizes = std::move(space.sizes);
     strides.resize(sizes.size());

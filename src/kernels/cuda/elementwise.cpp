@@ -61,7 +61,7 @@ Layout coalesce(IntArrayRef shape, const std::vector<const Tensor*>& ops) {
     for (auto& s : bs[k]) s *= ops[k]->element_size();
   }
   kiln::detail::IterationSpace space =
-      kiln::detail::coalesce_dims(shape.vec(), bs, kiln::detail::DimOrder::operands_in_turn);
+      kiln::detail::coalesce_dims(shape, bs, kiln::detail::DimOrder::operands_in_turn);
   Layout l;
   l.numel = space.numel;
   l.sizes = std::move(space.sizes);

@@ -151,7 +151,7 @@ int cat_into_slices(Graph& g) {
   const OpDef& empty = internal::registered_op("empty");
   const OpDef& permute = internal::registered_op("permute");
   const OpDef& slice = internal::registered_op("slice");
-  const OpDef& copy = internal::registered_op("copy");
+  const OpDef& copy = known_ops().copy;
   internal::NodeNamer namer(g);
   // The leaders' results, read before the nodes move into `out` (a leader may come first).
   std::vector<int> lead_output(groups.size(), -1);

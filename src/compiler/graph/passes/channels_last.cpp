@@ -71,7 +71,7 @@ Node layout_copy(Graph& g, int x, bool channels_last, std::string name) {
   info.device = xi.device;
   info.name = name;
   Node n;
-  n.op = &internal::registered_op("copy");
+  n.op = &known_ops().copy;
   n.inputs = {x};
   n.attrs = {xi.dtype, xi.device, channels_last};
   n.name = std::move(name);

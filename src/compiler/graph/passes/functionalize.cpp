@@ -270,9 +270,8 @@ void functionalize(Graph& g) {
       const ValueInfo target = g.values[targets[k]];
       int value = results[k];
       if (result[k].dtype != target.dtype || result[k].device != target.device) {
-        static const OpDef* copy = OpTable::instance().find("copy");
         Node& cast = out.emplace_back();
-        cast.op = copy;
+        cast.op = &known_ops().copy;
         cast.inputs = {value};
         cast.attrs = {target.dtype, target.device};
         cast.name = namer("copy");
@@ -291,7 +290,7 @@ void functionalize(Graph& g) {
   for (int p : g.inputs) {
     if (!valid(g, p) || current[p] == p) continue;
     Node& back = out.emplace_back();
-    back.op = OpTable::instance().find("copy");
+    back.op = &known_ops().copy;
     back.inputs = {current[p]};
     back.attrs = {g.values[p].dtype, g.values[p].device};
     back.outputs = {p};

@@ -8,7 +8,7 @@
 namespace kiln::compiler::passes {
 
 void fuse_conv_bn(Graph& g) {
-  const OpDef& conv2d_bn = internal::registered_op("conv2d_bn");
+  const OpDef& conv2d_bn = known_ops().conv2d_bn;
   std::vector<int> uses = g.use_counts();
   const auto [producer, consumer] = internal::dataflow(g, uses);
   // Values written in place anywhere: folding must not move a read across such a write.

@@ -56,10 +56,10 @@ bool full_window_pool(const Node& n) {
 }  // namespace
 
 int pool_before_pointwise_conv(Graph& g) {
-  const OpDef& avg_pool2d = internal::registered_op("avg_pool2d");
+  const OpDef& avg_pool2d = known_ops().avg_pool2d;
   const OpDef& avg_pool2d_backward = internal::registered_op("avg_pool2d_backward");
-  const OpDef& conv2d = internal::registered_op("conv2d");
-  const OpDef& convolution_backward = internal::registered_op("convolution_backward");
+  const OpDef& conv2d = known_ops().conv2d;
+  const OpDef& convolution_backward = known_ops().convolution_backward;
   const std::vector<int> uses = g.use_counts();
   const internal::WriteIndex writes(g);
   const std::vector<int> consumer = internal::dataflow(g, uses).consumer;
