@@ -213,16 +213,26 @@ KILN_EXAMPLE(compile_faq, 40, "kiln::compile FAQ") {
   }
 
   out << "\n--- Why didn't my code recompile when I changed it? ---\n";
-  try {
-    compile(my_model, {.dynamic = true});
-  } catch (const CompileError& e) {
-    out << e.what() << "\n";
-  }
+  // Dynamic shapes: after the first size change a dimension is dynamic, and later sizes reuse the
+  // dynamic graph instead of recompiling (dynamic = true: dynamic from the first call).
   compiler::reset();
   {
     auto opt_model = compile(my_model);
-    for (int64_t n : {8, 8, 16}) opt_model(randn({n}));
-    out << "sizes 8, 8, 16: " << compiler::counters().frame_compiles << " compiles (one per size)\n";
+    for (int64_t n : {8, 8, 16, 24, 32}) opt_model(randn({n}));
+    out << "sizes 8, 8, 16, 24, 32: " << compiler::counters().graph_compiles
+        << " compiles (static for 8, then dynamic from 16 on)\n";
+  }
+  compiler::reset();
+  {
+    auto opt_model = compile(my_model, {.dynamic = true});
+    for (int64_t n : {8, 8, 16, 24, 32}) opt_model(randn({n}));
+    out << "with dynamic = true: " << compiler::counters().graph_compiles << " compile\n";
+  }
+  compiler::reset();
+  {
+    auto opt_model = compile(my_model, {.dynamic = false});
+    for (int64_t n : {8, 8, 16, 24, 32}) opt_model(randn({n}));
+    out << "with dynamic = false: " << compiler::counters().graph_compiles << " compiles (one per size)\n";
   }
 
   out << "\n--- Does grad work with compile()? ---\n";

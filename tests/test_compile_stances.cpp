@@ -56,12 +56,18 @@ struct Probe {
   std::shared_ptr<std::vector<bool>> seen = std::make_shared<std::vector<bool>>();
   decltype(kiln::compile(std::function<Tensor(const Tensor&)>())) fn;
 
+  // These tests make new signatures with new sizes: `dynamic` defaults to false here, so that each
+  // size is a recompile (automatic dynamic would serve them all from the second size on).
   explicit Probe(CompileOptions options = {})
       : fn(kiln::compile(std::function<Tensor(const Tensor&)>([s = seen](const Tensor& x) {
                            s->push_back(compiler::is_compiling());
                            return relu(x) * 3;
                          }),
-                         std::move(options))) {}
+                         static_sizes(std::move(options)))) {}
+  static CompileOptions static_sizes(CompileOptions o) {
+    if (!o.dynamic) o.dynamic = false;
+    return o;
+  }
   // Calls the function; returns whether its body was capturing. Checks the result.
   bool call(const Tensor& x) {
     size_t before = seen->size();
@@ -533,7 +539,7 @@ TEST_F(Stances, RecompileLimitIsPerModuleInstance) {
         compiling = compiler::is_compiling();
         return m->forward(x);
       },
-      {.recompile_limit = 2});
+      {.dynamic = false, .recompile_limit = 2});
   LogCapture log;
   auto run = [&](const std::shared_ptr<Affine>& m, int64_t rows) {
     Tensor x = randn({rows, 3});

@@ -50,7 +50,9 @@ struct Failures {
 };
 
 TEST_F(CompileThreads, ManyThreadsMixedSignaturesCompileEachOnce) {
-  auto f = kiln::compile(body);
+  // dynamic = false: a compile per shape, whichever thread meets it first (automatic dynamic would
+  // make the count depend on the order the threads meet the shapes in).
+  auto f = kiln::compile(body, {.dynamic = false});
   Failures failures;
   std::atomic<int> captured{0}, total{0};
   std::vector<std::thread> threads;
@@ -109,11 +111,13 @@ TEST_F(CompileThreads, ConcurrentFirstCallsOfOneSignatureCompileOnce) {
 }
 
 TEST_F(CompileThreads, OneThreadUnderForceEagerWhileOthersCompile) {
-  auto f = kiln::compile([](const Tensor& x, const Tensor& y) {
-    Tensor out = body(x, y);
-    // Also return what the body saw: compiling or eager on this thread.
-    return std::make_pair(out, compiler::is_compiling());
-  });
+  auto f = kiln::compile(
+      [](const Tensor& x, const Tensor& y) {
+        Tensor out = body(x, y);
+        // Also return what the body saw: compiling or eager on this thread.
+        return std::make_pair(out, compiler::is_compiling());
+      },
+      {.dynamic = false});
   Failures failures;
   std::vector<std::thread> threads;
   const int eager_thread = 3;

@@ -216,7 +216,7 @@ TEST(CudaJit, RunTimeScalarsArePassedNotBaked) {
   EXPECT_TRUE(contains(s.source, "p.s[0]"));
   EXPECT_FALSE(contains(s.source, "0.25"));
   EXPECT_EQ(s.buffers, 2u);  // x and the result
-  EXPECT_EQ(s.slots(), 2u + 2 * 2);
+  EXPECT_EQ(s.slots(), 2u + 2 * 2 + 1);  // buffers, scalars as double and int64, one (unused) size slot
 }
 
 TEST(CudaJit, FusedCatAndLargeIterationSpaces) {

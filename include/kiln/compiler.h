@@ -57,8 +57,12 @@ using OptionValue = std::variant<bool, int64_t, double, std::string>;
 struct CompileOptions {
   // Throw GraphBreakError at the first graph break instead of splitting the capture.
   bool fullgraph = false;
-  // Dynamic shapes are not implemented yet: every size is specialized (nullopt and false both
-  // mean that); true throws CompileError. See docs/compiler.md.
+  // Dynamic shapes (docs/compiler.md, "Dynamic shapes"), as torch.compile's `dynamic=`:
+  //   nullopt (default): compile static first; a recompile caused by a size change marks the sizes
+  //     that changed dynamic and compiles once more for all of them (automatic dynamic);
+  //   true: every size of every tensor argument is dynamic from the first compile;
+  //   false: always specialize (one compile per new size, until the recompile limit).
+  // Sizes 0 and 1 always specialize: a dynamic size serves every value >= 2.
   std::optional<bool> dynamic;
   // A registered backend name ("eager", "aot_eager", a custom one), or a backend function.
   // Empty: compiler::default_backend().
@@ -140,6 +144,31 @@ auto with_stance(Stance stance, F fn, StanceOptions options = {},
 // True while this thread captures for a compiled function (false in force_eager, in eager
 // fallbacks and inside compiler::disable()).
 bool is_compiling();
+
+// ------------------------------------------------------------------------------------------
+// Dynamic shapes (DESIGN §2.6; docs/compiler.md, "Dynamic shapes")
+// ------------------------------------------------------------------------------------------
+
+// Inclusive bounds for a dynamic size; unset: from 2 (sizes 0 and 1 always specialize), no upper
+// bound.
+struct DimRange {
+  std::optional<int64_t> min;
+  std::optional<int64_t> max;
+};
+
+// Marks dimension `dim` of `t` dynamic for the compile that a call with `t` as an argument causes:
+// that entry then serves every size of the dimension within `range` without recompiling, whatever
+// CompileOptions::dynamic says. Throws ValueError for a bad dim or a range that excludes t's size;
+// the call that compiles throws CompileError naming the reason when the dimension is specialized
+// anyway (its size is 0 or 1). Throws CompileError inside a compiled region, as torch does.
+void mark_dynamic(const Tensor& t, int64_t dim, DimRange range = {});
+// As mark_dynamic, without the error: a dimension of size 0 or 1 specializes silently.
+void maybe_mark_dynamic(const Tensor& t, int64_t dim);
+// Keeps dimension `dim` of `t` (every dimension: nullopt) static in the compile a call with `t`
+// causes, even with dynamic = true or after automatic dynamic marked it. Throws ValueError for a
+// bad dim, CompileError inside a compiled region (the entry is chosen before the body runs, so a
+// mark made there could not apply to it).
+void mark_static(const Tensor& t, std::optional<int64_t> dim = std::nullopt);
 
 // ------------------------------------------------------------------------------------------
 // Escape hatches (DESIGN §2.3)
@@ -253,6 +282,7 @@ struct LogOptions {
   bool output_code = false;
   bool perf_hints = false;
   bool passes = false;  // one line per graph pass a backend runs: name, time, nodes before and after
+  bool dynamic = false;  // dynamic shapes: which sizes became dynamic and why, new sizes of a dynamic graph
 };
 void set_logs(const LogOptions& logs);
 LogOptions logs();
@@ -290,6 +320,9 @@ struct Counters {
                                         // output has gaps); the others are the graph's buffers
   int64_t kernel_builds = 0;    // kernel sources built by the system C++ compiler or NVRTC because the
                                 // kernel cache did not have them (generated and eager CUDA kernels)
+  int64_t size_specializations = 0;  // a dynamic graph met at a new concrete size: the backend ran
+                                     // again for it, its kernels came from the kernel cache (not
+                                     // counted in graph_compiles)
 };
 Counters counters();
 

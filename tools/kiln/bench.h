@@ -6,4 +6,6 @@
 
 namespace kiln::cli {
 int run_bench(const std::vector<std::string>& args);
+// `kiln bench gpt2` (bench_gpt2.cpp): generation with a growing sequence, eager vs static vs dynamic.
+int run_gpt2_bench(const std::vector<std::string>& args);
 }

@@ -27,6 +27,10 @@ commands:
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
                        compiled pure, pure reduce_overhead (us per call). --iters 2000 (calls per batch) --batches 7
                        --warmup 3 --threads N --device cpu|cuda --json
+  bench gpt2 [opts]    greedy generation with a growing sequence: eager, compiled with dynamic =
+                       false, compiled with automatic dynamic (tokens/s, compiles, compile seconds).
+                       --tokens 64 --prompt 8 --layers 4 --heads 4 --embd 128 --vocab 1024
+                       --modes eager,static,dynamic --device cpu|cuda --json
   version              print the version
   help                 show this message
 )";

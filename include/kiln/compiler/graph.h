@@ -87,6 +87,11 @@ class Graph {
   // Values known when the graph is compiled (host scalars inside decompositions, folded
   // subgraphs): the value id and its tensor. Never graph inputs.
   std::vector<std::pair<int, Tensor>> constants;
+  // A dynamic graph (dynamic shapes, docs/compiler.md): compile() calls the backend again for each
+  // new concrete size of it, expecting code that does not bake sizes in. The kiln backend's
+  // generated kernels then take every size, stride and offset as a run-time argument, so each
+  // size reuses the kernels the first one built. Sizes here are one concrete instance's.
+  bool dynamic = false;
 
   // ---- building and rewriting ----
   int add_value(ValueInfo info);

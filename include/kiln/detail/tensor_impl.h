@@ -18,7 +18,10 @@ namespace autograd {
 struct AutogradMeta;
 struct Node;
 }  // namespace autograd
-namespace compiler { struct LazyValue; }
+namespace compiler {
+struct LazyValue;
+struct DimMarks;
+}  // namespace compiler
 
 namespace detail {
 
@@ -74,6 +77,9 @@ struct TensorImpl {
 
   std::shared_ptr<autograd::AutogradMeta> autograd;  // grad, grad_fn, hooks (autograd issue)
   std::shared_ptr<compiler::LazyValue> lazy;         // set while the value is being captured
+  // compiler::mark_dynamic / maybe_mark_dynamic / mark_static: read when a call of a compiled
+  // function with this tensor as an argument compiles (replaced, never changed in place).
+  std::shared_ptr<const compiler::DimMarks> dim_marks;
 
   // Recomputes numel and is_contiguous after sizes/strides change.
   void refresh_metadata();

@@ -54,6 +54,7 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
 
 CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
+  const bool dynamic_sizes = graph.dynamic;
   passes::PipelineOptions pipeline;
   if (const CompileOptions* o = compiling_options())
     if (auto it = o->options.find("layout_optimization"); it != o->options.end())
@@ -61,6 +62,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   passes::run_kiln_pipeline(graph, pipeline);  // compiler/graph/pipeline.cpp: the passes, in order
   auto ex = std::make_shared<runtime::Executable>();
   ex->program = lower::schedule(std::move(graph));
+  ex->program.dynamic_sizes = dynamic_sizes;
   lower::elide_copy_backs(ex->program);
   const Graph& g = ex->program.graph;
   ex->slots.resize(g.nodes.size());
@@ -81,7 +83,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   // Per Program kernel: the CUDA source of a kernel on a GPU (empty for CPU kernels).
   std::vector<codegen::CudaKernelSource> cuda_sources(ex->program.kernels.size());
   for (size_t i = 0; i < cuda_sources.size(); ++i)
-    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = codegen::generate_cuda(ex->program.kernels[i]);
+    if (!ex->program.kernels[i].device.is_cpu()) cuda_sources[i] = codegen::generate_cuda(ex->program.kernels[i], ex->program.dynamic_sizes);
   // reduce_overhead: a static memory plan, so that a call allocates only its outputs.
   // max_autotune includes it too, as torch's max-autotune includes CUDA graphs (the static plan is
   // the CPU's counterpart); max_autotune_no_cudagraphs does not.
@@ -106,7 +108,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
     for (size_t i = 0; i < ex->program.kernels.size(); ++i) {
       const lower::Kernel& k = ex->program.kernels[i];
       if (k.device.is_cpu())
-        ex->kernels[i] = ex->library->function<void(void* const*, const double*, const int64_t*)>(k.name.c_str());
+        ex->kernels[i] = ex->library->function<void(void* const*, const double*, const int64_t*, const int64_t*)>(k.name.c_str());
     }
   }
   if (const CompileOptions* o = compiling_options();

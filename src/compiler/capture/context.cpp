@@ -655,4 +655,80 @@ bool same_structure(const Graph& a, const Graph& b) {
   return true;
 }
 
+// ---- dynamic shapes: the same program at other sizes ----
+//
+// Two graphs are one dynamic graph when they differ only in sizes, strides, storage offsets and
+// integer attrs (a view's sizes, a slice's bounds, an integer argument): the ops, their order and
+// wiring, dtypes, devices, ranks, aliasing and every other attr agree. Compiling one instance per
+// concrete size stays correct whatever differs in those numbers; the kiln backend's kernels take
+// them as run-time arguments, so the instances share their generated code.
+
+namespace {
+bool size_like(const Attr& a) {
+  return std::holds_alternative<int64_t>(a) || std::holds_alternative<std::vector<int64_t>>(a);
+}
+}  // namespace
+
+uint64_t family_hash(const Graph& g) {
+  uint64_t h = kSegmentHashSeed;
+  mix(h, g.values.size());
+  for (const ValueInfo& v : g.values) {
+    mix(h, static_cast<uint64_t>(v.dtype));
+    mix_device(h, v.device);
+    mix(h, v.sizes.size());
+    mix(h, static_cast<uint64_t>(v.storage + 1));
+    mix(h, v.is_input);
+  }
+  for (const Node& n : g.nodes) {
+    mix(h, reinterpret_cast<uintptr_t>(n.op));
+    mix(h, n.inplace);
+    for (int v : n.inputs) mix(h, static_cast<uint64_t>(v));
+    for (int v : n.outputs) mix(h, static_cast<uint64_t>(v));
+    for (size_t k = 0; k < n.attrs.size(); ++k) {
+      const Attr& a = n.attrs[k];
+      if (size_like(a)) mix(h, a.index());
+      else mix_attr(h, a, is_dynamic_attr(*n.op, a, k));
+    }
+  }
+  for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
+  for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
+  return h;
+}
+
+bool same_family(const Graph& a, const Graph& b) {
+  if (a.nodes.size() != b.nodes.size() || a.values.size() != b.values.size() || a.inputs != b.inputs ||
+      a.outputs != b.outputs || a.scalars.size() != b.scalars.size() || a.constants.size() != b.constants.size())
+    return false;
+  for (size_t i = 0; i < a.values.size(); ++i) {
+    const ValueInfo& x = a.values[i];
+    const ValueInfo& y = b.values[i];
+    if (x.dtype != y.dtype || x.device != y.device || x.sizes.size() != y.sizes.size() || x.storage != y.storage ||
+        x.is_input != y.is_input || x.is_wrapped_number != y.is_wrapped_number)
+      return false;
+  }
+  for (size_t i = 0; i < a.nodes.size(); ++i) {
+    const Node& x = a.nodes[i];
+    const Node& y = b.nodes[i];
+    if (x.op != y.op || x.inplace != y.inplace || x.inputs != y.inputs || x.outputs != y.outputs ||
+        x.attrs.size() != y.attrs.size())
+      return false;
+    for (size_t k = 0; k < x.attrs.size(); ++k) {
+      const Attr& p = x.attrs[k];
+      const Attr& q = y.attrs[k];
+      if (p.index() != q.index()) return false;
+      if (auto* u = std::get_if<std::vector<int64_t>>(&p)) {
+        if (u->size() != std::get<std::vector<int64_t>>(q).size()) return false;
+        continue;
+      }
+      if (std::holds_alternative<int64_t>(p)) continue;
+      uint64_t hp = 0, hq = 0;  // the other attrs as same_structure compares them
+      mix_attr(hp, p, is_dynamic_attr(*x.op, p, k));
+      mix_attr(hq, q, is_dynamic_attr(*y.op, q, k));
+      if (hp != hq) return false;
+      if (auto* s = std::get_if<std::string>(&p); s && *s != std::get<std::string>(q)) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace kiln::compiler::detail

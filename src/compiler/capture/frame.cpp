@@ -74,6 +74,9 @@ void check_epoch(FunctionState& st) {
   st.entries.clear();
   st.backward_entry.reset();
   st.graphs.clear();
+  st.families.clear();
+  st.seen_sizes.clear();
+  st.changed_dims.clear();
   st.graph_counter = 0;
   st.sightings = 0;
   st.limit_warned = false;
@@ -350,7 +353,13 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   for (size_t k = 0; k < plan->inputs.size(); ++k) {
     const auto& in = plan->inputs[k];
     if (in.leaf >= 0) {
-      inputs.push_back(leaves[in.leaf].t);
+      // An entry with dynamic sizes passes calls of other sizes; the plan's graph is one size's
+      // instance, so those calls run the body (which finds or compiles their instance).
+      const Tensor& t = leaves[in.leaf].t;
+      const ValueInfo& v = g.values[g.inputs[k]];
+      if (entry.dynamic && (!(t.sizes() == IntArrayRef(v.sizes)) || !(t.strides() == IntArrayRef(v.strides))))
+        return false;
+      inputs.push_back(t);
     } else {
       const ValueInfo& v = g.values[g.inputs[k]];
       const Tensor& t = in.fixed;
@@ -432,11 +441,6 @@ std::shared_ptr<FunctionState> make_function_state(CompileOptions options, std::
   if (options.mode && !options.options.empty()) {
     throw CompileError(
         "[kiln::compile] Either mode or options can be specified, but both can't be specified at the same time.");
-  }
-  if (options.dynamic.value_or(false)) {
-    throw CompileError(
-        "[kiln::compile] dynamic=true is not supported yet: Kiln specializes every size and recompiles when one "
-        "changes. Leave `dynamic` unset (see docs/compiler.md, \"Dynamic shapes\").");
   }
   if (options.recompile_limit && *options.recompile_limit < 1) {
     throw ValueError("[kiln::compile] recompile_limit must be at least 1, got " +
@@ -530,6 +534,7 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
         reasons.push_back(std::to_string(st.frame_id) + "/" + std::to_string(e->id) + ": " +
                           describe_failure(e->guards, f, leaves, names));
       }
+      const std::vector<std::vector<char>> dynamic = dynamic_dims(st, leaves, names);
       switch (stance.stance) {
         case Stance::eager_on_recompile:
           lock.unlock();
@@ -566,7 +571,10 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
       }
       entry = std::make_shared<FrameEntry>();
       entry->id = static_cast<int>(st.entries.size());
-      entry->guards = build_guards(leaves, st.options.pure, backend);
+      entry->guards = build_guards(leaves, st.options.pure, backend, dynamic);
+      check_marks_honoured(entry->guards, leaves, names);
+      entry->dynamic = st.options.dynamic == true;
+      for (const LeafGuard& lg : entry->guards.leaves) entry->dynamic |= !lg.dynamic.empty();
       st.entries.push_back(entry);
       counters.frame_compiles.fetch_add(1, std::memory_order_relaxed);
       if (!reasons.empty()) {
@@ -686,6 +694,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
                                                const Arguments& example) {
   FunctionState& st = *ctx.fn;
   std::shared_ptr<CompiledGraph> cg;
+  std::shared_ptr<GraphFamily> family;  // set when `graph` is an instance of a dynamic graph
   bool compile_here = false;
   {
     std::unique_lock lock(st.mutex);
@@ -696,8 +705,40 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
         break;
       }
     }
+    // Dynamic shapes: a graph that is a compiled dynamic graph at other sizes is one of its
+    // instances (the same sizes: a cache hit; new sizes: the backend runs again, kernels cached).
+    uint64_t fhash = 0;
+    if (!cg && !st.families.empty()) {  // (dynamic = false has families only from mark_dynamic)
+      fhash = family_hash(graph);
+      auto [flo, fhi] = st.families.equal_range(fhash);
+      for (auto it = flo; it != fhi && !family; ++it)
+        if (it->second->first->backend == ctx.backend && same_family(it->second->first->graph, graph)) family = it->second;
+      if (family) {
+        auto& inst = family->instances;
+        for (size_t i = 0; i < inst.size(); ++i) {
+          if (inst[i]->hash == hash && same_structure(inst[i]->graph, graph)) {
+            cg = inst[i];
+            std::rotate(inst.begin() + static_cast<std::ptrdiff_t>(i), inst.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                        inst.end());  // most recently used last
+            break;
+          }
+        }
+      }
+    }
     if (cg) {
       counter_set().graph_cache_hits.fetch_add(1, std::memory_order_relaxed);
+    } else if (family) {
+      // A new size of a dynamic graph: not a recompile (its guards passed), so no stance refuses it.
+      cg = std::make_shared<CompiledGraph>();
+      cg->graph = graph;
+      cg->graph.dynamic = true;
+      cg->hash = hash;
+      cg->family = fhash;
+      cg->backend = ctx.backend;
+      cg->id = family->id;
+      family->instances.push_back(cg);
+      if (family->instances.size() > GraphFamily::kMaxInstances) family->instances.erase(family->instances.begin());
+      compile_here = true;
     } else {
       switch (ctx.stance.stance) {
         case Stance::fail_on_recompile:
@@ -708,7 +749,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
         case Stance::eager_on_recompile: lock.unlock(); return uncached(graph);
         default: break;
       }
-      if (static_cast<int>(st.graphs.size()) >= 256) {  // Dynamo's accumulated_recompile_limit
+      if (static_cast<int>(st.graphs.size() + st.families.size()) >= 256) {  // Dynamo's accumulated_recompile_limit
         bool first = !st.graph_limit_warned;
         st.graph_limit_warned = true;
         lock.unlock();
@@ -722,10 +763,37 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       cg->hash = hash;
       cg->backend = ctx.backend;
       cg->id = std::to_string(st.frame_id) + "/" + std::to_string(st.graph_counter++);
-      st.graphs.emplace(hash, cg);
+      // Compile it dynamic when sizes are dynamic from the start (dynamic=true, or the frame entry
+      // has dynamic sizes), or when automatic dynamic sees a graph compiled before at other sizes.
+      bool dynamic = st.options.dynamic == true || (ctx.entry && ctx.entry->dynamic);
+      if (!fhash) fhash = family_hash(graph);
+      if (!dynamic && st.options.dynamic != false) {
+        for (const auto& [h, other] : st.graphs) {
+          if (other->family == fhash && other->backend == ctx.backend && same_family(other->graph, graph)) {
+            dynamic = true;
+            if (log_options().dynamic)
+              log_stream() << "[kiln.compile] automatic dynamic: graph " << cg->id << " of " << st.where()
+                           << " is graph " << other->id << " at other sizes; compiling it dynamic\n";
+            break;
+          }
+        }
+      }
+      cg->family = fhash;
+      if (dynamic) {
+        cg->graph.dynamic = true;
+        family = std::make_shared<GraphFamily>();
+        family->id = cg->id;
+        family->first = cg;
+        family->instances.push_back(cg);
+        st.families.emplace(cg->family, family);
+        family.reset();  // the first instance is this compile, counted as a graph compile
+      } else {
+        st.graphs.emplace(hash, cg);
+      }
       compile_here = true;
     }
   }
+  const bool instance = family != nullptr;
   if (!compile_here) {
     std::unique_lock wait(cg->mutex);
     cg->ready_cv.wait(wait, [&] { return cg->ready; });
@@ -757,8 +825,24 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
                          cg->id + ". A backend must return a callable (e.g. kiln::compiler::interpreter(graph)).");
     }
     record_phase("backend_compile (" + ctx.backend + ")", cg->compile_seconds);
-    counter_set().graph_compiles.fetch_add(1, std::memory_order_relaxed);
-    if (log_options().graph) {
+    if (instance) {
+      counter_set().size_specializations.fetch_add(1, std::memory_order_relaxed);
+      if (log_options().dynamic) {
+        std::string sizes;
+        for (int v : cg->graph.inputs) {
+          const ValueInfo& info = cg->graph.values[v];
+          if (info.is_wrapped_number) continue;
+          sizes += (sizes.empty() ? "" : ", ") + info.name + "[";
+          for (size_t d = 0; d < info.sizes.size(); ++d) sizes += (d ? ", " : "") + std::to_string(info.sizes[d]);
+          sizes += "]";
+        }
+        log_stream() << "[kiln.compile] [" << cg->id << "] dynamic graph of " << st.where() << " at new sizes ("
+                     << sizes << ") in " << cg->compile_seconds * 1e3 << " ms\n";
+      }
+    } else {
+      counter_set().graph_compiles.fetch_add(1, std::memory_order_relaxed);
+    }
+    if (!instance && log_options().graph) {
       log_stream() << "[kiln.compile] [" << cg->id << "] graph of " << st.where() << ":\n" << cg->graph.tabular();
     }
   } catch (const std::exception& e) {
@@ -787,6 +871,11 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
           st.graphs.erase(it);
           break;
         }
+      for (auto it = st.families.begin(); it != st.families.end();) {  // a failed dynamic compile
+        auto& inst = it->second->instances;
+        inst.erase(std::remove(inst.begin(), inst.end(), cg), inst.end());
+        it = it->second->first == cg ? st.families.erase(it) : std::next(it);
+      }
     }
     finish(error);
     std::rethrow_exception(error);

@@ -1,5 +1,6 @@
 // Frame guards: what a cache entry assumes about the arguments and global state, checked before
 // the body runs, and Dynamo's wording when a check fails (DESIGN §2.3, spec §2.1-2.3).
+#include <limits>
 #include <sstream>
 #include <tuple>
 #include <utility>
@@ -40,7 +41,31 @@ GlobalState current_global_state() {
   return GlobalState{is_grad_enabled(), is_inference_mode_enabled(), default_dtype()};
 }
 
-GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend) {
+namespace {
+
+// Whether (sizes, strides) is dense row-major (size-1 dims may have any stride).
+bool dense_contiguous(IntArrayRef sizes, IntArrayRef strides) {
+  int64_t expected = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] != 1 && strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
+bool layout_ok(LeafGuard::Layout layout, IntArrayRef sizes, IntArrayRef strides, const std::vector<int64_t>& exact) {
+  switch (layout) {
+    case LeafGuard::Layout::contiguous: return dense_contiguous(sizes, strides);
+    case LeafGuard::Layout::channels_last: return kiln::detail::is_channels_last_contiguous(sizes, strides);
+    case LeafGuard::Layout::exact: return strides == IntArrayRef(exact);
+  }
+  return false;
+}
+
+}  // namespace
+
+GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend,
+                      const std::vector<std::vector<char>>& dynamic) {
   GuardSet g;
   g.values = values;
   g.backend = std::move(backend);
@@ -57,6 +82,27 @@ GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string 
         lg.requires_grad = t.requires_grad();
         lg.sizes = t.sizes().vec();
         lg.strides = t.strides().vec();
+        if (g.leaves.size() < dynamic.size() && !dynamic[g.leaves.size()].empty()) {
+          const std::vector<char>& dims = dynamic[g.leaves.size()];
+          bool any = false;
+          for (size_t d = 0; d < lg.sizes.size(); ++d) any |= d < dims.size() && dims[d] && lg.sizes[d] >= 2;
+          if (any) {
+            lg.dynamic.assign(lg.sizes.size(), 0);
+            for (size_t d = 0; d < lg.sizes.size(); ++d) lg.dynamic[d] = d < dims.size() && dims[d] && lg.sizes[d] >= 2;
+            lg.min_size.assign(lg.sizes.size(), 2);
+            lg.max_size.assign(lg.sizes.size(), std::numeric_limits<int64_t>::max());
+            if (const DimMarks* m = t.impl().dim_marks.get()) {  // mark_dynamic's range
+              for (size_t d = 0; d < lg.sizes.size() && d < m->kind.size(); ++d) {
+                if (m->kind[d] != DimMarks::dynamic) continue;
+                lg.min_size[d] = m->min[d];
+                lg.max_size[d] = m->max[d];
+              }
+            }
+            if (dense_contiguous(t.sizes(), t.strides())) lg.layout = LeafGuard::Layout::contiguous;
+            else if (t.dim() == 4 && kiln::detail::is_channels_last_contiguous(t.sizes(), t.strides()))
+              lg.layout = LeafGuard::Layout::channels_last;
+          }
+        }
         break;
       }
       case Leaf::integer:
@@ -88,8 +134,13 @@ bool leaf_ok(const LeafGuard& g, const Leaf& l, bool values) {
   switch (l.kind) {
     case Leaf::tensor: {
       const kiln::detail::TensorImpl& t = l.t.impl();
-      return t.dtype == g.dtype && t.device == g.device && t.requires_grad == g.requires_grad &&
-             t.sizes == g.sizes && t.strides == g.strides;
+      if (t.dtype != g.dtype || t.device != g.device || t.requires_grad != g.requires_grad) return false;
+      if (g.dynamic.empty()) return t.sizes == g.sizes && t.strides == g.strides;
+      if (t.sizes.size() != g.sizes.size()) return false;
+      for (size_t d = 0; d < g.sizes.size(); ++d)
+        if (g.dynamic[d] ? t.sizes[d] < g.min_size[d] || t.sizes[d] > g.max_size[d] : t.sizes[d] != g.sizes[d])
+          return false;
+      return layout_ok(g.layout, t.sizes, t.strides, g.strides);
     }
     case Leaf::integer:
     case Leaf::boolean: return !values || l.i == g.i;
@@ -187,11 +238,30 @@ std::string describe_failure(const GuardSet& g, int index, const std::vector<Lea
         return p + "requires_grad mismatch. expected requires_grad=" + (lg.requires_grad ? "1" : "0");
       if (t.dim() != static_cast<int64_t>(lg.sizes.size()))
         return p + "rank mismatch. expected " + std::to_string(lg.sizes.size()) + ", actual " + std::to_string(t.dim());
-      for (size_t d = 0; d < lg.sizes.size(); ++d)
+      for (size_t d = 0; d < lg.sizes.size(); ++d) {
+        if (!lg.dynamic.empty() && lg.dynamic[d]) {
+          // Dynamo's wording for a symbol's lower bound (0/1 specialization).
+          const int64_t size = t.sizes()[d];
+          if (size < 2)
+            return "2 <= " + name + ".size()[" + std::to_string(d) + "]  # sizes 0 and 1 specialize: this entry's dim " +
+                   std::to_string(d) + " is dynamic for sizes >= 2, the call has " + std::to_string(size);
+          if (size < lg.min_size[d])
+            return std::to_string(lg.min_size[d]) + " <= " + name + ".size()[" + std::to_string(d) + "]  # the call has " +
+                   std::to_string(size);
+          if (size > lg.max_size[d])
+            return name + ".size()[" + std::to_string(d) + "] <= " + std::to_string(lg.max_size[d]) + "  # the call has " +
+                   std::to_string(size);
+          continue;
+        }
         if (t.sizes()[d] != lg.sizes[d])
           return p + "size mismatch at index " + std::to_string(d) + ". expected " + std::to_string(lg.sizes[d]) +
                  ", actual " + std::to_string(t.sizes()[d]);
-      for (size_t d = 0; d < lg.strides.size(); ++d)
+      }
+      if (lg.layout == LeafGuard::Layout::contiguous && !layout_ok(lg.layout, t.sizes(), t.strides(), lg.strides))
+        return p + "stride mismatch. expected a contiguous tensor (the entry has dynamic sizes)";
+      if (lg.layout == LeafGuard::Layout::channels_last && !layout_ok(lg.layout, t.sizes(), t.strides(), lg.strides))
+        return p + "stride mismatch. expected a channels_last tensor (the entry has dynamic sizes)";
+      for (size_t d = 0; lg.layout == LeafGuard::Layout::exact && d < lg.strides.size(); ++d)
         if (t.strides()[d] != lg.strides[d])
           return p + "stride mismatch at index " + std::to_string(d) + ". expected " +
                  std::to_string(lg.strides[d]) + ", actual " + std::to_string(t.strides()[d]);
@@ -233,16 +303,43 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
     const LeafGuard& lg = g.leaves[i];
     std::string name = leaf_name(names, static_cast<int>(i));
     switch (lg.kind) {
-      case Leaf::tensor:
+      case Leaf::tensor: {
+        // Dynamo prints a dynamic size (and a stride that depends on one) as None, and the
+        // symbol's range as a shape-env guard.
+        std::string sizes = list_str(lg.sizes), strides = list_str(lg.strides);
+        if (!lg.dynamic.empty()) {
+          sizes = strides = "[";
+          bool depends = false;  // a stride depends on the dynamic sizes of the dims inside it
+          std::vector<std::string> st(lg.sizes.size());
+          for (size_t d = lg.sizes.size(); d-- > 0;) {
+            st[d] = depends && lg.layout != LeafGuard::Layout::exact ? "None" : std::to_string(lg.strides[d]);
+            depends |= lg.dynamic[d] != 0;
+          }
+          if (lg.layout == LeafGuard::Layout::channels_last) std::fill(st.begin(), st.end(), std::string("None"));
+          for (size_t d = 0; d < lg.sizes.size(); ++d) {
+            sizes += (d ? ", " : "") + (lg.dynamic[d] ? std::string("None") : std::to_string(lg.sizes[d]));
+            strides += (d ? ", " : "") + st[d];
+          }
+          sizes += "]";
+          strides += "]";
+        }
         out.push_back("TENSOR_MATCH: check_tensor(" + name + ", " + std::string(dtype_name(lg.dtype)) + ", device=" + lg.device.str() +
-                      ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + list_str(lg.sizes) +
-                      ", stride=" + list_str(lg.strides) + ")");
+                      ", requires_grad=" + (lg.requires_grad ? "True" : "False") + ", size=" + sizes +
+                      ", stride=" + strides + ")");
+        for (size_t d = 0; d < lg.dynamic.size(); ++d)
+          if (lg.dynamic[d])
+            out.push_back("SHAPE_ENV: " + std::to_string(lg.min_size[d]) + " <= " + name + ".size()[" + std::to_string(d) +
+                          "]" +
+                          (lg.max_size[d] == std::numeric_limits<int64_t>::max()
+                               ? std::string()
+                               : " <= " + std::to_string(lg.max_size[d])));
         if (lg.same_as >= 0) {
           out.push_back("DUPLICATE_INPUT: " + name + " is " + leaf_name(names, lg.same_as));
         } else if (lg.shares_storage_with >= 0) {
           out.push_back("STORAGE_OVERLAPPING: " + name + " shares storage with " + leaf_name(names, lg.shares_storage_with));
         }
         break;
+      }
       case Leaf::integer:
       case Leaf::boolean:
       case Leaf::floating:

@@ -18,7 +18,7 @@ namespace detail {
 namespace {
 
 constexpr const char* kLogNames =
-    "all, graph_breaks, recompiles, guards, graph (or graph_code), output_code, perf_hints, passes";
+    "all, graph_breaks, recompiles, guards, graph (or graph_code), output_code, perf_hints, passes, dynamic";
 
 // KILN_LOGS: comma-separated names ('+' prefixes and spaces ignored, as TORCH_LOGS allows).
 // Unknown names go into `unknown`.
@@ -49,6 +49,7 @@ LogOptions parse_logs(const char* env, std::vector<std::string>* unknown) {
     set(o.output_code, {"output_code"});
     set(o.perf_hints, {"perf_hints"});
     set(o.passes, {"passes"});
+    set(o.dynamic, {"dynamic"});
     if (!known && unknown) unknown->push_back(item);
     if (comma == std::string::npos) break;
     pos = comma + 1;
@@ -72,11 +73,11 @@ std::string check_logs_env(const char* env) {
 
 uint32_t to_bits(const LogOptions& o) {
   return o.graph_breaks | o.recompiles << 1 | o.guards << 2 | o.graph << 3 | o.output_code << 4 | o.perf_hints << 5 |
-         o.passes << 6;
+         o.passes << 6 | o.dynamic << 7;
 }
 LogOptions from_bits(uint32_t b) {
-  return LogOptions{(b & 1) != 0,  (b & 2) != 0,  (b & 4) != 0, (b & 8) != 0,
-                    (b & 16) != 0, (b & 32) != 0, (b & 64) != 0};
+  return LogOptions{(b & 1) != 0,  (b & 2) != 0,  (b & 4) != 0,  (b & 8) != 0,
+                    (b & 16) != 0, (b & 32) != 0, (b & 64) != 0, (b & 128) != 0};
 }
 
 struct Observe {
@@ -227,6 +228,7 @@ Counters counters() {
   out.cuda_graph_replays = c.cuda_graph_replays.load();
   out.cuda_graph_output_copies = c.cuda_graph_output_copies.load();
   out.kernel_builds = c.kernel_builds.load();
+  out.size_specializations = c.size_specializations.load();
   return out;
 }
 
@@ -242,7 +244,7 @@ void reset() {
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
                   &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
                   &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays,
-                  &c.cuda_graph_output_copies, &c.kernel_builds})
+                  &c.cuda_graph_output_copies, &c.kernel_builds, &c.size_specializations})
     a->store(0);
 }
 

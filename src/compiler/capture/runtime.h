@@ -56,6 +56,12 @@ struct LeafGuard {
   // placeholder per tensor, grouped by storage), so a replay is valid only for calls that repeat it.
   int same_as = -1;
   int shares_storage_with = -1;
+  // Dynamic shapes: per dim, whether the size is dynamic (any value >= 2 passes; empty: every dim
+  // static). A tensor with a dynamic dim is checked for its stride pattern (contiguous, channels
+  // last) rather than exact strides, which change with the sizes.
+  std::vector<char> dynamic;
+  std::vector<int64_t> min_size, max_size;  // per dim: a dynamic size's bounds (mark_dynamic's range)
+  enum class Layout : uint8_t { exact, contiguous, channels_last } layout = Layout::exact;
 };
 
 struct GuardSet {
@@ -67,7 +73,9 @@ struct GuardSet {
   std::unique_ptr<std::atomic<int>[]> fail_counts;
 };
 
-GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend);
+// dynamic: per leaf, per dim, whether that size is dynamic (may be empty, or shorter than leaves).
+GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string backend,
+                      const std::vector<std::vector<char>>& dynamic = {});
 // Index of the first failing check, or -1 (index leaves.size() is the global state, +1 the
 // backend). `only`: check just the indices it marks (skip_guard_eval_unsafe).
 int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::string& backend,
@@ -84,6 +92,7 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
 struct CompiledGraph {
   Graph graph;  // the structure it was compiled from (cache keys compare against it)
   uint64_t hash = 0;
+  uint64_t family = 0;  // family_hash(graph)
   CompiledFn fn;
   std::string backend;
   std::string id;  // "0/1": frame id / graph number, for logs
@@ -95,11 +104,36 @@ struct CompiledGraph {
   std::exception_ptr error;
 };
 
+}  // namespace kiln::compiler::detail
+
+namespace kiln::compiler {
+// A tensor's dimension marks (mark_dynamic, maybe_mark_dynamic, mark_static), per dim.
+struct DimMarks {
+  enum Kind : uint8_t { none, dynamic, maybe_dynamic, static_ };
+  std::vector<Kind> kind;
+  std::vector<int64_t> min, max;  // a dynamic mark's range (2 and INT64_MAX when unset)
+};
+}  // namespace kiln::compiler
+
+namespace kiln::compiler::detail {
+
+// A dynamic graph: graphs that differ only in sizes, strides and integer attrs (family_hash and
+// same_family). The first one compiled stands for all; each concrete size met is an instance, its
+// graph compiled with Graph::dynamic set, so the kiln backend's kernels take sizes as arguments
+// and every instance after the first finds them in the kernel cache.
+struct GraphFamily {
+  std::string id;                                   // "frame/graph" of the first compile
+  std::shared_ptr<CompiledGraph> first;
+  std::vector<std::shared_ptr<CompiledGraph>> instances;  // most recently used last
+  static constexpr size_t kMaxInstances = 64;       // the least recently used goes beyond that
+};
+
 // A frame entry: one guarded signature of a compiled callable.
 struct FrameEntry {
   int id = 0;  // compile id within the function ("frame/id")
   GuardSet guards;
   bool backward = false;  // the entry that serves captured backward passes
+  bool dynamic = false;   // some argument size is dynamic: its graphs compile dynamic
   // Pure replay (pure = true): a stable one-graph capture.
   struct Replay;
   std::shared_ptr<Replay> replay;
@@ -121,6 +155,13 @@ struct FunctionState : std::enable_shared_from_this<FunctionState> {
   std::shared_ptr<FrameEntry> backward_entry;
   std::unordered_multimap<uint64_t, std::shared_ptr<CompiledGraph>> graphs;
   int graph_counter = 0;
+  // Dynamic graphs (see GraphFamily), by family_hash.
+  std::unordered_multimap<uint64_t, std::shared_ptr<GraphFamily>> families;
+  // Automatic dynamic (CompileOptions::dynamic unset): per argument leaf, the sizes its first
+  // compile (or eager_then_compile's first eager call) saw, and per dim whether a later miss saw
+  // another size (then the dim is dynamic in every later entry). Like Dynamo's frame_state.
+  std::vector<std::vector<int64_t>> seen_sizes;
+  std::vector<std::vector<char>> changed_dims;
   int sightings = 0;  // misses seen (eager_then_compile / aot_eager_then_compile)
   bool limit_warned = false;
   bool graph_limit_warned = false;
@@ -197,6 +238,21 @@ bool backend_has_tag(std::string_view name, std::string_view tag);
 // Structural equality of two graphs (cache hits compare the new capture with the cached graph).
 bool same_structure(const Graph& a, const Graph& b);
 
+// ---- dynamic shapes (dynamic_shapes.cpp) ----
+
+// Per argument leaf, per dim, whether the entry a miss creates treats that size as dynamic
+// (build_guards keeps only sizes >= 2): CompileOptions::dynamic, automatic dynamic (the sizes that
+// changed since the first miss), then the tensors' marks. Updates the function's automatic-dynamic
+// state; called on every miss, eager ones included. Caller holds st.mutex.
+std::vector<std::vector<char>> dynamic_dims(FunctionState& st, const std::vector<Leaf>& leaves,
+                                            const std::vector<std::string>& names);
+// Throws CompileError when a dimension marked with mark_dynamic was specialized in `guards`.
+void check_marks_honoured(const GuardSet& guards, const std::vector<Leaf>& leaves, const std::vector<std::string>& names);
+// Dynamic shapes: a hash of what same_family compares (no sizes, strides or integer attrs), and
+// whether two graphs are the same program at other sizes.
+uint64_t family_hash(const Graph& g);
+bool same_family(const Graph& a, const Graph& b);
+
 // ---- observability (observe.cpp) ----
 
 std::ostream& log_stream();
@@ -208,7 +264,7 @@ struct CounterSet {
   std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},
       graph_runs{0}, graph_breaks{0}, eager_frames{0}, replays{0}, kernel_runs{0}, dispatched_nodes{0},
       recomputed_values{0}, cuda_graph_captures{0}, cuda_graph_replays{0},
-      cuda_graph_output_copies{0}, kernel_builds{0};
+      cuda_graph_output_copies{0}, kernel_builds{0}, size_specializations{0};
 };
 CounterSet& counter_set();
 uint64_t reset_epoch();

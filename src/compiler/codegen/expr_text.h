@@ -11,6 +11,22 @@
 
 namespace kiln::compiler::codegen {
 
+// How an integer of the iteration space (an extent, a stride, an offset, a mean's count) is
+// printed: a literal in a static graph. In a dynamic graph (lower::Program::dynamic_sizes) every
+// value other than 0 and 1 becomes the kernel's run-time argument z[k] (its value appended to
+// `args`, in print order), so that the same graph at another size prints the same source and the
+// kernel cache serves it. 0 and 1 stay literal: they decide the loop structure (a broadcast, a
+// contiguous access, an empty space), and the frame guards specialize sizes 0 and 1.
+struct IntText {
+  std::vector<int64_t>* args = nullptr;  // null: a static graph (literals)
+  bool dynamic() const { return args != nullptr; }
+  std::string operator()(int64_t v) const {
+    if (!args || v == 0 || v == 1) return std::to_string(v);
+    args->push_back(v);
+    return "z[" + std::to_string(args->size() - 1) + "]";
+  }
+};
+
 // prefix + n, built with += (GCC 12 warns falsely (-Wrestrict) on `"e" + std::to_string(n)`).
 inline std::string numbered(const char* prefix, int64_t n) {
   std::string s = prefix;

@@ -4,8 +4,9 @@
 // A Program is a list of steps over the graph's values. A kernel step runs one generated loop nest
 // (a fused group of pointwise nodes, or a reduction with its pointwise prologue); an extern step
 // runs one graph node through the eager dispatcher (GEMM, convolution, pooling, views, random ops,
-// anything without a lowering). Shapes are static, so every size, stride and offset is a constant
-// in the generated code.
+// anything without a lowering). Every size, stride and offset here is the graph's concrete value;
+// a static graph's kernels print them as literals, a dynamic graph's (Program::dynamic_sizes) as
+// run-time arguments (Kernel::size_args), so that one source serves every size of the graph.
 #pragma once
 
 #include <cstdint>
@@ -77,6 +78,7 @@ struct Kernel {
   int reduce_expr = -1;
   DType acc_dtype = DType::float32;
   double scale = 1;              // mean: 1 / count
+  int64_t mean_count = 0;        // mean: the count (a dynamic graph's kernel computes the scale)
   Store result;                  // strides over the iteration dims (0 on reduced dims); buffer -1:
                                  // only the epilogue reads it, nothing is stored
   // Reductions: pointwise work on the result (x.sum(1) * 2 + 1), evaluated once per kept position
@@ -86,6 +88,9 @@ struct Kernel {
   std::vector<Store> epilogue_stores;
   std::vector<std::string> ops;  // graph nodes fused in (for the debug dump and logs)
   std::string profile_name;      // KILN_PROFILE's row for this kernel
+  // A dynamic graph's C++ kernel: the values of its run-time size arguments z[0], z[1], ...
+  // (filled by the code generator, in the order it prints them).
+  std::vector<int64_t> size_args;
 };
 
 struct Step {
@@ -106,6 +111,9 @@ struct Program {
   std::vector<Step> steps;
   int fused_nodes = 0;           // graph nodes lowered into kernels
   int extern_nodes = 0;          // graph nodes run through the dispatcher
+  // Kernels take their sizes as run-time arguments (Graph::dynamic): the same graph at another
+  // size generates the same sources.
+  bool dynamic_sizes = false;
 };
 
 // Lowers a graph into a program: fuses pointwise chains and reduction prologues, leaves the rest

@@ -387,7 +387,10 @@ struct Builder {
     int64_t count = 1;
     for (size_t d = 0; d < xi.sizes.size(); ++d)
       if (r.reduced[d]) count *= xi.sizes[d];
-    if (r.mean) k.scale = count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count);
+    if (r.mean) {
+      k.scale = count == 0 ? std::numeric_limits<double>::quiet_NaN() : 1.0 / static_cast<double>(count);
+      k.mean_count = count;
+    }
     const int y = n.outputs[0];
     const ValueInfo& yi = g.values[y];
     k.result.strides.assign(xi.sizes.size(), 0);

@@ -113,14 +113,15 @@ Attr as_kind(const Attr& example, const Attr& given) {
 
 // Launches a generated CUDA kernel on the device's current stream (runtime/cuda_launch.h). Its
 // parameter block: the buffer pointers (a 0-dim CPU value's bits in place of its pointer), then
-// its run-time scalars as doubles and as int64s.
+// its run-time scalars as doubles and as int64s, then a dynamic graph's size arguments.
 void launch_cuda(const Executable& ex, const lower::Step& step, const std::vector<Tensor>& env,
                  const std::vector<double>& scalars, const std::vector<int64_t>& int_scalars) {
   const CudaKernel& ck = ex.cuda_kernels[step.kernel];
   KILN_CHECK(ck.function, CompileError, "[kiln::compile] a generated kernel has no compiled function. This is a Kiln bug.");
   if (ck.numel == 0) return;
   const size_t nscalars = std::max<size_t>(ck.scalars.size(), 1);
-  std::vector<uint64_t> block(ck.buffers + 2 * nscalars, 0);
+  const size_t nsizes = std::max<size_t>(ck.size_args.size(), 1);
+  std::vector<uint64_t> block(ck.buffers + 2 * nscalars + nsizes, 0);
   for (size_t b = 0; b < step.bindings.size() && b < ck.buffers; ++b) {
     const Tensor& t = env[step.bindings[b]];
     if (t.device().is_cpu()) {
@@ -134,6 +135,8 @@ void launch_cuda(const Executable& ex, const lower::Step& step, const std::vecto
     std::memcpy(&block[ck.buffers + j], &scalars[ck.scalars[j]], sizeof(double));
     std::memcpy(&block[ck.buffers + nscalars + j], &int_scalars[ck.scalars[j]], sizeof(int64_t));
   }
+  if (!ck.size_args.empty())
+    std::memcpy(&block[ck.buffers + 2 * nscalars], ck.size_args.data(), ck.size_args.size() * sizeof(int64_t));
   launch_generated(ck, block, ex.autotune, env, step.bindings);
 }
 
@@ -177,7 +180,9 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       pointers.clear();
       for (int v : step.bindings) pointers.push_back(env[v].impl().data());
       kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
-      if (ex.kernels[step.kernel]) ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data());
+      if (ex.kernels[step.kernel])
+        ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data(),
+                                ex.program.kernels[step.kernel].size_args.data());
       else launch_cuda(ex, step, env, scalars, int_scalars);
       ++kernels;
     } else {
@@ -225,6 +230,7 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
     CudaKernel& ck = ex.cuda_kernels[i];
     ck.device = k.device.index;
     ck.scalars = src.scalars;
+    ck.size_args = src.size_args;
     ck.buffers = src.buffers;
     ck.numel = src.numel;
     ck.per_block = src.per_block;

@@ -19,12 +19,14 @@
 
 namespace kiln::compiler::runtime {
 
-using KernelFn = void (*)(void* const*, const double*, const int64_t*);
+// A generated C++ kernel: buffers, run-time scalars (as double and int64), size arguments.
+using KernelFn = void (*)(void* const*, const double*, const int64_t*, const int64_t*);
 
 // A generated kernel on a CUDA device: how it launches (its NVRTC-compiled function, work items;
 // runtime/cuda_launch.h) and how to fill its parameter block (cuda_codegen.h).
 struct CudaKernel : GeneratedKernel {
   std::vector<int> scalars;  // Graph::scalars indices, in slot order
+  std::vector<int64_t> size_args;  // a dynamic graph's kernel: its size arguments (Params::z)
   size_t buffers = 0;
 };
 

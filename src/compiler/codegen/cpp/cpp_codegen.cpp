@@ -1,9 +1,11 @@
 // C++ source for the kernels of a Program (DESIGN §2.5, "codegen").
 //
-// Each kernel becomes `extern "C" void <name>(void* const* buffers, const double* scalars)`: a loop
-// nest over its (coalesced) iteration space with every size and stride a literal, OpenMP across
-// the outer loops of large kernels, `omp simd` on the innermost loop, and the scalar math of
-// kiln/math/functors.h — the functors the eager kernels use.
+// Each kernel becomes `extern "C" void <name>(void* const* buffers, const double* scalars,
+// const int64_t* int_scalars, const int64_t* z)`: a loop nest over its (coalesced) iteration
+// space, OpenMP across the outer loops of large kernels, `omp simd` on the innermost loop, and the
+// scalar math of kiln/math/functors.h — the functors the eager kernels use. In a static graph every
+// size, stride and offset is a literal; in a dynamic one (Program::dynamic_sizes) they are the
+// run-time arguments z[k] (expr_text.h's IntText), so that one source serves every size.
 #include "compiler/codegen/cpp/cpp_codegen.h"
 
 #include <algorithm>
@@ -26,6 +28,7 @@ namespace {
 
 
 constexpr int64_t kParallelThreshold = 32768;  // elements; below this a kernel runs on one thread
+
 
 std::string literal(double v, DType t) {
   if (std::isnan(v)) return std::string("std::numeric_limits<") + ctype(t) + ">::quiet_NaN()";
@@ -51,19 +54,20 @@ Space coalesce(const Kernel& k, const std::vector<const std::vector<int64_t>*>& 
                                      reduction ? 0 : first_store, reduction ? k.reduced : std::vector<bool>{});
 }
 
-std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const std::vector<std::string>& vars) {
-  std::string idx = offset ? std::to_string(offset) : "";
+std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const std::vector<std::string>& vars,
+                     const IntText& ints) {
+  std::string idx = offset ? ints(offset) : "";
   for (size_t d = 0; d < strides.size(); ++d) {
     if (strides[d] == 0) continue;
     if (!idx.empty()) idx += " + ";
-    idx += strides[d] == 1 ? vars[d] : vars[d] + " * " + std::to_string(strides[d]);
+    idx += strides[d] == 1 ? vars[d] : vars[d] + " * " + ints(strides[d]);
   }
   return idx.empty() ? "0" : idx;
 }
 
 
 // One loop nest computing kernel `k` (its buffers b0, b1, ... are declared by the caller).
-void emit_nest(std::ostringstream& os, const Kernel& k) {
+void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
   // Accesses: loads, stores, and a reduction's result.
   std::vector<const std::vector<int64_t>*> accesses;
   std::vector<int> load_access(k.exprs.size(), -1);
@@ -97,7 +101,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     for (size_t d = 0; d < sp.sizes.size(); ++d) {
       if (sp.reduced[d]) continue;
       if (sp.sizes[d] == 0) break;
-      os << indent << "for (int64_t " << v[d] << " = 0; " << v[d] << " < " << sp.sizes[d] << "; ++" << v[d] << ") {\n";
+      os << indent << "for (int64_t " << v[d] << " = 0; " << v[d] << " < " << ints(sp.sizes[d]) << "; ++" << v[d] << ") {\n";
       indent += "  ";
       ++opened;
     }
@@ -107,7 +111,7 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
       std::vector<int64_t> strides = sp.strides[result_access];
       for (size_t d = 0; d < strides.size(); ++d)
         if (sp.reduced[d]) strides[d] = 0;
-      os << indent << "b" << k.result.buffer << "[" << index_of(strides, k.result.offset, v) << "] = static_cast<"
+      os << indent << "b" << k.result.buffer << "[" << index_of(strides, k.result.offset, v, ints) << "] = static_cast<"
          << ctype(k.buffers[k.result.buffer]) << ">(" << init << ");\n";
     }
     for (size_t i = 0; i < opened; ++i) {
@@ -122,13 +126,21 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   const std::vector<bool> varies = loop_variant_exprs(
       k, [&](size_t e) { return k.exprs[e].kind == Expr::load || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
-  const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
+  // A mean scales by 1 / count: in a dynamic graph computed from the count, as the literal is
+  // (1.0 / count in double, then converted).
+  std::string result_value = "acc";
+  if (k.scale != 1) {
+    result_value = ints.dynamic() && k.mean_count > 1
+                       ? std::string("acc * static_cast<") + ctype(k.acc_dtype) + ">(1.0 / static_cast<double>(" +
+                             ints(k.mean_count) + "))"
+                       : "acc * " + literal(k.scale, k.acc_dtype);
+  }
   auto emit_expr = [&](std::ostringstream& out, size_t e, const std::string& indent, const std::vector<std::string>& vars) {
     const Expr& x = k.exprs[e];
     out << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
     switch (x.kind) {
       case Expr::load:
-        out << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars) << "]";
+        out << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars, ints) << "]";
         break;
       case Expr::scalar:
         out << (x.dtype == DType::int64 ? "int_scalars[" : "scalars[") << x.scalar_index << "]";
@@ -157,7 +169,10 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
   for (size_t d : kept) kept_total *= sp.sizes[d];
   // Parallel: the outer kept loops of a big kernel; a full sum reduction parallelizes its outer
   // reduced loop with an OpenMP reduction instead.
-  const bool par = total >= kParallelThreshold;
+  // A dynamic graph decides at run time (OpenMP's if clause) what a static one decides here.
+  const bool par = ints.dynamic() || total >= kParallelThreshold;
+  const std::string par_if =
+      ints.dynamic() ? " if(parallel : " + ints(total) + " >= " + std::to_string(kParallelThreshold) + ")" : "";
   const bool full_sum = reduction && kept.empty() && k.reduce_op == ReduceOp::sum;
   if (reduction && kept.empty()) os << indent << acc_t << " acc = " << init() << ";\n";
   std::vector<size_t> order = kept;
@@ -185,12 +200,14 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
       }
     }
     if (!parallel.empty() && !simd.empty()) {
-      os << indent << "#pragma omp " << parallel << " " << simd << "\n";
-    } else if (!parallel.empty() || !simd.empty()) {
-      os << indent << "#pragma omp " << parallel << simd << "\n";
+      os << indent << "#pragma omp " << parallel << " " << simd << par_if << "\n";
+    } else if (!parallel.empty()) {
+      os << indent << "#pragma omp " << parallel << par_if << "\n";
+    } else if (!simd.empty()) {
+      os << indent << "#pragma omp " << simd << "\n";
     }
-    os << indent << "for (int64_t " << vars[d] << " = 0; " << vars[d] << " < " << sp.sizes[d] << "; ++" << vars[d]
-       << ") {\n";
+    os << indent << "for (int64_t " << vars[d] << " = 0; " << vars[d] << " < " << ints(sp.sizes[d]) << "; ++"
+       << vars[d] << ") {\n";
     indent += "  ";
   }
   // Body. A reduction whose reduced dims all had size 1 has no reduced loop: it reduces one
@@ -201,21 +218,21 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
     if (varies[e]) emit_expr(os, e, indent, vars);
   for (size_t s = 0; s < k.stores.size(); ++s) {
     const Store& st = k.stores[s];
-    os << indent << "b" << st.buffer << "[" << index_of(sp.strides[first_store + s], st.offset, vars)
+    os << indent << "b" << st.buffer << "[" << index_of(sp.strides[first_store + s], st.offset, vars, ints)
        << "] = static_cast<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
   }
   if (reduction) os << indent << combine() << "\n";
   // A reduction's result, once per kept position, and its epilogue.
   auto finish = [&](const std::string& in) {
     if (k.result.buffer >= 0) {
-      os << in << "b" << k.result.buffer << "[" << index_of(sp.strides[result_access], k.result.offset, vars)
+      os << in << "b" << k.result.buffer << "[" << index_of(sp.strides[result_access], k.result.offset, vars, ints)
          << "] = static_cast<" << ctype(k.buffers[k.result.buffer]) << ">(" << result_value << ");\n";
     }
     for (size_t e = epilogue_begin; e < k.exprs.size(); ++e)
       if (varies[e]) emit_expr(os, e, in, vars);
     for (size_t s = 0; s < k.epilogue_stores.size(); ++s) {
       const Store& st = k.epilogue_stores[s];
-      os << in << "b" << st.buffer << "[" << index_of(sp.strides[first_epilogue_store + s], st.offset, vars)
+      os << in << "b" << st.buffer << "[" << index_of(sp.strides[first_epilogue_store + s], st.offset, vars, ints)
          << "] = static_cast<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
     }
   };
@@ -232,10 +249,10 @@ void emit_nest(std::ostringstream& os, const Kernel& k) {
 
 // The kernel's function. A fused cat splits the iteration space at its segment boundaries: one
 // loop nest per segment, in which the cat reads one input like a plain load.
-void emit_kernel(std::ostringstream& os, const Kernel& k) {
+void emit_kernel(std::ostringstream& os, const Kernel& k, const IntText& ints) {
   os << "extern \"C\" void " << k.name
-     << "(void* const* buffers, const double* scalars, const int64_t* int_scalars) {\n";
-  os << "  (void)scalars;\n  (void)int_scalars;\n";
+     << "(void* const* buffers, const double* scalars, const int64_t* int_scalars, const int64_t* z) {\n";
+  os << "  (void)scalars;\n  (void)int_scalars;\n  (void)z;\n";
   std::set<int> stored;
   for (const Store& s : k.stores) stored.insert(s.buffer);
   for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);
@@ -250,7 +267,7 @@ void emit_kernel(std::ostringstream& os, const Kernel& k) {
     }
   }
   // A fused cat: one loop nest per segment (split_at_cat_segments), each reading its input.
-  for (const Kernel& piece : split_at_cat_segments(k)) emit_nest(os, piece);
+  for (const Kernel& piece : split_at_cat_segments(k)) emit_nest(os, piece, ints);
   os << "}\n\n";
 }
 
@@ -271,7 +288,8 @@ std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit) {
     const std::string name = k.name;
     k.name = "KILN_KERNEL_NAME";
     std::ostringstream body;
-    emit_kernel(body, k);
+    k.size_args.clear();
+    emit_kernel(body, k, IntText{p.dynamic_sizes ? &k.size_args : nullptr});
     std::string text = body.str();
     auto [it, fresh] = seen.emplace(text, name);
     k.name = it->second;

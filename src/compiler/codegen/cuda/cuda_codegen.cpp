@@ -80,12 +80,12 @@ Space coalesce(const std::vector<int64_t>& sizes, const std::vector<const std::v
 }
 
 std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const std::vector<std::string>& vars,
-                     const char* idx) {
-  std::string out = offset ? std::to_string(offset) : "";
+                     const char* idx, const IntText& ints) {
+  std::string out = offset ? ints(offset) : "";
   for (size_t d = 0; d < strides.size(); ++d) {
     if (strides[d] == 0) continue;
     if (!out.empty()) out += " + ";
-    out += strides[d] == 1 ? vars[d] : vars[d] + " * (" + idx + ")" + std::to_string(strides[d]);
+    out += strides[d] == 1 ? vars[d] : vars[d] + " * (" + idx + ")" + ints(strides[d]);
   }
   return out.empty() ? "0" : out;
 }
@@ -152,7 +152,8 @@ Accesses loads_and_stores(const Kernel& k) {
 // comparisons. Neighbouring threads walk neighbouring elements of the output, so a warp spans one
 // or two segments (in channels-last memory, where channels are innermost).
 // Returns false when the cat dim vanished (size 1): the caller emits one loop per segment.
-bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot, int cat_dim = -1) {
+bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot, const IntText& ints,
+               int cat_dim = -1) {
   Accesses a = loads_and_stores(k);
   std::vector<int> segment_access(k.exprs.size(), -1);  // a cat's first segment access
   for (size_t e = 0; e < k.exprs.size(); ++e) {
@@ -192,7 +193,7 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
     switch (x.kind) {
       case Expr::load:
         if (host(k, x.buffer)) os << "kg::unpack<" << ctype(k.buffers[x.buffer]) << ">(p.b[" << x.buffer << "])";
-        else os << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars, idx) << "]";
+        else os << "b" << x.buffer << "[" << index_of(sp.strides[load_access[e]], x.offset, vars, idx, ints) << "]";
         break;
       case Expr::scalar:
       case Expr::constant:
@@ -204,11 +205,11 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
         for (size_t s = 0; s < x.segments.size(); ++s) {
           const Expr::Segment& seg = x.segments[s];
           if (seg.end == seg.start) continue;
-          shifted[cat_pos] = "(" + vars[cat_pos] + " - " + std::to_string(seg.start) + ")";
+          shifted[cat_pos] = "(" + vars[cat_pos] + " - " + ints(seg.start) + ")";
           const bool last = s + 1 == x.segments.size();
-          os << indent << "  " << (last ? "" : "if (" + vars[cat_pos] + " < " + std::to_string(seg.end) + ") ")
+          os << indent << "  " << (last ? "" : "if (" + vars[cat_pos] + " < " + ints(seg.end) + ") ")
              << "return b" << seg.buffer << "["
-             << index_of(sp.strides[segment_access[e] + s], 0, shifted, idx) << "];\n";
+             << index_of(sp.strides[segment_access[e] + s], 0, shifted, idx, ints) << "];\n";
         }
         os << indent << "  return " << ctype(x.dtype) << "(0);\n" << indent << "}()";
         break;
@@ -220,15 +221,16 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
   os << "  {\n";
   for (size_t e = 0; e < k.exprs.size(); ++e)
     if (!varies[e]) emit_expr(e, "    ");
-  os << "    for (" << idx << " i = blockIdx.x * (" << idx << ")blockDim.x + threadIdx.x; i < " << total << "; i += ("
+  os << "    for (" << idx << " i = blockIdx.x * (" << idx << ")blockDim.x + threadIdx.x; i < " << ints(total) << "; i += ("
      << idx << ")gridDim.x * blockDim.x) {\n";
   if (rank == 1) {
     os << "      const " << idx << " i0 = i;\n";
   } else if (rank > 1) {
     os << "      " << idx << " r = i;\n";
     for (size_t d = rank; d-- > 1;) {
-      os << "      const " << idx << " " << vars[d] << " = r % " << sp.sizes[d] << ";\n";
-      os << "      r /= " << sp.sizes[d] << ";\n";
+      const std::string size = ints(sp.sizes[d]);
+      os << "      const " << idx << " " << vars[d] << " = r % " << size << ";\n";
+      os << "      r /= " << size << ";\n";
     }
     os << "      const " << idx << " i0 = r;\n";
   }
@@ -236,7 +238,7 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
     if (varies[e]) emit_expr(e, "      ");
   for (size_t s = 0; s < k.stores.size(); ++s) {
     const Store& st = k.stores[s];
-    os << "      b" << st.buffer << "[" << index_of(sp.strides[first_store + s], st.offset, vars, idx) << "] = kg::convert<"
+    os << "      b" << st.buffer << "[" << index_of(sp.strides[first_store + s], st.offset, vars, idx, ints) << "] = kg::convert<"
        << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
   }
   os << "    }\n  }\n";
@@ -252,7 +254,7 @@ std::string reduction_combine(const Kernel& k, const std::string& a, const std::
 // A reduction: one block per kept position (grid-stride over them); the block's threads stride
 // over the reduced elements (computing the prologue and its stores on the way), combine in shared
 // memory, and thread 0 writes the result and computes the epilogue.
-void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot) {
+void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<int>& scalar_slot, const IntText& ints) {
   Accesses a = loads_and_stores(k);
   const size_t result_access = a.strides.size();
   a.add(k.result.strides, k.result.offset);
@@ -286,7 +288,13 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
       loop_variant_exprs(k, [&](size_t e) { return load_access[e] >= 0 || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
   const char* acc_t = ctype(k.acc_dtype);
-  const std::string result_value = k.scale != 1 ? "acc * " + literal(k.scale, k.acc_dtype) : std::string("acc");
+  // A mean scales by 1 / count: in a dynamic graph computed from the count, as the literal is.
+  std::string result_value = "acc";
+  if (k.scale != 1) {
+    result_value = ints.dynamic() && k.mean_count > 1
+                       ? std::string("acc * kg::convert<") + acc_t + ">(1.0 / (double)" + ints(k.mean_count) + ")"
+                       : "acc * " + literal(k.scale, k.acc_dtype);
+  }
   auto emit_expr = [&](size_t e, const char* indent, bool epilogue) {
     const Expr& x = k.exprs[e];
     os << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
@@ -296,7 +304,7 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
           os << "kg::unpack<" << ctype(k.buffers[x.buffer]) << ">(p.b[" << x.buffer << "])";
         } else {
           const auto& st = sp.strides[load_access[e]];
-          os << "b" << x.buffer << "[" << index_of(epilogue ? kept_only(st) : st, x.offset, vars, idx) << "]";
+          os << "b" << x.buffer << "[" << index_of(epilogue ? kept_only(st) : st, x.offset, vars, idx, ints) << "]";
         }
         break;
       case Expr::scalar:
@@ -311,25 +319,26 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
     if (dims.empty()) return;
     os << indent << idx << " " << from << "_r = " << from << ";\n";
     for (size_t j = dims.size(); j-- > 1;) {
-      os << indent << "const " << idx << " " << vars[dims[j]] << " = " << from << "_r % " << sp.sizes[dims[j]] << ";\n";
-      os << indent << from << "_r /= " << sp.sizes[dims[j]] << ";\n";
+      const std::string size = ints(sp.sizes[dims[j]]);
+      os << indent << "const " << idx << " " << vars[dims[j]] << " = " << from << "_r % " << size << ";\n";
+      os << indent << from << "_r /= " << size << ";\n";
     }
     os << indent << "const " << idx << " " << vars[dims[0]] << " = " << from << "_r;\n";
   };
   os << "  __shared__ " << acc_t << " partial[" << kCudaBlock << "];\n";
   for (size_t e = 0; e < k.exprs.size(); ++e)
     if (!varies[e]) emit_expr(e, "  ", false);
-  os << "  for (" << idx << " kept = blockIdx.x; kept < " << kept_total << "; kept += gridDim.x) {\n";
+  os << "  for (" << idx << " kept = blockIdx.x; kept < " << ints(kept_total) << "; kept += gridDim.x) {\n";
   decompose(kept, "kept", "    ");
   os << "    " << acc_t << " acc = " << reduction_init(k) << ";\n";
   if (red_total > 0) {
-    os << "    for (" << idx << " red = threadIdx.x; red < " << red_total << "; red += blockDim.x) {\n";
+    os << "    for (" << idx << " red = threadIdx.x; red < " << ints(red_total) << "; red += blockDim.x) {\n";
     decompose(red, "red", "      ");
     for (size_t e = 0; e < epilogue_begin; ++e)
       if (varies[e]) emit_expr(e, "      ", false);
     for (size_t i = 0; i < k.stores.size(); ++i) {
       const Store& st = k.stores[i];
-      os << "      b" << st.buffer << "[" << index_of(sp.strides[first_store + i], st.offset, vars, idx)
+      os << "      b" << st.buffer << "[" << index_of(sp.strides[first_store + i], st.offset, vars, idx, ints)
          << "] = kg::convert<" << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
     }
     os << "      acc = " << reduction_combine(k, "acc", numbered("e", k.reduce_expr)) << ";\n";
@@ -343,7 +352,7 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
   os << "    if (threadIdx.x == 0) {\n      acc = partial[0];\n";
   if (k.result.buffer >= 0) {
     os << "      b" << k.result.buffer << "["
-       << index_of(kept_only(sp.strides[result_access]), k.result.offset, vars, idx) << "] = kg::convert<"
+       << index_of(kept_only(sp.strides[result_access]), k.result.offset, vars, idx, ints) << "] = kg::convert<"
        << ctype(k.buffers[k.result.buffer]) << ">(" << result_value << ");\n";
   }
   if (red_total > 0) {  // as the CPU: an empty reduced range writes the identity only
@@ -352,7 +361,7 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
     for (size_t i = 0; i < k.epilogue_stores.size(); ++i) {
       const Store& st = k.epilogue_stores[i];
       os << "      b" << st.buffer << "["
-         << index_of(kept_only(sp.strides[first_epilogue_store + i]), st.offset, vars, idx) << "] = kg::convert<"
+         << index_of(kept_only(sp.strides[first_epilogue_store + i]), st.offset, vars, idx, ints) << "] = kg::convert<"
          << ctype(k.buffers[st.buffer]) << ">(e" << st.expr << ");\n";
     }
   }
@@ -361,7 +370,9 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
 
 }  // namespace
 
-size_t CudaKernelSource::slots() const { return buffers + 2 * std::max<size_t>(scalars.size(), 1); }
+size_t CudaKernelSource::slots() const {
+  return buffers + 2 * std::max<size_t>(scalars.size(), 1) + std::max<size_t>(size_args.size(), 1);
+}
 
 bool cuda_codegen_supports(const Kernel& k) {
   if (!k.device.is_cuda()) return false;
@@ -394,7 +405,7 @@ CudaModuleSource batch_cuda(const std::vector<const CudaKernelSource*>& kernels)
   return m;
 }
 
-CudaKernelSource generate_cuda(const Kernel& k) {
+CudaKernelSource generate_cuda(const Kernel& k, bool dynamic_sizes) {
   KILN_CHECK(cuda_codegen_supports(k), CompileError,
              "[kiln::compile] the CUDA code generator handles pointwise and sum/max/min kernels on CUDA devices only (got " +
                  std::string(k.kind == Kernel::pointwise ? "a pointwise" : std::string("a reduction ") + reduce_op_name(k.reduce_op)) + " kernel on " +
@@ -421,6 +432,44 @@ CudaKernelSource generate_cuda(const Kernel& k) {
     for (size_t d = 0; d < k.sizes.size(); ++d)
       if (!k.reduced[d]) out.numel *= k.sizes[d];
   }
+  // The kernel's body first (a dynamic graph's size arguments are known once it is printed), then
+  // the source: preamble, parameter block, entry point, body.
+  const IntText ints{dynamic_sizes ? &out.size_args : nullptr};
+  std::ostringstream body;
+  {
+    std::ostringstream& os = body;
+    std::set<int> stored;
+    for (const Store& s : k.stores) stored.insert(s.buffer);
+    for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);
+    if (k.kind == Kernel::reduction && k.result.buffer >= 0) stored.insert(k.result.buffer);
+    for (size_t b = 0; b < k.buffers.size(); ++b) {
+      if (host(k, static_cast<int>(b))) continue;  // read by value (kg::unpack) where loaded
+      const char* t = ctype(k.buffers[b]);
+      if (stored.count(static_cast<int>(b)))
+        os << "  " << t << "* __restrict__ b" << b << " = static_cast<" << t << "*>(p.b[" << b << "]);\n";
+      else
+        os << "  const " << t << "* __restrict__ b" << b << " = static_cast<const " << t << "*>(p.b[" << b << "]);\n";
+    }
+    const Expr* cat = nullptr;
+    for (const Expr& e : k.exprs)
+      if (e.kind == Expr::cat) cat = &e;
+    if (k.kind == Kernel::reduction) {
+      emit_reduction(os, k, slot_of, ints);
+    } else if (!cat) {
+      emit_loop(os, k, slot_of, ints);
+    } else {
+      std::vector<int64_t> before = out.size_args;
+      std::ostringstream loop;
+      if (emit_loop(loop, k, slot_of, ints, cat->cat_dim)) {
+        os << loop.str();
+      } else {
+        // A cat along a dim of size 1 (one non-empty segment): one loop per segment, in which the
+        // cat reads one input like a plain load (split_at_cat_segments, as the CPU prints).
+        out.size_args = before;  // the abandoned loop's arguments
+        for (const Kernel& piece : split_at_cat_segments(k)) emit_loop(os, piece, slot_of, ints);
+      }
+    }
+  }
   // The parameter block must fit the launch's 4 KB.
   KILN_CHECK(out.slots() * 8 <= 4096, CompileError,
              "[kiln::compile] a generated CUDA kernel takes " + std::to_string(out.slots() * 8) +
@@ -430,7 +479,8 @@ CudaKernelSource generate_cuda(const Kernel& k) {
   os << kPreamble;
   const size_t nscalars = std::max<size_t>(out.scalars.size(), 1);
   os << "struct Params {\n  void* b[" << std::max<size_t>(out.buffers, 1) << "];\n  double s[" << nscalars
-     << "];\n  long long is[" << nscalars << "];\n};\n";
+     << "];\n  long long is[" << nscalars << "];\n  long long z[" << std::max<size_t>(out.size_args.size(), 1)
+     << "];\n};\n";
   os << "// fuses";
   for (const auto& op : k.ops) os << " " << op;
   os << "\n";
@@ -443,33 +493,7 @@ CudaKernelSource generate_cuda(const Kernel& k) {
     if (!op.empty()) out.name += "_" + op;
   }
   os << "extern \"C\" __global__ void __launch_bounds__(" << kCudaBlock << ") " << out.name << "(Params p) {\n";
-  std::set<int> stored;
-  for (const Store& s : k.stores) stored.insert(s.buffer);
-  for (const Store& s : k.epilogue_stores) stored.insert(s.buffer);
-  if (k.kind == Kernel::reduction && k.result.buffer >= 0) stored.insert(k.result.buffer);
-  for (size_t b = 0; b < k.buffers.size(); ++b) {
-    if (host(k, static_cast<int>(b))) continue;  // read by value (kg::unpack) where loaded
-    const char* t = ctype(k.buffers[b]);
-    if (stored.count(static_cast<int>(b)))
-      os << "  " << t << "* __restrict__ b" << b << " = static_cast<" << t << "*>(p.b[" << b << "]);\n";
-    else
-      os << "  const " << t << "* __restrict__ b" << b << " = static_cast<const " << t << "*>(p.b[" << b << "]);\n";
-  }
-  const Expr* cat = nullptr;
-  for (const Expr& e : k.exprs)
-    if (e.kind == Expr::cat) cat = &e;
-  if (k.kind == Kernel::reduction) {
-    emit_reduction(os, k, slot_of);
-  } else if (!cat) {
-    emit_loop(os, k, slot_of);
-  } else if (std::ostringstream loop; emit_loop(loop, k, slot_of, cat->cat_dim)) {
-    os << loop.str();
-  } else {
-    // A cat along a dim of size 1 (one non-empty segment): one loop per segment, in which the cat
-    // reads one input like a plain load (split_at_cat_segments, as the CPU code generator prints).
-    for (const Kernel& piece : split_at_cat_segments(k)) emit_loop(os, piece, slot_of);
-  }
-  os << "}\n";
+  os << body.str() << "}\n";
   out.source = os.str();
   return out;
 }

@@ -1,0 +1,212 @@
+// `kiln bench gpt2`: greedy generation with a growing sequence, the case dynamic shapes exist for
+// (docs/compiler.md, "Dynamic shapes").
+//
+//   kiln bench gpt2 --device cpu --tokens 64 --prompt 8 --json
+//
+// The zoo's GPT-2-style decoder (a small config by default: 4 layers, 4 heads, 128 channels,
+// vocabulary 1024) generates --tokens tokens from a random prompt of --prompt tokens; each step
+// runs the whole sequence (no KV cache), so every step is a new sequence length. Modes, run one
+// after the other in one process on the same prompt:
+//   eager      the model's forward, op by op;
+//   static     compile(model, {.dynamic = false}): a compile per length until the recompile limit
+//              (8), then eager with a warning;
+//   dynamic    compile(model): automatic dynamic (static at the first length, dynamic from the
+//              second on; each later length is a new size of that graph, lowered in process).
+// Each mode reports tokens per second over the whole generation (compiles included), without the
+// backend compile time, and over a second generation of the same tokens (warm: every length seen
+// once already), graph compiles, new sizes of dynamic graphs, kernel builds (system compiler runs)
+// and compile seconds of the first generation, and whether it generated the same tokens as eager.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "kiln/compiler.h"
+#include "kiln/kiln.h"
+#include "kiln/models.h"
+
+namespace kiln::cli {
+
+namespace {
+
+struct Gpt2Args {
+  Device device = Device("cpu");
+  int64_t tokens = 64, prompt = 8;
+  models::GPTConfig config{1024, 128, 4, 4, 128, 0.0, true};
+  std::vector<std::string> modes{"eager", "static", "dynamic"};
+  bool json = false;
+};
+
+int64_t positive(const std::string& option, const std::string& text) {
+  int64_t v = 0;
+  try {
+    size_t used = 0;
+    v = std::stoll(text, &used);
+    if (used != text.size()) v = 0;
+  } catch (const std::exception&) {
+    v = 0;
+  }
+  KILN_CHECK(v > 0, ValueError, "[kiln bench gpt2] " + option + " needs a positive integer, got '" + text + "'.");
+  return v;
+}
+
+Gpt2Args parse_gpt2(const std::vector<std::string>& args) {
+  Gpt2Args a;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& k = args[i];
+    if (k == "--json") {
+      a.json = true;
+      continue;
+    }
+    KILN_CHECK(i + 1 < args.size(), ValueError, "[kiln bench gpt2] " + k + " needs a value. See `kiln help`.");
+    const std::string& v = args[++i];
+    if (k == "--device") a.device = Device(v);
+    else if (k == "--tokens") a.tokens = positive(k, v);
+    else if (k == "--prompt") a.prompt = positive(k, v);
+    else if (k == "--layers") a.config.n_layer = positive(k, v);
+    else if (k == "--heads") a.config.n_head = positive(k, v);
+    else if (k == "--embd") a.config.n_embd = positive(k, v);
+    else if (k == "--vocab") a.config.vocab_size = positive(k, v);
+    else if (k == "--modes") {
+      a.modes.clear();
+      size_t start = 0;
+      while (start <= v.size()) {
+        size_t comma = v.find(',', start);
+        std::string m = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        KILN_CHECK(m == "eager" || m == "static" || m == "dynamic", ValueError,
+                   "[kiln bench gpt2] unknown mode '" + m + "': the modes are eager, static, dynamic.");
+        a.modes.push_back(m);
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
+    } else {
+      throw ValueError("[kiln bench gpt2] unknown option '" + k + "'. See `kiln help`.");
+    }
+  }
+  a.config.block_size = a.prompt + a.tokens;
+  return a;
+}
+
+double backend_compile_seconds() {
+  double s = 0;
+  for (const auto& p : compiler::compile_time_table())
+    if (p.phase.rfind("backend_compile", 0) == 0)
+      for (double v : p.seconds) s += v;
+  return s;
+}
+
+// Greedy decoding: appends `tokens` argmax tokens to `prompt`, running `forward` on the whole
+// sequence each step.
+template <class Forward>
+Tensor generate(Forward& forward, Tensor idx, int64_t tokens) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    Tensor logits = forward(idx);
+    Tensor next = logits.select(1, -1).argmax(-1, true);
+    idx = cat({idx, next}, 1);
+  }
+  return idx.cpu();
+}
+
+}  // namespace
+
+int run_gpt2_bench(const std::vector<std::string>& args) {
+  Gpt2Args a = parse_gpt2(args);
+  manual_seed(0);
+  auto model = models::gpt(a.config);
+  model->to(a.device);
+  model->eval();
+  NoGradGuard no_grad;
+  const Tensor prompt = randint(a.config.vocab_size, {1, a.prompt}).to(a.device);
+
+  nlohmann::ordered_json result = {{"model", "gpt2"},
+                                   {"config", {{"n_layer", a.config.n_layer}, {"n_head", a.config.n_head},
+                                               {"n_embd", a.config.n_embd}, {"vocab_size", a.config.vocab_size}}},
+                                   {"device", a.device.str()},
+                                   {"threads", get_num_threads()},
+                                   {"prompt", a.prompt},
+                                   {"new_tokens", a.tokens}};
+  Tensor eager_tokens;
+  double eager_tps = 0;
+  for (const std::string& mode : a.modes) {
+    compiler::reset();
+    const compiler::Counters before = compiler::counters();
+    const double compile_before = backend_compile_seconds();
+    Tensor out;
+    CompileOptions options;
+    if (mode == "static") options.dynamic = false;
+    auto compiled = compile(model, options);
+    auto* compiled_for_warm = &compiled;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (mode == "eager") {
+      auto forward = [&](const Tensor& idx) { return model->forward(idx); };
+      out = generate(forward, prompt, a.tokens);
+    } else {
+      out = generate(compiled, prompt, a.tokens);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const compiler::Counters c = compiler::counters();
+    const double compile_seconds = backend_compile_seconds() - compile_before;
+    // The same generation again: every length has been seen once.
+    double warm_seconds = 0;
+    {
+      const auto w0 = std::chrono::steady_clock::now();
+      if (mode == "eager") {
+        auto forward = [&](const Tensor& idx) { return model->forward(idx); };
+        generate(forward, prompt, a.tokens);
+      } else {
+        generate(*compiled_for_warm, prompt, a.tokens);
+      }
+      warm_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+    }
+    if (mode == "eager") eager_tokens = out;
+    const double tps = static_cast<double>(a.tokens) / seconds;
+    if (mode == "eager") eager_tps = static_cast<double>(a.tokens) / warm_seconds;
+    nlohmann::ordered_json m = {
+        {"seconds", seconds},
+        {"tokens_per_s", tps},
+        {"tokens_per_s_without_compiles", static_cast<double>(a.tokens) / std::max(seconds - compile_seconds, 1e-9)},
+        {"tokens_per_s_warm", static_cast<double>(a.tokens) / warm_seconds},
+        {"graph_compiles", c.graph_compiles - before.graph_compiles},
+        {"size_specializations", c.size_specializations - before.size_specializations},
+        {"kernel_builds", c.kernel_builds - before.kernel_builds},
+        {"compile_seconds", compile_seconds},
+        {"eager_calls", c.eager_frames - before.eager_frames},
+        {"same_tokens_as_eager", eager_tokens.defined() ? equal(out, eager_tokens) : true}};
+    if (eager_tps > 0) m["warm_speedup_vs_eager"] = (static_cast<double>(a.tokens) / warm_seconds) / eager_tps;
+    result["modes"][mode] = m;
+  }
+
+  if (a.json) {
+    std::cout << result.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << fmt::format(
+      "gpt2 ({} layers, {} heads, {} channels, vocabulary {}) on {}, {} threads: {} new tokens from a prompt of {}\n",
+      a.config.n_layer, a.config.n_head, a.config.n_embd, a.config.vocab_size, a.device.str(), get_num_threads(),
+      a.tokens, a.prompt);
+  std::cout << "tokens/s: first generation (compiles included), without the compile time, second generation "
+               "(warm; 'vs eager' compares warm runs)\n";
+  std::cout << fmt::format("{:<9} {:>9} {:>12} {:>9} {:>9} {:>7} {:>10} {:>7} {:>10} {:>6} {:>5}\n", "mode", "tokens/s",
+                           "w/o compile", "warm", "vs eager", "graphs", "new sizes", "builds", "compile s", "eager",
+                           "same");
+  for (const std::string& mode : a.modes) {
+    const auto& m = result["modes"][mode];
+    std::cout << fmt::format("{:<9} {:>9.1f} {:>12.1f} {:>9.1f} {:>9} {:>7} {:>10} {:>7} {:>10.2f} {:>6} {:>5}\n", mode,
+                             m["tokens_per_s"].get<double>(), m["tokens_per_s_without_compiles"].get<double>(),
+                             m["tokens_per_s_warm"].get<double>(),
+                             m.contains("warm_speedup_vs_eager")
+                                 ? fmt::format("{:.2f}x", m["warm_speedup_vs_eager"].get<double>())
+                                 : std::string("-"),
+                             m["graph_compiles"].get<int64_t>(),
+                             m["size_specializations"].get<int64_t>(), m["kernel_builds"].get<int64_t>(),
+                             m["compile_seconds"].get<double>(), m["eager_calls"].get<int64_t>(),
+                             m["same_tokens_as_eager"].get<bool>() ? "yes" : "no");
+  }
+  return 0;
+}
+
+}  // namespace kiln::cli
