@@ -56,13 +56,14 @@ int host_scalar(Graph& g, DType dtype) {
 
 // Schedules g; every kernel on the GPU has its source generated and compiled for sm_90. Returns
 // the program (and the sources in `sources`).
-lower::Program lower_and_compile(Graph g, std::vector<std::string>* sources = nullptr, int expect_cuda_kernels = -1) {
+lower::Program lower_and_compile(Graph g, std::vector<std::string>* sources = nullptr, int expect_cuda_kernels = -1,
+                                 bool dynamic_sizes = false) {
   lower::Program p = lower::schedule(std::move(g));
   int cuda_kernels = 0;
   for (const lower::Kernel& k : p.kernels) {
     if (!k.device.is_cuda()) continue;
     ++cuda_kernels;
-    codegen::CudaKernelSource src = codegen::generate_cuda(k);
+    codegen::CudaKernelSource src = codegen::generate_cuda(k, dynamic_sizes);
     if (sources) sources->push_back(src.source);
 #ifdef KILN_WITH_CUDA
     EXPECT_NO_THROW(cuda::detail::compile_cubin(src.source, 90, k.name)) << src.source;
@@ -242,6 +243,35 @@ TEST(CudaJit, FusedCatAndLargeIterationSpaces) {
   empty.outputs = {call(empty, "exp", {ex}, {}, value({0, 4}))};
   lower::Program p = lower_and_compile(empty, nullptr, 1);
   EXPECT_EQ(codegen::generate_cuda(p.kernels[0]).numel, 0);
+}
+
+// A dynamic graph's kernels (dynamic shapes): sizes, strides and offsets are Params::z arguments,
+// so the same graph at two sizes prints one source, which NVRTC compiles.
+TEST(CudaJit, DynamicSizesAreKernelArguments) {
+  auto graph_at = [](int64_t n) {
+    Graph g;
+    int x = g.add_input(value({n, 6}));
+    int y = g.add_input(value({n, 4}));
+    int c = call(g, "cat", {x, y}, {int64_t{1}}, value({n, 10}));
+    int m = call(g, "mul", {c, c}, {}, value({n, 10}));
+    int s = call(g, "sum", {m}, {std::vector<int64_t>{1}, true}, value({n, 1}));
+    g.outputs = {m, call(g, "add", {s, s}, {Scalar(1)}, value({n, 1}))};
+    return g;
+  };
+  std::vector<std::string> at5, at9;
+  lower::Program p5 = lower_and_compile(graph_at(5), &at5, -1, true);
+  lower::Program p9 = lower_and_compile(graph_at(9), &at9, -1, true);
+  ASSERT_FALSE(at5.empty());
+  EXPECT_EQ(at5, at9) << "one source serves both sizes";
+  for (const std::string& src : at5) {
+    EXPECT_TRUE(contains(src, "long long z[")) << src;
+    EXPECT_TRUE(contains(src, "p.z[")) << src;
+  }
+  const codegen::CudaKernelSource k5 = codegen::generate_cuda(p5.kernels[0], true);
+  const codegen::CudaKernelSource k9 = codegen::generate_cuda(p9.kernels[0], true);
+  EXPECT_EQ(k5.size_args.size(), k9.size_args.size());
+  EXPECT_NE(k5.size_args, k9.size_args);
+  EXPECT_EQ(k5.slots(), k5.buffers + 2 + k5.size_args.size());
 }
 
 TEST(CudaJit, KernelsNeverMixDevices) {

@@ -11,7 +11,8 @@
 //   static     compile(model, {.dynamic = false}): a compile per length until the recompile limit
 //              (8), then eager with a warning;
 //   dynamic    compile(model): automatic dynamic (static at the first length, dynamic from the
-//              second on; each later length is a new size of that graph, lowered in process).
+//              second on; each later length is a new size of that graph, lowered in process);
+//   static-ro, dynamic-ro: the same with mode = reduce_overhead (a CUDA graph per size on a GPU).
 // Each mode reports tokens per second over the whole generation (compiles included), without the
 // backend compile time, and over a second generation of the same tokens (warm: every length seen
 // once already), graph compiles, new sizes of dynamic graphs, kernel builds (system compiler runs)
@@ -77,8 +78,10 @@ Gpt2Args parse_gpt2(const std::vector<std::string>& args) {
       while (start <= v.size()) {
         size_t comma = v.find(',', start);
         std::string m = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        KILN_CHECK(m == "eager" || m == "static" || m == "dynamic", ValueError,
-                   "[kiln bench gpt2] unknown mode '" + m + "': the modes are eager, static, dynamic.");
+        KILN_CHECK(m == "eager" || m == "static" || m == "dynamic" || m == "static-ro" || m == "dynamic-ro",
+                   ValueError,
+                   "[kiln bench gpt2] unknown mode '" + m +
+                       "': the modes are eager, static, dynamic, static-ro, dynamic-ro.");
         a.modes.push_back(m);
         if (comma == std::string::npos) break;
         start = comma + 1;
@@ -137,7 +140,8 @@ int run_gpt2_bench(const std::vector<std::string>& args) {
     const double compile_before = backend_compile_seconds();
     Tensor out;
     CompileOptions options;
-    if (mode == "static") options.dynamic = false;
+    if (mode.rfind("static", 0) == 0) options.dynamic = false;
+    if (mode.size() > 3 && mode.compare(mode.size() - 3, 3, "-ro") == 0) options.mode = Mode::reduce_overhead;
     auto compiled = compile(model, options);
     auto* compiled_for_warm = &compiled;
     const auto t0 = std::chrono::steady_clock::now();

@@ -30,7 +30,7 @@ commands:
   bench gpt2 [opts]    greedy generation with a growing sequence: eager, compiled with dynamic =
                        false, compiled with automatic dynamic (tokens/s, compiles, compile seconds).
                        --tokens 64 --prompt 8 --layers 4 --heads 4 --embd 128 --vocab 1024
-                       --modes eager,static,dynamic --device cpu|cuda --json
+                       --modes eager,static,dynamic[,static-ro,dynamic-ro] --device cpu|cuda --json
   version              print the version
   help                 show this message
 )";

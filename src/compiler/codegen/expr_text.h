@@ -19,11 +19,12 @@ namespace kiln::compiler::codegen {
 // contiguous access, an empty space), and the frame guards specialize sizes 0 and 1.
 struct IntText {
   std::vector<int64_t>* args = nullptr;  // null: a static graph (literals)
+  const char* array = "z";               // how the kernel names its size arguments ("p.z" on CUDA)
   bool dynamic() const { return args != nullptr; }
   std::string operator()(int64_t v) const {
     if (!args || v == 0 || v == 1) return std::to_string(v);
     args->push_back(v);
-    return "z[" + std::to_string(args->size() - 1) + "]";
+    return std::string(array) + "[" + std::to_string(args->size() - 1) + "]";
   }
 };
 

@@ -434,7 +434,7 @@ CudaKernelSource generate_cuda(const Kernel& k, bool dynamic_sizes) {
   }
   // The kernel's body first (a dynamic graph's size arguments are known once it is printed), then
   // the source: preamble, parameter block, entry point, body.
-  const IntText ints{dynamic_sizes ? &out.size_args : nullptr};
+  const IntText ints{dynamic_sizes ? &out.size_args : nullptr, "p.z"};
   std::ostringstream body;
   {
     std::ostringstream& os = body;
