@@ -606,17 +606,33 @@ Graph trace_graph(const std::vector<ValueInfo>& inputs,
 }
 
 // ---- structural equality (cache hits) ----
+//
+// Two graphs are one dynamic graph when they differ only in sizes, strides, storage offsets and
+// integer attrs (a view's sizes, a slice's bounds, an integer argument): the ops, their order and
+// wiring, dtypes, devices, ranks, aliasing and every other attr agree. Compiling one instance per
+// concrete size stays correct whatever differs in those numbers; the kiln backend's kernels take
+// them as run-time arguments, so the instances share their generated code.
 
-bool same_structure(const Graph& a, const Graph& b) {
+namespace {
+
+bool size_like(const Attr& a) {
+  return std::holds_alternative<int64_t>(a) || std::holds_alternative<std::vector<int64_t>>(a);
+}
+
+// same_structure (sizes: true) and same_family (sizes: false, where sizes, strides, offsets and
+// integer attrs may differ, integer lists only in their values).
+bool same_graph(const Graph& a, const Graph& b, bool sizes) {
   if (a.nodes.size() != b.nodes.size() || a.values.size() != b.values.size() || a.inputs != b.inputs ||
       a.outputs != b.outputs || a.scalars.size() != b.scalars.size())
     return false;
   for (size_t i = 0; i < a.values.size(); ++i) {
     const ValueInfo& x = a.values[i];
     const ValueInfo& y = b.values[i];
-    if (x.dtype != y.dtype || x.device != y.device || x.sizes != y.sizes || x.strides != y.strides ||
-        x.storage_offset != y.storage_offset || x.storage != y.storage || x.is_input != y.is_input ||
+    if (x.dtype != y.dtype || x.device != y.device || x.storage != y.storage || x.is_input != y.is_input ||
         x.is_wrapped_number != y.is_wrapped_number)
+      return false;
+    if (sizes ? x.sizes != y.sizes || x.strides != y.strides || x.storage_offset != y.storage_offset
+              : x.sizes.size() != y.sizes.size())
       return false;
   }
   for (size_t i = 0; i < a.nodes.size(); ++i) {
@@ -634,6 +650,11 @@ bool same_structure(const Graph& a, const Graph& b) {
         auto* t = std::get_if<Scalar>(&q);
         if (s && (s->is_floating_point() != t->is_floating_point() || s->is_boolean() != t->is_boolean()))
           return false;
+        continue;
+      }
+      if (!sizes && size_like(p)) {
+        auto* u = std::get_if<std::vector<int64_t>>(&p);
+        if (u && u->size() != std::get<std::vector<int64_t>>(q).size()) return false;
         continue;
       }
       bool equal = std::visit(
@@ -655,19 +676,11 @@ bool same_structure(const Graph& a, const Graph& b) {
   return true;
 }
 
-// ---- dynamic shapes: the same program at other sizes ----
-//
-// Two graphs are one dynamic graph when they differ only in sizes, strides, storage offsets and
-// integer attrs (a view's sizes, a slice's bounds, an integer argument): the ops, their order and
-// wiring, dtypes, devices, ranks, aliasing and every other attr agree. Compiling one instance per
-// concrete size stays correct whatever differs in those numbers; the kiln backend's kernels take
-// them as run-time arguments, so the instances share their generated code.
-
-namespace {
-bool size_like(const Attr& a) {
-  return std::holds_alternative<int64_t>(a) || std::holds_alternative<std::vector<int64_t>>(a);
-}
 }  // namespace
+
+bool same_structure(const Graph& a, const Graph& b) { return same_graph(a, b, true); }
+
+bool same_family(const Graph& a, const Graph& b) { return same_graph(a, b, false); }
 
 uint64_t family_hash(const Graph& g) {
   uint64_t h = kSegmentHashSeed;
@@ -693,42 +706,6 @@ uint64_t family_hash(const Graph& g) {
   for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
   for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
   return h;
-}
-
-bool same_family(const Graph& a, const Graph& b) {
-  if (a.nodes.size() != b.nodes.size() || a.values.size() != b.values.size() || a.inputs != b.inputs ||
-      a.outputs != b.outputs || a.scalars.size() != b.scalars.size() || a.constants.size() != b.constants.size())
-    return false;
-  for (size_t i = 0; i < a.values.size(); ++i) {
-    const ValueInfo& x = a.values[i];
-    const ValueInfo& y = b.values[i];
-    if (x.dtype != y.dtype || x.device != y.device || x.sizes.size() != y.sizes.size() || x.storage != y.storage ||
-        x.is_input != y.is_input || x.is_wrapped_number != y.is_wrapped_number)
-      return false;
-  }
-  for (size_t i = 0; i < a.nodes.size(); ++i) {
-    const Node& x = a.nodes[i];
-    const Node& y = b.nodes[i];
-    if (x.op != y.op || x.inplace != y.inplace || x.inputs != y.inputs || x.outputs != y.outputs ||
-        x.attrs.size() != y.attrs.size())
-      return false;
-    for (size_t k = 0; k < x.attrs.size(); ++k) {
-      const Attr& p = x.attrs[k];
-      const Attr& q = y.attrs[k];
-      if (p.index() != q.index()) return false;
-      if (auto* u = std::get_if<std::vector<int64_t>>(&p)) {
-        if (u->size() != std::get<std::vector<int64_t>>(q).size()) return false;
-        continue;
-      }
-      if (std::holds_alternative<int64_t>(p)) continue;
-      uint64_t hp = 0, hq = 0;  // the other attrs as same_structure compares them
-      mix_attr(hp, p, is_dynamic_attr(*x.op, p, k));
-      mix_attr(hq, q, is_dynamic_attr(*y.op, q, k));
-      if (hp != hq) return false;
-      if (auto* s = std::get_if<std::string>(&p); s && *s != std::get<std::string>(q)) return false;
-    }
-  }
-  return true;
 }
 
 }  // namespace kiln::compiler::detail

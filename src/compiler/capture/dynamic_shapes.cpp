@@ -76,12 +76,6 @@ void mark_static(const Tensor& t, std::optional<int64_t> dim) {
 
 namespace kiln::compiler::detail {
 
-namespace {
-std::string leaf_label(const std::vector<std::string>& names, size_t i) {
-  return i < names.size() ? names[i] : "arg" + std::to_string(i);
-}
-}  // namespace
-
 std::vector<std::vector<char>> dynamic_dims(FunctionState& st, const std::vector<Leaf>& leaves,
                                             const std::vector<std::string>& names) {
   std::vector<std::vector<char>> dims(leaves.size());
@@ -108,7 +102,7 @@ std::vector<std::vector<char>> dynamic_dims(FunctionState& st, const std::vector
           if (changed[d] || seen[d] == now[d]) continue;
           changed[d] = 1;
           if (log_options().dynamic) {
-            log_stream() << "[kiln.compile] automatic dynamic: " << leaf_label(names, i) << ".size()[" << d
+            log_stream() << "[kiln.compile] automatic dynamic: " << leaf_name(names, static_cast<int>(i)) << ".size()[" << d
                          << "] changed (" << seen[d] << " -> " << now[d] << "); it is dynamic in the next compile of "
                          << st.where() << "\n";
           }
@@ -139,8 +133,8 @@ void check_marks_honoured(const GuardSet& guards, const std::vector<Leaf>& leave
     const LeafGuard& lg = guards.leaves[i];
     for (size_t d = 0; d < m->kind.size() && d < lg.sizes.size(); ++d) {
       if (m->kind[d] != DimMarks::dynamic || (!lg.dynamic.empty() && lg.dynamic[d])) continue;
-      const std::string dim = leaf_label(names, i) + ".size()[" + std::to_string(d) + "]";
-      throw CompileError("[kiln::compile] Constraints violated (" + dim + ")! mark_dynamic(" + leaf_label(names, i) +
+      const std::string dim = leaf_name(names, static_cast<int>(i)) + ".size()[" + std::to_string(d) + "]";
+      throw CompileError("[kiln::compile] Constraints violated (" + dim + ")! mark_dynamic(" + leaf_name(names, static_cast<int>(i)) +
                          ", " + std::to_string(d) + ") was called, but the compile specialized " + dim + " to " +
                          std::to_string(lg.sizes[d]) +
                          ": sizes 0 and 1 always specialize. Use maybe_mark_dynamic to allow the specialization.");

@@ -658,7 +658,7 @@ void name_inputs(CaptureContext& ctx, Graph& g, const Arguments& example) {
     if (ctx.leaf_names) ctx.leaf_names(leaf_names);
     for (size_t i = 0; i < ctx.leaves->size(); ++i) {
       const Leaf& l = (*ctx.leaves)[i];
-      std::string n = i < leaf_names.size() ? leaf_names[i] : "arg" + std::to_string(i);
+      std::string n = leaf_name(leaf_names, static_cast<int>(i));
       if (l.kind == Leaf::tensor) names.emplace(l.t.unsafe_impl(), n);
       if (l.kind == Leaf::module) {
         auto* m = static_cast<const nn::Module*>(l.object);
@@ -694,8 +694,9 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
                                                const Arguments& example) {
   FunctionState& st = *ctx.fn;
   std::shared_ptr<CompiledGraph> cg;
-  std::shared_ptr<GraphFamily> family;  // set when `graph` is an instance of a dynamic graph
+  std::shared_ptr<GraphFamily> family;  // the dynamic graph `graph` is an instance of
   bool compile_here = false;
+  bool instance = false;  // compile_here: a new size of `family` (else a new graph)
   {
     std::unique_lock lock(st.mutex);
     auto [lo, hi] = st.graphs.equal_range(hash);
@@ -739,6 +740,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       family->instances.push_back(cg);
       if (family->instances.size() > GraphFamily::kMaxInstances) family->instances.erase(family->instances.begin());
       compile_here = true;
+      instance = true;
     } else {
       switch (ctx.stance.stance) {
         case Stance::fail_on_recompile:
@@ -779,21 +781,19 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
         }
       }
       cg->family = fhash;
-      if (dynamic) {
+      if (dynamic) {  // a new dynamic graph: this compile is its first instance
         cg->graph.dynamic = true;
-        family = std::make_shared<GraphFamily>();
-        family->id = cg->id;
-        family->first = cg;
-        family->instances.push_back(cg);
-        st.families.emplace(cg->family, family);
-        family.reset();  // the first instance is this compile, counted as a graph compile
+        auto created = std::make_shared<GraphFamily>();
+        created->id = cg->id;
+        created->first = cg;
+        created->instances.push_back(cg);
+        st.families.emplace(cg->family, std::move(created));
       } else {
         st.graphs.emplace(hash, cg);
       }
       compile_here = true;
     }
   }
-  const bool instance = family != nullptr;
   if (!compile_here) {
     std::unique_lock wait(cg->mutex);
     cg->ready_cv.wait(wait, [&] { return cg->ready; });

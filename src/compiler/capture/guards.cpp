@@ -31,11 +31,11 @@ std::pair<int, int> aliasing_of(const std::vector<Leaf>& leaves, size_t i) {
   return {-1, -1};
 }
 
+}  // namespace
+
 std::string leaf_name(const std::vector<std::string>& names, int k) {
   return k < static_cast<int>(names.size()) ? names[k] : "arg" + std::to_string(k);
 }
-
-}  // namespace
 
 GlobalState current_global_state() {
   return GlobalState{is_grad_enabled(), is_inference_mode_enabled(), default_dtype()};

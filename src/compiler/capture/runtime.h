@@ -84,6 +84,9 @@ int check_guards(const GuardSet& g, const std::vector<Leaf>& leaves, const std::
 // actual 4").
 std::string describe_failure(const GuardSet& g, int index, const std::vector<Leaf>& leaves,
                              const std::vector<std::string>& names);
+// Argument leaf k's name in logs and guards: names[k] (CompileOptions::arg_names, a module's
+// "self"), else "arg<k>".
+std::string leaf_name(const std::vector<std::string>& names, int k);
 // The guard list as text (explain()'s "Out Guards", KILN_LOGS=guards).
 std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<std::string>& names);
 

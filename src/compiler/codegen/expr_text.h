@@ -28,6 +28,19 @@ struct IntText {
   }
 };
 
+// A reduction's result from its accumulator `acc`: for a mean (scale != 1) times 1 / count. A
+// dynamic graph's kernel computes that factor from its count argument as the literal was computed
+// (1.0 / count in double), then converts it with `convert` ("static_cast<float>" on the CPU,
+// "kg::convert<float>" on CUDA); a static one prints the literal.
+template <class Literal>
+std::string reduction_result(double scale, int64_t mean_count, DType acc, const IntText& ints, Literal literal,
+                             const std::string& convert) {
+  if (scale == 1) return "acc";
+  if (ints.dynamic() && mean_count > 1)
+    return "acc * " + convert + "(1.0 / static_cast<double>(" + ints(mean_count) + "))";
+  return "acc * " + literal(scale, acc);
+}
+
 // prefix + n, built with += (GCC 12 warns falsely (-Wrestrict) on `"e" + std::to_string(n)`).
 inline std::string numbered(const char* prefix, int64_t n) {
   std::string s = prefix;

@@ -126,15 +126,8 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
   const std::vector<bool> varies = loop_variant_exprs(
       k, [&](size_t e) { return k.exprs[e].kind == Expr::load || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
-  // A mean scales by 1 / count: in a dynamic graph computed from the count, as the literal is
-  // (1.0 / count in double, then converted).
-  std::string result_value = "acc";
-  if (k.scale != 1) {
-    result_value = ints.dynamic() && k.mean_count > 1
-                       ? std::string("acc * static_cast<") + ctype(k.acc_dtype) + ">(1.0 / static_cast<double>(" +
-                             ints(k.mean_count) + "))"
-                       : "acc * " + literal(k.scale, k.acc_dtype);
-  }
+  const std::string result_value = reduction_result(k.scale, k.mean_count, k.acc_dtype, ints, literal,
+                                                    std::string("static_cast<") + ctype(k.acc_dtype) + ">");
   auto emit_expr = [&](std::ostringstream& out, size_t e, const std::string& indent, const std::vector<std::string>& vars) {
     const Expr& x = k.exprs[e];
     out << indent << "const " << ctype(x.dtype) << " e" << e << " = ";

@@ -288,13 +288,8 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
       loop_variant_exprs(k, [&](size_t e) { return load_access[e] >= 0 || k.exprs[e].kind == Expr::reduced; });
   const size_t epilogue_begin = k.epilogue_begin < 0 ? k.exprs.size() : static_cast<size_t>(k.epilogue_begin);
   const char* acc_t = ctype(k.acc_dtype);
-  // A mean scales by 1 / count: in a dynamic graph computed from the count, as the literal is.
-  std::string result_value = "acc";
-  if (k.scale != 1) {
-    result_value = ints.dynamic() && k.mean_count > 1
-                       ? std::string("acc * kg::convert<") + acc_t + ">(1.0 / (double)" + ints(k.mean_count) + ")"
-                       : "acc * " + literal(k.scale, k.acc_dtype);
-  }
+  const std::string result_value =
+      reduction_result(k.scale, k.mean_count, k.acc_dtype, ints, literal, std::string("kg::convert<") + acc_t + ">");
   auto emit_expr = [&](size_t e, const char* indent, bool epilogue) {
     const Expr& x = k.exprs[e];
     os << indent << "const " << ctype(x.dtype) << " e" << e << " = ";
