@@ -215,6 +215,17 @@ TEST_F(Dynamic, ReductionsOverTheDynamicDim) {
               reduction_tolerance());
 }
 
+// A dynamic kernel chooses its OpenMP nest or its one-thread nest at run time (32768 elements):
+// sizes on both sides of that line run one source, and both nests compute the same result.
+TEST_F(Dynamic, KernelsOnBothSidesOfTheParallelThreshold) {
+  check_sizes([](int64_t n) { return std::vector<Tensor>{randn({n, 1000})}; },
+              [](const std::vector<Tensor>& in) {
+                const Tensor& x = in[0];
+                return (gelu(x) * 2).sum(1) + x.mean(1) + x.sum() + (x * x).amax(1);
+              },
+              reduction_tolerance(), {3, 40, 70, 5, 90});
+}
+
 TEST_F(Dynamic, SoftmaxOverAndAlongTheDynamicDim) {
   check_sizes([](int64_t n) { return std::vector<Tensor>{randn({n, 3, n})}; },
               [](const std::vector<Tensor>& in) { return softmax(in[0], -1) + log_softmax(in[0], 0); },

@@ -17,14 +17,20 @@ namespace kiln::compiler::codegen {
 // `args`, in print order), so that the same graph at another size prints the same source and the
 // kernel cache serves it. 0 and 1 stay literal: they decide the loop structure (a broadcast, a
 // contiguous access, an empty space), and the frame guards specialize sizes 0 and 1.
+// The C++ generator prints z3 instead of z[3]: a local copy its kernel declares on entry
+// (`locals`), because the array's loads cannot be hoisted out of loops whose stores might alias it
+// (GCC's OpenMP outlining drops the buffers' __restrict), and reloading the sizes on every
+// iteration kept the inner loops from vectorizing.
 struct IntText {
   std::vector<int64_t>* args = nullptr;  // null: a static graph (literals)
   const char* array = "z";               // how the kernel names its size arguments ("p.z" on CUDA)
+  bool locals = false;                   // print array + k (a local copy) instead of array[k]
   bool dynamic() const { return args != nullptr; }
   std::string operator()(int64_t v) const {
     if (!args || v == 0 || v == 1) return std::to_string(v);
     args->push_back(v);
-    return std::string(array) + "[" + std::to_string(args->size() - 1) + "]";
+    const std::string k = std::to_string(args->size() - 1);
+    return locals ? array + k : std::string(array) + "[" + k + "]";
   }
 };
 

@@ -67,7 +67,7 @@ std::string index_of(const std::vector<int64_t>& strides, int64_t offset, const 
 
 
 // One loop nest computing kernel `k` (its buffers b0, b1, ... are declared by the caller).
-void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
+void emit_nest(std::ostringstream& out, const Kernel& k, const IntText& ints) {
   // Accesses: loads, stores, and a reduction's result.
   std::vector<const std::vector<int64_t>*> accesses;
   std::vector<int> load_access(k.exprs.size(), -1);
@@ -95,13 +95,13 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
     const std::vector<std::string> v = loop_variables(sp.sizes.size());
     std::string init = k.reduce_op == ReduceOp::sum ? literal(k.scale == 1 ? 0.0 : 0.0 * k.scale, k.acc_dtype)
                                             : literal(std::numeric_limits<double>::quiet_NaN(), k.acc_dtype);
-    os << "  {\n";
+    out << "  {\n";
     std::string indent = "  ";
     size_t opened = 0;
     for (size_t d = 0; d < sp.sizes.size(); ++d) {
       if (sp.reduced[d]) continue;
       if (sp.sizes[d] == 0) break;
-      os << indent << "for (int64_t " << v[d] << " = 0; " << v[d] << " < " << ints(sp.sizes[d]) << "; ++" << v[d] << ") {\n";
+      out << indent << "for (int64_t " << v[d] << " = 0; " << v[d] << " < " << ints(sp.sizes[d]) << "; ++" << v[d] << ") {\n";
       indent += "  ";
       ++opened;
     }
@@ -111,16 +111,18 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
       std::vector<int64_t> strides = sp.strides[result_access];
       for (size_t d = 0; d < strides.size(); ++d)
         if (sp.reduced[d]) strides[d] = 0;
-      os << indent << "b" << k.result.buffer << "[" << index_of(strides, k.result.offset, v, ints) << "] = static_cast<"
+      out << indent << "b" << k.result.buffer << "[" << index_of(strides, k.result.offset, v, ints) << "] = static_cast<"
          << ctype(k.buffers[k.result.buffer]) << ">(" << init << ");\n";
     }
     for (size_t i = 0; i < opened; ++i) {
       indent.resize(indent.size() - 2);
-      os << indent << "}\n";
+      out << indent << "}\n";
     }
-    os << "  }\n";
+    out << "  }\n";
     return;
   }
+  // The nest is printed into `os` first: a dynamic graph's kernel prints it twice (see the end).
+  std::ostringstream os;
   os << "  {\n";
   // Loop-invariant expressions (scalars, constants and what depends only on them) go first.
   const std::vector<bool> varies = loop_variant_exprs(
@@ -162,14 +164,13 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
   for (size_t d : kept) kept_total *= sp.sizes[d];
   // Parallel: the outer kept loops of a big kernel; a full sum reduction parallelizes its outer
   // reduced loop with an OpenMP reduction instead.
-  // A dynamic graph decides at run time (OpenMP's if clause) what a static one decides here.
+  // A dynamic graph decides at run time what a static one decides here (see the end).
   const bool par = ints.dynamic() || total >= kParallelThreshold;
-  const std::string par_if =
-      ints.dynamic() ? " if(parallel : " + ints(total) + " >= " + std::to_string(kParallelThreshold) + ")" : "";
   const bool full_sum = reduction && kept.empty() && k.reduce_op == ReduceOp::sum;
   if (reduction && kept.empty()) os << indent << acc_t << " acc = " << init() << ";\n";
   std::vector<size_t> order = kept;
   order.insert(order.end(), red.begin(), red.end());
+  std::string parallel_line, serial_line;  // the outer loop's OpenMP pragma, and without 'parallel'
   for (size_t li = 0; li < order.size(); ++li) {
     size_t d = order[li];
     const bool innermost = li + 1 == order.size();
@@ -192,10 +193,10 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
         simd = parallel.empty() ? "simd reduction(+ : acc)" : "simd";
       }
     }
-    if (!parallel.empty() && !simd.empty()) {
-      os << indent << "#pragma omp " << parallel << " " << simd << par_if << "\n";
-    } else if (!parallel.empty()) {
-      os << indent << "#pragma omp " << parallel << par_if << "\n";
+    if (!parallel.empty()) {
+      parallel_line = indent + "#pragma omp " + parallel + (simd.empty() ? "" : " " + simd) + "\n";
+      serial_line = simd.empty() ? "" : indent + "#pragma omp " + simd + "\n";
+      os << parallel_line;
     } else if (!simd.empty()) {
       os << indent << "#pragma omp " << simd << "\n";
     }
@@ -238,6 +239,18 @@ void emit_nest(std::ostringstream& os, const Kernel& k, const IntText& ints) {
   }
   if (reduction && kept.empty()) finish("  ");
   os << "  }\n";
+  // A dynamic graph's kernel chooses between the parallel nest and the same nest without its
+  // OpenMP region at run time: OpenMP's own if clause still enters the runtime (about a
+  // microsecond per call even when it stays on one thread), which small sizes cannot afford.
+  const std::string text = os.str();
+  if (!ints.dynamic() || parallel_line.empty()) {
+    out << text;
+    return;
+  }
+  std::string serial = text;
+  serial.replace(serial.find(parallel_line), parallel_line.size(), serial_line);
+  out << "  if (" << ints(total) << " >= " << kParallelThreshold << ") {\n" << text << "  } else {\n"
+         << serial << "  }\n";
 }
 
 // The kernel's function. A fused cat splits the iteration space at its segment boundaries: one
@@ -260,8 +273,13 @@ void emit_kernel(std::ostringstream& os, const Kernel& k, const IntText& ints) {
     }
   }
   // A fused cat: one loop nest per segment (split_at_cat_segments), each reading its input.
-  for (const Kernel& piece : split_at_cat_segments(k)) emit_nest(os, piece, ints);
-  os << "}\n\n";
+  std::ostringstream nests;
+  const size_t first_arg = ints.dynamic() ? ints.args->size() : 0;
+  for (const Kernel& piece : split_at_cat_segments(k)) emit_nest(nests, piece, ints);
+  // A dynamic kernel's size arguments, read once into the locals the nests use (IntText::locals).
+  if (ints.dynamic())
+    for (size_t a = first_arg; a < ints.args->size(); ++a) os << "  const int64_t z" << a << " = z[" << a << "];\n";
+  os << nests.str() << "}\n\n";
 }
 
 }  // namespace
@@ -282,7 +300,7 @@ std::vector<std::string> generate_cpp(Program& p, int max_kernels_per_unit) {
     k.name = "KILN_KERNEL_NAME";
     std::ostringstream body;
     k.size_args.clear();
-    emit_kernel(body, k, IntText{p.dynamic_sizes ? &k.size_args : nullptr});
+    emit_kernel(body, k, IntText{p.dynamic_sizes ? &k.size_args : nullptr, "z", /*locals=*/true});
     std::string text = body.str();
     auto [it, fresh] = seen.emplace(text, name);
     k.name = it->second;
