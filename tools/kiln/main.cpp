@@ -31,6 +31,10 @@ commands:
                        false, compiled with automatic dynamic (tokens/s, compiles, compile seconds).
                        --tokens 64 --prompt 8 --layers 4 --heads 4 --embd 128 --vocab 1024
                        --modes eager,static,dynamic[,static-ro,dynamic-ro] --device cpu|cuda --json
+  bench batch-sizes    one model at every batch size (dynamic shapes): eager, automatic dynamic,
+                       with reduce_overhead (cold pass: compiles; warm: ms per call).
+                       --model densenet121|resnet18|resnet50 --min-batch 1 --max-batch 32 --size 128
+                       --iters 5 --modes eager,dynamic,dynamic-ro[,static-ro] --device cpu|cuda --json
   version              print the version
   help                 show this message
 )";
