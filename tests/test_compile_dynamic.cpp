@@ -326,19 +326,68 @@ TEST_F(Dynamic, BackwardOutsideTheCallIsDynamicToo) {
   EXPECT_GE(d.now().size_specializations, 8);
 }
 
-// pure = true: a dynamic entry replays only at the size its plan was captured for; other sizes
-// run the body, and every result is right.
-TEST_F(Dynamic, PureFunctionsAlternatingSizes) {
-  auto f = [](const Tensor& x) { return x.sin() * 2; };
+// pure = true: a dynamic entry keeps a replay plan per size. Once two captures (at this size or
+// another) agree on the plan's structure, every size seen once replays without running the body,
+// and every result is right.
+TEST_F(Dynamic, PureFunctionsReplayAtEverySizeSeen) {
+  int body_runs = 0;
+  auto f = [&](const Tensor& x, const Tensor& w) {
+    ++body_runs;
+    return (x.matmul(w) + 1).relu().sum(1) * 0.5;
+  };
+  auto eager = [](const Tensor& x, const Tensor& w) { return (x.matmul(w) + 1).relu().sum(1) * 0.5; };
   CompileOptions o = with_dynamic(true);
   o.pure = true;
   auto compiled = compile(f, o);
-  for (int64_t b : {2, 2, 2, 3, 3, 3, 2, 3, 4}) {
+  Tensor w = randn({4, 3});
+  // First pass: every size captured once (the second capture confirms both plans).
+  for (int64_t b : {2, 3, 5, 7}) {
     Tensor x = randn({b, 4});
-    EXPECT_TRUE(close(compiled(x), f(x))) << "batch " << b;
+    EXPECT_TRUE(close(compiled(x, w), eager(x, w))) << "batch " << b;
   }
-  EXPECT_EQ(compiler::counters().graph_compiles, 1);
-  EXPECT_GT(compiler::counters().replays, 0);
+  EXPECT_EQ(body_runs, 4);
+  Delta d;
+  const int runs_before = body_runs;
+  // Later passes, sizes in any order: replays only, new inputs each call.
+  for (int64_t b : {7, 2, 5, 3, 3, 2, 7}) {
+    Tensor x = randn({b, 4});
+    EXPECT_TRUE(close(compiled(x, w), eager(x, w))) << "batch " << b;
+  }
+  EXPECT_EQ(body_runs, runs_before) << "every size seen replays";
+  EXPECT_EQ(d.now().replays, 7);
+  EXPECT_EQ(d.now().graph_compiles, 0);
+  EXPECT_EQ(d.now().size_specializations, 0);
+  // A new size runs the body once (its instance and plan), then replays.
+  Tensor x = randn({11, 4});
+  EXPECT_TRUE(close(compiled(x, w), eager(x, w)));
+  EXPECT_TRUE(close(compiled(x, w), eager(x, w)));
+  EXPECT_EQ(body_runs, runs_before + 1);
+  EXPECT_EQ(d.now().size_specializations, 1);
+  // A changed captured tensor is still honoured: w is read by the replay, not baked in.
+  w.mul_(2);
+  EXPECT_TRUE(close(compiled(x, w), eager(x, w)));
+}
+
+// A body whose results differ in structure with the size (odd sizes also return the argument):
+// each size replays its own plan, never another size's.
+TEST_F(Dynamic, PurePlansOfDifferentStructureDoNotConfirmEachOther) {
+  int body_runs = 0;
+  auto f = [&](const Tensor& x) -> std::vector<Tensor> {
+    ++body_runs;
+    Tensor y = x.sin() * 2;
+    if (x.size(0) % 2 == 0) return {y};
+    return {y, x};  // odd sizes also return the argument itself
+  };
+  CompileOptions o = with_dynamic(true);
+  o.pure = true;
+  auto compiled = compile(f, o);
+  for (int64_t b : {2, 3, 4, 5, 2, 3}) {
+    Tensor x = randn({b, 4});
+    std::vector<Tensor> out = compiled(x);
+    ASSERT_EQ(out.size(), b % 2 == 0 ? 1u : 2u) << "batch " << b;
+    EXPECT_TRUE(close(out[0], x.sin() * 2)) << "batch " << b;
+    if (b % 2 == 1) EXPECT_TRUE(out[1].same(x)) << "batch " << b;
+  }
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // (DESIGN §2.3-2.4; the per-stance table of spec §1.3).
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <filesystem>
 #include <optional>
@@ -162,7 +163,65 @@ struct FrameEntry::Replay {
         return false;
     return true;
   }
+
+  // The same plan up to sizes: what a dynamic entry's capture at another size makes of a body
+  // already confirmed stable (the instance, integer attrs and output view shapes may differ; which
+  // inputs, results and gradients come from where may not).
+  bool same_structure(const Replay& o) const {
+    if (inputs.size() != o.inputs.size() || results.size() != o.results.size() || scalars.size() != o.scalars.size() ||
+        grads.size() != o.grads.size())
+      return false;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Input& a = inputs[i];
+      const Input& b = o.inputs[i];
+      if (a.leaf != b.leaf || a.constant != b.constant || !a.history != !b.history) return false;
+      if (a.constant ? !(read_scalar(a.fixed) == read_scalar(b.fixed)) : !a.fixed.same(b.fixed)) return false;
+    }
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& a = results[i];
+      const Result& b = o.results[i];
+      if (a.output.output != b.output.output || a.output.view != b.output.view || a.leaf != b.leaf ||
+          !a.fixed.same(b.fixed) || !a.spent != !b.spent)
+        return false;
+    }
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (grads[i].input != o.grads[i].input || grads[i].kind != o.grads[i].kind ||
+          grads[i].output.output != o.grads[i].output.output)
+        return false;
+    return true;
+  }
 };
+
+namespace {
+
+// What a dynamic entry's plans are keyed by: each tensor argument's sizes, strides and offset,
+// each number argument's value.
+std::vector<int64_t> replay_key(const std::vector<Leaf>& leaves) {
+  std::vector<int64_t> key;
+  for (const Leaf& l : leaves) {
+    switch (l.kind) {
+      case Leaf::tensor: {
+        if (!l.t.defined()) {
+          key.push_back(-1);
+          break;
+        }
+        const IntArrayRef sizes = l.t.sizes(), strides = l.t.strides();
+        key.push_back(static_cast<int64_t>(sizes.size()));
+        key.insert(key.end(), sizes.begin(), sizes.end());
+        key.insert(key.end(), strides.begin(), strides.end());
+        key.push_back(l.t.storage_offset());
+        break;
+      }
+      case Leaf::integer:
+      case Leaf::boolean: key.push_back(l.i); break;
+      case Leaf::floating: key.push_back(std::bit_cast<int64_t>(l.d)); break;
+      default: break;
+    }
+  }
+  return key;
+}
+
+}  // namespace
 
 namespace {
 
@@ -248,6 +307,7 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
                    << " is pure=true but cannot replay without running its body: " << why << "\n";
     }
     entry.replay.reset();
+    entry.sized_replays.clear();
   };
   if (ctx.breaks != 0 || ctx.host_reads) return reject("the body has graph breaks or host reads");
   if (ctx.flushes != 1 || !ctx.last_graph) return reject("the body captured no single graph");
@@ -332,17 +392,48 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     c.t = Tensor();
     c.s = nullptr;
   }
-  if (entry.replay && entry.replay->same_plan(*plan)) {
-    entry.replay->confirmed = true;
-  } else {
-    entry.replay = std::move(plan);
+  if (!entry.dynamic) {
+    if (entry.replay && entry.replay->same_plan(*plan)) {
+      entry.replay->confirmed = true;
+    } else {
+      entry.replay = std::move(plan);
+    }
+    return;
   }
+  // A dynamic entry: this size's plan is confirmed by a second identical capture at this size, or
+  // by a capture at another size that made a plan of the same structure (both are then confirmed:
+  // two captures agreed, which is what confirming asks of a static entry's plan).
+  std::vector<int64_t> key = replay_key(leaves);
+  auto& plans = entry.sized_replays;
+  auto it = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.first == key; });
+  if (it != plans.end() && it->second->same_plan(*plan)) {
+    it->second->confirmed = true;
+    std::rotate(it, it + 1, plans.end());
+    return;
+  }
+  for (auto& [other_key, other] : plans) {
+    if (other_key != key && other->same_structure(*plan)) {
+      other->confirmed = true;
+      plan->confirmed = true;
+    }
+  }
+  if (it != plans.end()) plans.erase(it);
+  plans.emplace_back(std::move(key), std::move(plan));
+  if (plans.size() > FrameEntry::kMaxSizedReplays) plans.erase(plans.begin());
 }
 
 // Runs a confirmed plan. Returns false when a fixed input changed (the caller runs the body).
 bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   std::shared_ptr<FrameEntry::Replay> plan;
-  {
+  if (entry.dynamic) {
+    const std::vector<int64_t> key = replay_key(leaves);
+    std::lock_guard lock(entry.replay_mutex);
+    auto& plans = entry.sized_replays;
+    auto it = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.first == key; });
+    if (it == plans.end() || !it->second->confirmed) return false;
+    plan = it->second;
+    std::rotate(it, it + 1, plans.end());
+  } else {
     std::lock_guard lock(entry.replay_mutex);
     if (!entry.replay || !entry.replay->confirmed) return false;
     plan = entry.replay;
@@ -353,8 +444,8 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   for (size_t k = 0; k < plan->inputs.size(); ++k) {
     const auto& in = plan->inputs[k];
     if (in.leaf >= 0) {
-      // An entry with dynamic sizes passes calls of other sizes; the plan's graph is one size's
-      // instance, so those calls run the body (which finds or compiles their instance).
+      // A dynamic entry's plan is its size's (replay_key); this only double-checks that the
+      // instance's placeholders have these sizes.
       const Tensor& t = leaves[in.leaf].t;
       const ValueInfo& v = g.values[g.inputs[k]];
       if (entry.dynamic && (!(t.sizes() == IntArrayRef(v.sizes)) || !(t.strides() == IntArrayRef(v.strides))))

@@ -137,10 +137,15 @@ struct FrameEntry {
   GuardSet guards;
   bool backward = false;  // the entry that serves captured backward passes
   bool dynamic = false;   // some argument size is dynamic: its graphs compile dynamic
-  // Pure replay (pure = true): a stable one-graph capture.
+  // Pure replay (pure = true): a stable one-graph capture. A static entry keeps one plan; a
+  // dynamic entry keeps one per concrete size of its arguments (sized_replays, keyed by
+  // replay_key: every tensor argument's sizes and strides and every number argument), since each
+  // size runs its own instance with its own integer attrs.
   struct Replay;
   std::shared_ptr<Replay> replay;
-  bool hinted = false;  // perf hint about replay given (guarded by replay_mutex)
+  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<Replay>>> sized_replays;  // most recent last
+  static constexpr size_t kMaxSizedReplays = 64;  // as GraphFamily::kMaxInstances
+  bool hinted = false;  // perf hint about replay given (guarded by replay_mutex, as the plans are)
   std::mutex replay_mutex;
 };
 
