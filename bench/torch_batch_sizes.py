@@ -6,8 +6,8 @@ at every batch size from --min-batch to --max-batch. Modes, as Kiln's bench name
   eager; dynamic = torch.compile(dynamic=None) (automatic dynamic); dynamic-ro = the same with
   mode="reduce-overhead" (CUDA graphs per size); static-ro = dynamic=False, reduce-overhead.
 Each mode makes a cold pass (every size once: compiles included) and a warm pass (per size one
-more call, then --iters timed calls; the mean over sizes of ms per call). Unique graphs and
-compile seconds come from torch._dynamo's counters and compile_times().
+more call, then --iters timed calls; the mean over sizes of ms per call). Unique graphs come
+from torch._dynamo's counters; the cold pass's seconds include every compile.
 Usage: torch_batch_sizes.py --device cuda [--model densenet121] [--min-batch 1] [--max-batch 32]
        [--size 128] [--iters 5] [--modes eager,dynamic,dynamic-ro]
 Prints one JSON object; exits 3 when torch or torchvision is not installed.
@@ -73,16 +73,8 @@ def main():
             warm = sum(per_size) / len(per_size)
             if mode == "eager":
                 eager_warm = warm
-            compile_s = 0.0
-            try:
-                from torch._dynamo.utils import compile_times
-                table = compile_times(repr="raw")
-                for _, times in (table.items() if isinstance(table, dict) else []):
-                    compile_s += sum(times)
-            except Exception:
-                compile_s = float("nan")
             m = {"cold_seconds": cold, "warm_ms_per_call": warm, "warm_ms_by_batch": per_size,
-                 "unique_graphs": counters["stats"].get("unique_graphs", 0), "compile_seconds": compile_s}
+                 "unique_graphs": counters["stats"].get("unique_graphs", 0)}
             if eager_warm:
                 m["warm_speedup_vs_eager"] = eager_warm / warm
             result["modes"][mode] = m

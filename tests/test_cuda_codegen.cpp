@@ -263,10 +263,13 @@ TEST(CudaJit, DynamicSizesAreKernelArguments) {
   lower::Program p9 = lower_and_compile(graph_at(9), &at9, -1, true);
   ASSERT_FALSE(at5.empty());
   EXPECT_EQ(at5, at9) << "one source serves both sizes";
+  bool divides = false;
   for (const std::string& src : at5) {
     EXPECT_TRUE(contains(src, "long long z[")) << src;
     EXPECT_TRUE(contains(src, "p.z[")) << src;
+    divides = divides || contains(src, "kg::div_magic(");
   }
+  EXPECT_TRUE(divides) << "the cat's 2-D index divides by a run-time size through its magic number";
   const codegen::CudaKernelSource k5 = codegen::generate_cuda(p5.kernels[0], true);
   const codegen::CudaKernelSource k9 = codegen::generate_cuda(p9.kernels[0], true);
   EXPECT_EQ(k5.size_args.size(), k9.size_args.size());

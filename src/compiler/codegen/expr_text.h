@@ -28,6 +28,11 @@ struct IntText {
   bool dynamic() const { return args != nullptr; }
   std::string operator()(int64_t v) const {
     if (!args || v == 0 || v == 1) return std::to_string(v);
+    return raw(v);
+  }
+  // Always an argument (a dynamic graph only): a value derived from sizes, such as a divisor's
+  // magic number, whatever it is.
+  std::string raw(int64_t v) const {
     args->push_back(v);
     const std::string k = std::to_string(args->size() - 1);
     return locals ? array + k : std::string(array) + "[" + k + "]";

@@ -34,8 +34,49 @@ template <class To, class From> __device__ __forceinline__ To convert(From v) {
   else return static_cast<To>(v);
 }
 template <class T> __device__ __forceinline__ T unpack(const void* slot) { T v; memcpy(&v, &slot, sizeof(T)); return v; }
+// n / d for 0 <= n < 2^31, from d's magic number and shift (computed on the host: magic_division).
+__device__ __forceinline__ int div_magic(int n, long long magic, long long shift) {
+  const unsigned u = static_cast<unsigned>(n);
+  return static_cast<int>((__umulhi(u, static_cast<unsigned>(magic)) + u) >> static_cast<unsigned>(shift));
+}
 }
 )";
+
+// A dynamic kernel's index math divides by run-time sizes. A GPU divides by a value it only learns
+// at run time in some twenty instructions (by a literal: a multiply and a shift), which shows in
+// memory-bound kernels with several dims. So, as PyTorch's IntDivider does, the host computes
+// each divisor's magic number and shift and the kernel divides with a multiply-high, an add and a
+// shift (kg::div_magic): for 1 <= d < 2^31, shift = ceil(log2(d)) and
+// magic = floor(2^32 * (2^shift - d) / d) + 1; then n / d = (umulhi(n, magic) + n) >> shift for
+// every 0 <= n < 2^31 (the sum cannot overflow 32 bits).
+struct MagicDivision {
+  int64_t magic = 0, shift = 0;
+};
+MagicDivision magic_division(int64_t d) {
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < d) ++shift;
+  const uint64_t magic = ((uint64_t{1} << 32) * ((uint64_t{1} << shift) - static_cast<uint64_t>(d))) /
+                             static_cast<uint64_t>(d) + 1;
+  return {static_cast<int64_t>(magic), shift};
+}
+
+// One step of an index decomposition: `var` = `rest` % size, then `rest` /= size. In 32-bit math
+// a dynamic kernel divides by the size's magic number (magic_division); otherwise plain / and %.
+void emit_divmod(std::ostringstream& os, const std::string& indent, const char* idx, const std::string& var,
+                 const std::string& rest, int64_t size, const IntText& ints) {
+  const std::string d = ints(size);
+  if (!ints.dynamic() || std::string(idx) != "int" || size <= 1) {
+    os << indent << "const " << idx << " " << var << " = " << rest << " % " << d << ";\n";
+    os << indent << rest << " /= " << d << ";\n";
+    return;
+  }
+  const MagicDivision m = magic_division(size);
+  const std::string q = var + "_q";
+  os << indent << "const int " << q << " = kg::div_magic(" << rest << ", " << ints.raw(m.magic) << ", "
+     << ints.raw(m.shift) << ");\n";
+  os << indent << "const int " << var << " = " << rest << " - " << q << " * " << d << ";\n";
+  os << indent << rest << " = " << q << ";\n";
+}
 
 // Whether buffer b is a host value passed by value (Kernel::host_buffers may be left empty).
 bool host(const Kernel& k, int b) { return static_cast<size_t>(b) < k.host_buffers.size() && k.host_buffers[b]; }
@@ -227,11 +268,7 @@ bool emit_loop(std::ostringstream& os, const Kernel& k, const std::vector<int>& 
     os << "      const " << idx << " i0 = i;\n";
   } else if (rank > 1) {
     os << "      " << idx << " r = i;\n";
-    for (size_t d = rank; d-- > 1;) {
-      const std::string size = ints(sp.sizes[d]);
-      os << "      const " << idx << " " << vars[d] << " = r % " << size << ";\n";
-      os << "      r /= " << size << ";\n";
-    }
+    for (size_t d = rank; d-- > 1;) emit_divmod(os, "      ", idx, vars[d], "r", sp.sizes[d], ints);
     os << "      const " << idx << " i0 = r;\n";
   }
   for (size_t e = 0; e < k.exprs.size(); ++e)
@@ -313,11 +350,8 @@ void emit_reduction(std::ostringstream& os, const Kernel& k, const std::vector<i
   auto decompose = [&](const std::vector<size_t>& dims, const char* from, const char* indent) {
     if (dims.empty()) return;
     os << indent << idx << " " << from << "_r = " << from << ";\n";
-    for (size_t j = dims.size(); j-- > 1;) {
-      const std::string size = ints(sp.sizes[dims[j]]);
-      os << indent << "const " << idx << " " << vars[dims[j]] << " = " << from << "_r % " << size << ";\n";
-      os << indent << from << "_r /= " << size << ";\n";
-    }
+    for (size_t j = dims.size(); j-- > 1;)
+      emit_divmod(os, indent, idx, vars[dims[j]], std::string(from) + "_r", sp.sizes[dims[j]], ints);
     os << indent << "const " << idx << " " << vars[dims[0]] << " = " << from << "_r;\n";
   };
   os << "  __shared__ " << acc_t << " partial[" << kCudaBlock << "];\n";
