@@ -29,8 +29,9 @@ commands:
                        --warmup 3 --threads N --device cpu|cuda --json
   bench gpt2 [opts]    greedy generation with a growing sequence: eager, compiled with dynamic =
                        false, compiled with automatic dynamic (tokens/s, compiles, compile seconds).
-                       --tokens 64 --prompt 8 --layers 4 --heads 4 --embd 128 --vocab 1024
-                       --modes eager,static,dynamic[,static-ro,dynamic-ro] --device cpu|cuda --json
+                       --tokens 64 --prompt 8 --layers 4 --heads 4 --embd 128 --vocab 1024 --warm-runs 3
+                       --modes eager,static,dynamic[,static-ro,dynamic-ro,dynamic-pure] --device cpu|cuda
+                       --json
   bench batch-sizes    one model at every batch size (dynamic shapes): eager, automatic dynamic,
                        with reduce_overhead (cold pass: compiles; warm: ms per call).
                        --model densenet121|resnet18|resnet50 --min-batch 1 --max-batch 32 --size 128

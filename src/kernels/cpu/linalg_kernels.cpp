@@ -224,11 +224,28 @@ void mm_kernel(const OpCall& call, std::span<Tensor> outs) {
   batched_gemm(call.input(0), call.input(1), outs[0], 1, 0);
 }
 
+// out = self broadcast over out's rows, when self is one contiguous row of out's dtype (a Linear's
+// bias): a copy per row. The general broadcasting copy_ costs several times the GEMM of a small
+// Linear (measured: a 40x128 @ 128x384 Linear on one thread spent as long in the copy as in sgemm).
+bool copy_bias_rows(const Tensor& self, Tensor& out) {
+  if (out.dim() != 2 || !out.is_contiguous() || !self.is_contiguous() || self.dtype() != out.dtype()) return false;
+  const int64_t rows = out.sizes()[0], cols = out.sizes()[1];
+  const bool row = (self.dim() == 1 && self.sizes()[0] == cols) ||
+                   (self.dim() == 2 && self.sizes()[0] == 1 && self.sizes()[1] == cols);
+  if (!row) return false;
+  const size_t bytes = static_cast<size_t>(cols) * static_cast<size_t>(itemsize(out.dtype()));
+  const char* src = static_cast<const char*>(self.impl().data());
+  char* dst = static_cast<char*>(out.impl().data());
+  if (src + bytes > dst && dst + static_cast<size_t>(rows) * bytes > src) return false;  // self overlaps out
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(dst + static_cast<size_t>(i) * bytes, src, bytes);
+  return true;
+}
+
 void addmm_kernel(const OpCall& call, std::span<Tensor> outs) {
   const Scalar& beta = call.scalar_attr(0);
   const Scalar& alpha = call.scalar_attr(1);
   const bool use_self = beta.to_double() != 0.0;
-  if (use_self) outs[0].copy_(call.input(0));  // broadcasts self
+  if (use_self && !copy_bias_rows(call.input(0), outs[0])) outs[0].copy_(call.input(0));  // broadcasts self
   batched_gemm(call.input(1), call.input(2), outs[0], alpha, use_self ? beta : Scalar(0));
 }
 
