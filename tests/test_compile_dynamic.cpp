@@ -370,7 +370,7 @@ TEST_F(Dynamic, PureFunctionsReplayAtEverySizeSeen) {
 
 // A body whose results differ in structure with the size (odd sizes also return the argument):
 // each size replays its own plan, never another size's.
-TEST_F(Dynamic, PurePlansOfDifferentStructureDoNotConfirmEachOther) {
+TEST_F(Dynamic, PureReplayUsesEachSizesOwnPlan) {
   int body_runs = 0;
   auto f = [&](const Tensor& x) -> std::vector<Tensor> {
     ++body_runs;
