@@ -919,10 +919,14 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     if (instance) {
       counter_set().size_specializations.fetch_add(1, std::memory_order_relaxed);
       if (log_options().dynamic) {
+        // The inputs whose sizes differ from the dynamic graph's first compile (a module's
+        // parameters would bury them).
         std::string sizes;
-        for (int v : cg->graph.inputs) {
-          const ValueInfo& info = cg->graph.values[v];
+        const Graph& first = family->first->graph;
+        for (size_t k = 0; k < cg->graph.inputs.size(); ++k) {
+          const ValueInfo& info = cg->graph.values[cg->graph.inputs[k]];
           if (info.is_wrapped_number) continue;
+          if (k < first.inputs.size() && first.values[first.inputs[k]].sizes == info.sizes) continue;
           sizes += (sizes.empty() ? "" : ", ") + info.name + "[";
           for (size_t d = 0; d < info.sizes.size(); ++d) sizes += (d ? ", " : "") + std::to_string(info.sizes[d]);
           sizes += "]";
