@@ -100,6 +100,9 @@ bool view_needs_row_major_input(const Graph& g, const Node& n, const std::vector
 }  // namespace
 
 bool channels_last_convolutions(Graph& g) {
+  // Most graphs have no convolution: skip the copy of the graph kept for undoing (a new size of a
+  // dynamic graph runs the passes again, and this copy was a tenth of that).
+  if (std::none_of(g.nodes.begin(), g.nodes.end(), [](const Node& n) { return is_convolution(n); })) return false;
   const Graph original = g;
   std::vector<std::vector<int64_t>> recorded;  // every value's layout before the pass
   for (const ValueInfo& v : g.values) recorded.push_back(v.strides);
