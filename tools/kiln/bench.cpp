@@ -607,4 +607,44 @@ int run_bench(const std::vector<std::string>& args) {
   return 0;
 }
 
+int64_t positive_option(const std::string& bench, const std::string& option, const std::string& text) {
+  int64_t v = 0;
+  try {
+    size_t used = 0;
+    v = std::stoll(text, &used);
+    if (used != text.size()) v = 0;
+  } catch (const std::exception&) {
+    v = 0;
+  }
+  KILN_CHECK(v > 0, ValueError,
+             "[kiln bench " + bench + "] " + option + " needs a positive integer, got '" + text + "'.");
+  return v;
+}
+
+std::vector<std::string> parse_modes(const std::string& bench, const std::string& text,
+                                     std::initializer_list<const char*> allowed) {
+  std::string names;
+  for (const char* m : allowed) names += (names.empty() ? "" : ", ") + std::string(m);
+  std::vector<std::string> modes;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    std::string m = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    KILN_CHECK(std::any_of(allowed.begin(), allowed.end(), [&](const char* a) { return m == a; }), ValueError,
+               "[kiln bench " + bench + "] unknown mode '" + m + "': the modes are " + names + ".");
+    modes.push_back(std::move(m));
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return modes;
+}
+
+double backend_compile_seconds() {
+  double s = 0;
+  for (const auto& p : compiler::compile_time_table())
+    if (p.phase.rfind("backend_compile", 0) == 0)
+      for (double v : p.seconds) s += v;
+  return s;
+}
+
 }  // namespace kiln::cli

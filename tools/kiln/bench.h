@@ -1,10 +1,22 @@
 // `kiln bench`: model benchmarks (see bench.cpp).
 #pragma once
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
 namespace kiln::cli {
+// Option helpers the model benches share (bench.cpp). `bench` names the bench in messages
+// ("gpt2" -> "[kiln bench gpt2] ...").
+// An option's value as a positive integer; anything else is a ValueError naming the option.
+int64_t positive_option(const std::string& bench, const std::string& option, const std::string& text);
+// A comma-separated --modes value, each one of `allowed` (an empty piece is an unknown mode).
+std::vector<std::string> parse_modes(const std::string& bench, const std::string& text,
+                                     std::initializer_list<const char*> allowed);
+// Seconds spent in backend compiles so far (compiler::compile_time_table()'s backend_compile rows).
+double backend_compile_seconds();
+
 int run_bench(const std::vector<std::string>& args);
 // `kiln bench gpt2` (bench_gpt2.cpp): generation with a growing sequence, eager vs static vs dynamic.
 int run_gpt2_bench(const std::vector<std::string>& args);

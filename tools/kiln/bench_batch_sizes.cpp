@@ -42,20 +42,6 @@ struct BatchSizesArgs {
   bool json = false;
 };
 
-int64_t positive_int(const std::string& option, const std::string& text) {
-  int64_t v = 0;
-  try {
-    size_t used = 0;
-    v = std::stoll(text, &used);
-    if (used != text.size()) v = 0;
-  } catch (const std::exception&) {
-    v = 0;
-  }
-  KILN_CHECK(v > 0, ValueError,
-             "[kiln bench batch-sizes] " + option + " needs a positive integer, got '" + text + "'.");
-  return v;
-}
-
 BatchSizesArgs parse_batch_sizes(const std::vector<std::string>& args) {
   BatchSizesArgs a;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -69,26 +55,14 @@ BatchSizesArgs parse_batch_sizes(const std::vector<std::string>& args) {
     const std::string& v = args[++i];
     if (k == "--model") a.model = v;
     else if (k == "--device") a.device = Device(v);
-    else if (k == "--min-batch") a.min_batch = positive_int(k, v);
-    else if (k == "--max-batch") a.max_batch = positive_int(k, v);
-    else if (k == "--size") a.size = positive_int(k, v);
-    else if (k == "--iters") a.iters = positive_int(k, v);
-    else if (k == "--modes") {
-      a.modes.clear();
-      size_t start = 0;
-      while (start <= v.size()) {
-        const size_t comma = v.find(',', start);
-        std::string m = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        KILN_CHECK(m == "eager" || m == "dynamic" || m == "dynamic-ro" || m == "static-ro", ValueError,
-                   "[kiln bench batch-sizes] unknown mode '" + m +
-                       "': the modes are eager, dynamic, dynamic-ro, static-ro.");
-        a.modes.push_back(m);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-    } else {
+    else if (k == "--min-batch") a.min_batch = positive_option("batch-sizes", k, v);
+    else if (k == "--max-batch") a.max_batch = positive_option("batch-sizes", k, v);
+    else if (k == "--size") a.size = positive_option("batch-sizes", k, v);
+    else if (k == "--iters") a.iters = positive_option("batch-sizes", k, v);
+    else if (k == "--modes")
+      a.modes = parse_modes("batch-sizes", v, {"eager", "dynamic", "dynamic-ro", "static-ro"});
+    else
       throw ValueError("[kiln bench batch-sizes] unknown option '" + k + "'. See `kiln help`.");
-    }
   }
   KILN_CHECK(a.min_batch <= a.max_batch, ValueError,
              "[kiln bench batch-sizes] --min-batch must not exceed --max-batch.");
@@ -101,14 +75,6 @@ std::shared_ptr<nn::Module> make_image_model(const std::string& name) {
   if (name == "resnet50") return models::resnet50({});
   throw ValueError("[kiln bench batch-sizes] unknown model '" + name +
                    "'. Available: densenet121, resnet18, resnet50.");
-}
-
-double backend_seconds() {
-  double s = 0;
-  for (const auto& p : compiler::compile_time_table())
-    if (p.phase.rfind("backend_compile", 0) == 0)
-      for (double v : p.seconds) s += v;
-  return s;
 }
 
 }  // namespace
@@ -138,7 +104,7 @@ int run_batch_sizes_bench(const std::vector<std::string>& args) {
   for (const std::string& mode : a.modes) {
     compiler::reset();
     const compiler::Counters before = compiler::counters();
-    const double compile_before = backend_seconds();
+    const double compile_before = backend_compile_seconds();
     CompileOptions options;
     if (mode == "static-ro") options.dynamic = false;
     if (mode.ends_with("-ro")) options.mode = Mode::reduce_overhead;
@@ -160,7 +126,7 @@ int run_batch_sizes_bench(const std::vector<std::string>& args) {
     sync();
     const double cold_seconds = since(t0);
     const compiler::Counters c = compiler::counters();
-    const double compile_seconds = backend_seconds() - compile_before;
+    const double compile_seconds = backend_compile_seconds() - compile_before;
 
     // Warm: per size, one more call, then --iters timed calls.
     std::vector<double> per_size_ms;

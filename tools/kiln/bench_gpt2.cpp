@@ -46,19 +46,6 @@ struct Gpt2Args {
   bool json = false;
 };
 
-int64_t positive(const std::string& option, const std::string& text) {
-  int64_t v = 0;
-  try {
-    size_t used = 0;
-    v = std::stoll(text, &used);
-    if (used != text.size()) v = 0;
-  } catch (const std::exception&) {
-    v = 0;
-  }
-  KILN_CHECK(v > 0, ValueError, "[kiln bench gpt2] " + option + " needs a positive integer, got '" + text + "'.");
-  return v;
-}
-
 Gpt2Args parse_gpt2(const std::vector<std::string>& args) {
   Gpt2Args a;
   for (size_t i = 0; i < args.size(); ++i) {
@@ -70,42 +57,20 @@ Gpt2Args parse_gpt2(const std::vector<std::string>& args) {
     KILN_CHECK(i + 1 < args.size(), ValueError, "[kiln bench gpt2] " + k + " needs a value. See `kiln help`.");
     const std::string& v = args[++i];
     if (k == "--device") a.device = Device(v);
-    else if (k == "--tokens") a.tokens = positive(k, v);
-    else if (k == "--prompt") a.prompt = positive(k, v);
-    else if (k == "--layers") a.config.n_layer = positive(k, v);
-    else if (k == "--heads") a.config.n_head = positive(k, v);
-    else if (k == "--embd") a.config.n_embd = positive(k, v);
-    else if (k == "--vocab") a.config.vocab_size = positive(k, v);
-    else if (k == "--warm-runs") a.warm_runs = positive(k, v);
-    else if (k == "--modes") {
-      a.modes.clear();
-      size_t start = 0;
-      while (start <= v.size()) {
-        size_t comma = v.find(',', start);
-        std::string m = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        KILN_CHECK(m == "eager" || m == "static" || m == "dynamic" || m == "static-ro" || m == "dynamic-ro" ||
-                       m == "dynamic-pure",
-                   ValueError,
-                   "[kiln bench gpt2] unknown mode '" + m +
-                       "': the modes are eager, static, dynamic, static-ro, dynamic-ro, dynamic-pure.");
-        a.modes.push_back(m);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-    } else {
+    else if (k == "--tokens") a.tokens = positive_option("gpt2", k, v);
+    else if (k == "--prompt") a.prompt = positive_option("gpt2", k, v);
+    else if (k == "--layers") a.config.n_layer = positive_option("gpt2", k, v);
+    else if (k == "--heads") a.config.n_head = positive_option("gpt2", k, v);
+    else if (k == "--embd") a.config.n_embd = positive_option("gpt2", k, v);
+    else if (k == "--vocab") a.config.vocab_size = positive_option("gpt2", k, v);
+    else if (k == "--warm-runs") a.warm_runs = positive_option("gpt2", k, v);
+    else if (k == "--modes")
+      a.modes = parse_modes("gpt2", v, {"eager", "static", "dynamic", "static-ro", "dynamic-ro", "dynamic-pure"});
+    else
       throw ValueError("[kiln bench gpt2] unknown option '" + k + "'. See `kiln help`.");
-    }
   }
   a.config.block_size = a.prompt + a.tokens;
   return a;
-}
-
-double backend_compile_seconds() {
-  double s = 0;
-  for (const auto& p : compiler::compile_time_table())
-    if (p.phase.rfind("backend_compile", 0) == 0)
-      for (double v : p.seconds) s += v;
-  return s;
 }
 
 // Greedy decoding: appends `tokens` argmax tokens to `prompt`, running `forward` on the whole
