@@ -147,23 +147,6 @@ struct FrameEntry::Replay {
   std::vector<std::string> strings;
   bool confirmed = false;  // seen twice in a row: later calls replay
 
-  bool same_plan(const Replay& o) const {
-    if (graph != o.graph || inputs.size() != o.inputs.size() || results.size() != o.results.size() ||
-        scalars != o.scalars || grads != o.grads)
-      return false;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const Input& a = inputs[i];
-      const Input& b = o.inputs[i];
-      if (a.leaf != b.leaf || a.constant != b.constant || !a.history != !b.history) return false;
-      if (a.constant ? !(read_scalar(a.fixed) == read_scalar(b.fixed)) : !a.fixed.same(b.fixed)) return false;
-    }
-    for (size_t i = 0; i < results.size(); ++i)
-      if (results[i].output != o.results[i].output || results[i].leaf != o.results[i].leaf ||
-          !results[i].fixed.same(o.results[i].fixed) || !results[i].spent != !o.results[i].spent)
-        return false;
-    return true;
-  }
-
   // The same plan up to sizes: what a dynamic entry's capture at another size makes of a body
   // already confirmed stable (the instance, integer attrs and output view shapes may differ; which
   // inputs, results and gradients come from where may not).
@@ -188,6 +171,14 @@ struct FrameEntry::Replay {
       if (grads[i].input != o.grads[i].input || grads[i].kind != o.grads[i].kind ||
           grads[i].output.output != o.grads[i].output.output)
         return false;
+    return true;
+  }
+
+  // The same plan exactly: the same structure, instance, scalar values, gradients and output views.
+  bool same_plan(const Replay& o) const {
+    if (graph != o.graph || scalars != o.scalars || grads != o.grads || !same_structure(o)) return false;
+    for (size_t i = 0; i < results.size(); ++i)
+      if (results[i].output != o.results[i].output) return false;
     return true;
   }
 };
