@@ -115,14 +115,12 @@ int run_gpt2_bench(const std::vector<std::string>& args) {
     if (mode.size() > 3 && mode.compare(mode.size() - 3, 3, "-ro") == 0) options.mode = Mode::reduce_overhead;
     if (mode == "dynamic-pure") options.pure = true;
     auto compiled = compile(model, options);
-    auto* compiled_for_warm = &compiled;
+    auto eager_forward = [&](const Tensor& idx) { return model->forward(idx); };
+    auto generation = [&] {
+      return mode == "eager" ? generate(eager_forward, prompt, a.tokens) : generate(compiled, prompt, a.tokens);
+    };
     const auto t0 = std::chrono::steady_clock::now();
-    if (mode == "eager") {
-      auto forward = [&](const Tensor& idx) { return model->forward(idx); };
-      out = generate(forward, prompt, a.tokens);
-    } else {
-      out = generate(compiled, prompt, a.tokens);
-    }
+    out = generation();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const compiler::Counters c = compiler::counters();
     const double compile_seconds = backend_compile_seconds() - compile_before;
@@ -130,12 +128,7 @@ int run_gpt2_bench(const std::vector<std::string>& args) {
     double warm_seconds = 0;
     for (int64_t r = 0; r < a.warm_runs; ++r) {
       const auto w0 = std::chrono::steady_clock::now();
-      if (mode == "eager") {
-        auto forward = [&](const Tensor& idx) { return model->forward(idx); };
-        generate(forward, prompt, a.tokens);
-      } else {
-        generate(*compiled_for_warm, prompt, a.tokens);
-      }
+      generation();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
       warm_seconds = r == 0 ? s : std::min(warm_seconds, s);
     }
