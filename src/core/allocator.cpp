@@ -7,6 +7,7 @@
 #include <new>
 #include <string>
 
+#include "core/shape.h"
 #include "kiln/detail/tensor_impl.h"
 #include "kiln/tensor.h"
 #include "kiln/error.h"
@@ -186,17 +187,9 @@ void TensorImpl::refresh_metadata() {
                  std::to_string(sizes.size()) + ".");
   numel = 1;
   for (int64_t s : sizes) numel *= s;
-  // Contiguous means row-major; dims of size 1 may have any stride (as in PyTorch).
-  is_contiguous = true;
-  int64_t expected = 1;
-  for (size_t i = sizes.size(); i-- > 0;) {
-    if (sizes[i] == 1) continue;
-    if (strides[i] != expected) {
-      is_contiguous = numel == 0;
-      if (!is_contiguous) break;
-    }
-    expected *= sizes[i];
-  }
+  // Contiguous means row-major; dims of size 1 may have any stride (as in PyTorch), and a tensor
+  // without elements is contiguous whatever its strides.
+  is_contiguous = numel == 0 || dense_row_major(sizes, strides);
 }
 
 }  // namespace detail

@@ -237,6 +237,16 @@ std::vector<int64_t> memory_order(IntArrayRef strides) {
   return order;
 }
 
+bool dense_row_major(IntArrayRef sizes, IntArrayRef strides) {
+  int64_t expected = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    if (sizes[d] == 1) continue;
+    if (strides[d] != expected) return false;
+    expected *= sizes[d];
+  }
+  return true;
+}
+
 bool dense_in(IntArrayRef sizes, IntArrayRef strides, const std::vector<int64_t>& order) {
   int64_t expected = 1;
   for (auto d = order.rbegin(); d != order.rend(); ++d) {

@@ -40,6 +40,10 @@ int64_t storage_span(IntArrayRef sizes, IntArrayRef strides);
 // naming `op` when a stride is negative or the span does not fit in int64.
 int64_t checked_storage_span(IntArrayRef sizes, IntArrayRef strides, const std::string& op);
 
+// Whether (sizes, strides) is dense row-major: each stride the product of the sizes inside it
+// (dims of size 1 may have any stride). TensorImpl::is_contiguous is this, or no elements.
+bool dense_row_major(IntArrayRef sizes, IntArrayRef strides);
+
 // ---- memory formats (4-D only) ----
 // Strides of a dense channels-last (NHWC) tensor of `sizes`.
 std::vector<int64_t> channels_last_strides(IntArrayRef sizes);

@@ -1,5 +1,6 @@
 // Frame guards: what a cache entry assumes about the arguments and global state, checked before
 // the body runs, and Dynamo's wording when a check fails (DESIGN §2.3, spec §2.1-2.3).
+#include <algorithm>
 #include <limits>
 #include <sstream>
 #include <tuple>
@@ -43,19 +44,9 @@ GlobalState current_global_state() {
 
 namespace {
 
-// Whether (sizes, strides) is dense row-major (size-1 dims may have any stride).
-bool dense_contiguous(IntArrayRef sizes, IntArrayRef strides) {
-  int64_t expected = 1;
-  for (size_t d = sizes.size(); d-- > 0;) {
-    if (sizes[d] != 1 && strides[d] != expected) return false;
-    expected *= sizes[d];
-  }
-  return true;
-}
-
 bool layout_ok(LeafGuard::Layout layout, IntArrayRef sizes, IntArrayRef strides, const std::vector<int64_t>& exact) {
   switch (layout) {
-    case LeafGuard::Layout::contiguous: return dense_contiguous(sizes, strides);
+    case LeafGuard::Layout::contiguous: return kiln::detail::dense_row_major(sizes, strides);
     case LeafGuard::Layout::channels_last: return kiln::detail::is_channels_last_contiguous(sizes, strides);
     case LeafGuard::Layout::exact: return strides == IntArrayRef(exact);
   }
@@ -84,11 +75,10 @@ GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string 
         lg.strides = t.strides().vec();
         if (g.leaves.size() < dynamic.size() && !dynamic[g.leaves.size()].empty()) {
           const std::vector<char>& dims = dynamic[g.leaves.size()];
-          bool any = false;
-          for (size_t d = 0; d < lg.sizes.size(); ++d) any |= d < dims.size() && dims[d] && lg.sizes[d] >= 2;
-          if (any) {
-            lg.dynamic.assign(lg.sizes.size(), 0);
-            for (size_t d = 0; d < lg.sizes.size(); ++d) lg.dynamic[d] = d < dims.size() && dims[d] && lg.sizes[d] >= 2;
+          std::vector<char> dyn(lg.sizes.size(), 0);  // sizes 0 and 1 specialize
+          for (size_t d = 0; d < lg.sizes.size(); ++d) dyn[d] = d < dims.size() && dims[d] && lg.sizes[d] >= 2;
+          if (std::find(dyn.begin(), dyn.end(), 1) != dyn.end()) {
+            lg.dynamic = std::move(dyn);
             lg.min_size.assign(lg.sizes.size(), 2);
             lg.max_size.assign(lg.sizes.size(), std::numeric_limits<int64_t>::max());
             if (const DimMarks* m = t.impl().dim_marks.get()) {  // mark_dynamic's range
@@ -98,7 +88,7 @@ GuardSet build_guards(const std::vector<Leaf>& leaves, bool values, std::string 
                 lg.max_size[d] = m->max[d];
               }
             }
-            if (dense_contiguous(t.sizes(), t.strides())) lg.layout = LeafGuard::Layout::contiguous;
+            if (kiln::detail::dense_row_major(t.sizes(), t.strides())) lg.layout = LeafGuard::Layout::contiguous;
             else if (t.dim() == 4 && kiln::detail::is_channels_last_contiguous(t.sizes(), t.strides()))
               lg.layout = LeafGuard::Layout::channels_last;
           }
