@@ -682,6 +682,29 @@ bool same_structure(const Graph& a, const Graph& b) { return same_graph(a, b, tr
 
 bool same_family(const Graph& a, const Graph& b) { return same_graph(a, b, false); }
 
+std::vector<int64_t> size_signature(const Graph& g) {
+  std::vector<int64_t> sig;
+  sig.reserve(g.values.size() * 7 + g.nodes.size() * 2);
+  for (const ValueInfo& v : g.values) {
+    sig.insert(sig.end(), v.sizes.begin(), v.sizes.end());
+    sig.insert(sig.end(), v.strides.begin(), v.strides.end());
+    sig.push_back(static_cast<int64_t>(v.strides.size()));  // same_family compares only the rank
+    sig.push_back(v.storage_offset);
+  }
+  for (const Node& n : g.nodes) {
+    for (size_t k = 0; k < n.attrs.size(); ++k) {
+      const Attr& a = n.attrs[k];
+      if (!size_like(a) || is_dynamic_attr(*n.op, a, k)) continue;
+      if (auto* i = std::get_if<int64_t>(&a)) sig.push_back(*i);
+      else {
+        const auto& list = std::get<std::vector<int64_t>>(a);
+        sig.insert(sig.end(), list.begin(), list.end());
+      }
+    }
+  }
+  return sig;
+}
+
 uint64_t family_hash(const Graph& g) {
   uint64_t h = kSegmentHashSeed;
   mix(h, g.values.size());

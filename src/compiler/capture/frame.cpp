@@ -791,15 +791,18 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     // Dynamic shapes: a graph that is a compiled dynamic graph at other sizes is one of its
     // instances (the same sizes: a cache hit; new sizes: the backend runs again, kernels cached).
     uint64_t fhash = 0;
+    std::vector<int64_t> signature;  // size_signature(graph), when `graph` is of a family
     if (!cg && !st.families.empty()) {  // (dynamic = false has families only from mark_dynamic)
       fhash = family_hash(graph);
       auto [flo, fhi] = st.families.equal_range(fhash);
       for (auto it = flo; it != fhi && !family; ++it)
         if (it->second->first->backend == ctx.backend && same_family(it->second->first->graph, graph)) family = it->second;
       if (family) {
+        // same_family held against the first graph: an instance with these numbers is this graph.
+        signature = size_signature(graph);
         auto& inst = family->instances;
         for (size_t i = 0; i < inst.size(); ++i) {
-          if (inst[i]->hash == hash && same_structure(inst[i]->graph, graph)) {
+          if (inst[i]->hash == hash && inst[i]->sizes == signature) {
             cg = inst[i];
             std::rotate(inst.begin() + static_cast<std::ptrdiff_t>(i), inst.begin() + static_cast<std::ptrdiff_t>(i) + 1,
                         inst.end());  // most recently used last
@@ -817,6 +820,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       cg->graph.dynamic = true;
       cg->hash = hash;
       cg->family = fhash;
+      cg->sizes = std::move(signature);
       cg->backend = ctx.backend;
       cg->id = family->id;
       family->instances.push_back(cg);
@@ -865,6 +869,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       cg->family = fhash;
       if (dynamic) {  // a new dynamic graph: this compile is its first instance
         cg->graph.dynamic = true;
+        cg->sizes = size_signature(graph);
         auto created = std::make_shared<GraphFamily>();
         created->id = cg->id;
         created->first = cg;

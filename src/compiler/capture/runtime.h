@@ -96,6 +96,10 @@ struct CompiledGraph {
   Graph graph;  // the structure it was compiled from (cache keys compare against it)
   uint64_t hash = 0;
   uint64_t family = 0;  // family_hash(graph)
+  // An instance of a dynamic graph: size_signature(graph), which with same_family against the
+  // family's first graph says what same_structure against `graph` would, from one contiguous array
+  // instead of the instance's graph (cold in cache when a function cycles through many sizes).
+  std::vector<int64_t> sizes;
   CompiledFn fn;
   std::string backend;
   std::string id;  // "0/1": frame id / graph number, for logs
@@ -260,6 +264,10 @@ void check_marks_honoured(const GuardSet& guards, const std::vector<Leaf>& leave
 // whether two graphs are the same program at other sizes.
 uint64_t family_hash(const Graph& g);
 bool same_family(const Graph& a, const Graph& b);
+// The numbers same_family leaves out, in order: every value's sizes, strides and storage offset,
+// and every integer attr that is not a run-time slot. Two graphs of one family are the same
+// structure exactly when their signatures are equal.
+std::vector<int64_t> size_signature(const Graph& g);
 
 // ---- observability (observe.cpp) ----
 
