@@ -665,6 +665,41 @@ TEST_F(KilnBackend, ReductionsOverEveryDimChoiceMatchEager) {
   }
 }
 
+// amax/amin vectorize as OpenMP max/min reductions with a NaN flag (cpp_codegen.cpp): a NaN
+// anywhere in a row (the first element, the vector body, the scalar tail, alone or beside
+// infinities) must still make the row's result NaN, as eager's Maximum / Minimum do.
+std::vector<Tensor> extremum_reductions(const Tensor& x) {
+  return {x.amax({-1}), x.amin({-1}, true), x.amax({0}), x.amin({1}), x.amax(), x.amin(),
+          x.transpose(1, 2).amax({-1}), (x * 2).amin({-1})};
+}
+
+TEST_F(KilnBackend, VectorizedMaxAndMinPropagateNaNLikeEager) {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  auto compiled = compile_kiln(extremum_reductions);
+  const std::vector<std::string> names = {"amax(-1)", "amin(-1, keepdim)", "amax(0)", "amin(1)", "amax()",
+                                          "amin()", "transposed amax(-1)", "x*2 amin(-1)"};
+  for (DType t : {kFloat32, kFloat64}) {
+    SCOPED_TRACE(dtype_name(t));
+    const int64_t rows = 6, cols = 5, len = 37;  // 37: two 16-wide vectors and a tail of 5
+    std::vector<double> v = randn({rows * cols * len}, kFloat64).to_vector<double>();
+    auto at = [&](int64_t r, int64_t c, int64_t k) -> double& { return v[static_cast<size_t>((r * cols + c) * len + k)]; };
+    at(0, 0, 0) = nan;                       // first element
+    at(1, 1, 20) = nan;                      // vector body
+    at(2, 2, 36) = nan;                      // tail
+    at(3, 3, 5) = inf;
+    at(3, 3, 30) = nan;                      // beside +inf
+    at(4, 4, 7) = -inf;
+    at(4, 4, 8) = nan;                       // beside -inf
+    at(5, 0, 3) = inf;                       // infinities without NaN
+    at(5, 1, 4) = -inf;
+    Tensor x = tensor<double>(v, {rows, cols, len}).to(t);
+    Delta d;
+    std::vector<Tensor> got = compiled(x);
+    EXPECT_GE(d.now().kernel_runs, 8);
+    EXPECT_TRUE(all_match(got, extremum_reductions(x), names));
+  }
+}
+
 // Large enough (>= 32768 elements) for the generated loops to run in parallel.
 std::vector<Tensor> large_reductions(const Tensor& x) {
   return {x.sum(), x.sum({1}), x.mean({0}), x.amax({1}), x.amin(), (x * x).sum({0}, true)};

@@ -157,7 +157,29 @@ void emit_nest(std::ostringstream& out, const Kernel& k, const IntText& ints) {
   const bool reduction = k.kind == Kernel::reduction;
   const char* acc_t = ctype(k.acc_dtype);
   auto init = [&] { return reduce_identity(k.reduce_op, k.acc_dtype, literal); };
-  auto combine = [&] { return "acc = " + reduce_combine(k.reduce_op, "acc", numbered("e", k.reduce_expr)) + ";"; };
+  // A max/min whose innermost loop is a reduced one vectorizes as an OpenMP max/min reduction:
+  // the combine is a plain compare-select (x86's maxps/minps), which lets NaN through only when it
+  // is the newer operand, so a float kernel also ORs an `acc_nan` flag and returns NaN at the end,
+  // as kiln::math::Maximum / Minimum (eager's functors) do.
+  const bool simd_extremum = reduction && k.reduce_op != ReduceOp::sum && !red.empty() &&
+                             (is_floating_point(k.acc_dtype) ? k.acc_dtype == DType::float32 || k.acc_dtype == DType::float64
+                                                             : k.acc_dtype != DType::bool_);
+  const bool nan_flag = simd_extremum && is_floating_point(k.acc_dtype);
+  const std::string element = numbered("e", k.reduce_expr);
+  auto combine = [&] {
+    if (!simd_extremum) return "acc = " + reduce_combine(k.reduce_op, "acc", element) + ";";
+    std::string line = "acc = acc " + std::string(k.reduce_op == ReduceOp::max ? ">" : "<") + " " + element + " ? acc : " +
+                       element + ";";
+    if (nan_flag) line += " acc_nan |= " + element + " != " + element + ";";
+    return line;
+  };
+  auto declare_acc = [&](const std::string& in) {
+    os << in << acc_t << " acc = " << init() << ";\n";
+    if (nan_flag) os << in << "int acc_nan = 0;\n";
+  };
+  auto nan_result = [&](const std::string& in) {
+    if (nan_flag) os << in << "if (acc_nan) acc = std::numeric_limits<" << acc_t << ">::quiet_NaN();\n";
+  };
 
   std::string indent = "  ";
   int64_t kept_total = 1;
@@ -167,7 +189,7 @@ void emit_nest(std::ostringstream& out, const Kernel& k, const IntText& ints) {
   // A dynamic graph decides at run time what a static one decides here (see the end).
   const bool par = ints.dynamic() || total >= kParallelThreshold;
   const bool full_sum = reduction && kept.empty() && k.reduce_op == ReduceOp::sum;
-  if (reduction && kept.empty()) os << indent << acc_t << " acc = " << init() << ";\n";
+  if (reduction && kept.empty()) declare_acc(indent);
   std::vector<size_t> order = kept;
   order.insert(order.end(), red.begin(), red.end());
   std::string parallel_line, serial_line;  // the outer loop's OpenMP pragma, and without 'parallel'
@@ -183,14 +205,15 @@ void emit_nest(std::ostringstream& out, const Kernel& k, const IntText& ints) {
     } else if (li == 0 && par && full_sum && !innermost) {
       parallel = "parallel for reduction(+ : acc)";
     }
-    if (reduction && !kept.empty() && li == kept.size()) {
-      os << indent << acc_t << " acc = " << init() << ";\n";
-    }
+    if (reduction && !kept.empty() && li == kept.size()) declare_acc(indent);
     if (innermost) {
       if (!reduction || !sp.reduced[d]) {
         simd = "simd";
       } else if (k.reduce_op == ReduceOp::sum) {
         simd = parallel.empty() ? "simd reduction(+ : acc)" : "simd";
+      } else if (simd_extremum && parallel.empty()) {
+        simd = std::string("simd reduction(") + (k.reduce_op == ReduceOp::max ? "max" : "min") + " : acc)" +
+               (nan_flag ? " reduction(| : acc_nan)" : "");
       }
     }
     if (!parallel.empty()) {
@@ -235,9 +258,15 @@ void emit_nest(std::ostringstream& out, const Kernel& k, const IntText& ints) {
   for (size_t li = order.size(); li-- > 0;) {
     indent.resize(indent.size() - 2);
     os << indent << "}\n";
-    if (reduction && li == kept.size() && !kept.empty()) finish(indent);
+    if (reduction && li == kept.size() && !kept.empty()) {
+      nan_result(indent);
+      finish(indent);
+    }
   }
-  if (reduction && kept.empty()) finish("  ");
+  if (reduction && kept.empty()) {
+    nan_result("  ");
+    finish("  ");
+  }
   os << "  }\n";
   // A dynamic graph's kernel chooses between the parallel nest and the same nest without its
   // OpenMP region at run time: OpenMP's own if clause still enters the runtime (about a
