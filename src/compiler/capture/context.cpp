@@ -73,22 +73,34 @@ SuspendCapture::~SuspendCapture() { t_capture = saved_; }
 CaptureScope::CaptureScope(CaptureContext* ctx) : saved_(t_capture) { t_capture = ctx; }
 CaptureScope::~CaptureScope() { t_capture = saved_; }
 
+namespace {
+// A finished segment no one else refers to, kept for the thread's next capture (its spare nodes
+// and values: Segment::new_node / new_value).
+thread_local std::shared_ptr<Segment> t_spare_segment;
+}  // namespace
+
 Segment& CaptureContext::pending() {
-  if (!segment) segment = std::make_shared<Segment>();
+  if (!segment) segment = t_spare_segment ? std::move(t_spare_segment) : std::make_shared<Segment>();
   return *segment;
+}
+
+CaptureContext::~CaptureContext() {
+  if (!segment || segment.use_count() != 1 || segment->state != Segment::State::pending) return;
+  segment->clear();  // (trace_graph moves its graph out and leaves the rest)
+  t_spare_segment = std::move(segment);
 }
 
 namespace {
 
-ValueInfo info_of(const Tensor& t) {
-  ValueInfo v;
+// Sets `v`'s layout, dtype and device to t's (assigning into v's vectors, which keep their
+// capacity: Segment::new_value hands out recycled values).
+void set_info(ValueInfo& v, const Tensor& t) {
   const TensorImpl& i = t.impl();
-  v.sizes = i.sizes;
-  v.strides = i.strides;
+  v.sizes.assign(i.sizes.begin(), i.sizes.end());
+  v.strides.assign(i.strides.begin(), i.strides.end());
   v.storage_offset = i.storage_offset;
   v.dtype = i.dtype;
   v.device = i.device;
-  return v;
 }
 
 [[noreturn]] void throw_unusable(const Segment& seg) {
@@ -115,15 +127,15 @@ int value_of(Segment& seg, const Tensor& t) {
   }
   auto [it, inserted] = seg.input_ids.try_emplace(&impl, 0);
   if (!inserted) return it->second;
-  ValueInfo v = info_of(t);
   auto [g, new_group] = seg.input_groups.try_emplace(impl.storage.get(), seg.next_group);
   if (new_group) ++seg.next_group;
+  int id = static_cast<int>(seg.graph.values.size());
+  ValueInfo& v = seg.new_value();
+  set_info(v, t);
   v.storage = g->second;
   v.is_input = true;
   v.is_wrapped_number = impl.is_wrapped_number;
-  int id = static_cast<int>(seg.graph.values.size());
   mix_value(seg.hash, v);
-  seg.graph.values.push_back(std::move(v));
   seg.graph.inputs.push_back(id);
   seg.inputs.push_back(t);
   it->second = id;
@@ -176,13 +188,14 @@ void mix_attr(uint64_t& h, const Attr& a, bool dynamic) {
 }
 
 // Appends the node for `op` and hashes it. Returns its index.
-int append_node(Segment& seg, const OpDef& op, std::vector<int> in_ids, const std::vector<Attr>& attrs,
+int append_node(Segment& seg, const OpDef& op, const std::vector<int>& in_ids, const std::vector<Attr>& attrs,
                 bool inplace) {
   int index = static_cast<int>(seg.graph.nodes.size());
-  Node& n = seg.graph.nodes.emplace_back();
+  Node& n = seg.new_node();
   n.op = &op;
-  n.inputs = std::move(in_ids);
-  n.attrs = attrs;
+  n.inputs.assign(in_ids.begin(), in_ids.end());
+  n.attrs.resize(attrs.size());
+  for (size_t k = 0; k < attrs.size(); ++k) n.attrs[k] = attrs[k];
   n.inplace = inplace;
   uint64_t& h = seg.hash;
   mix(h, reinterpret_cast<uintptr_t>(&op));
@@ -198,10 +211,13 @@ int append_node(Segment& seg, const OpDef& op, std::vector<int> in_ids, const st
   return index;
 }
 
-int add_result_value(Segment& seg, ValueInfo v) {
-  mix_value(seg.hash, v);
+// Appends a result value laid out as `t` in alias group `storage`, and hashes it.
+int add_result_value(Segment& seg, const Tensor& t, int storage) {
   int id = static_cast<int>(seg.graph.values.size());
-  seg.graph.values.push_back(std::move(v));
+  ValueInfo& v = seg.new_value();
+  set_info(v, t);
+  v.storage = storage;
+  mix_value(seg.hash, v);
   return id;
 }
 
@@ -220,13 +236,15 @@ int replay_recipe(Segment& seg, const Tensor& t) {
   std::vector<int> ids;
   ids.reserve(r->inputs.size());
   for (const Tensor& in : r->inputs) ids.push_back(in.defined() ? value_of(seg, in) : -1);
-  int node = append_node(seg, *r->op, std::move(ids), r->attrs, /*inplace=*/false);
-  ValueInfo v = r->info;
+  int node = append_node(seg, *r->op, ids, r->attrs, /*inplace=*/false);
+  int id = static_cast<int>(seg.graph.values.size());
+  ValueInfo& v = seg.new_value();
+  v = r->info;
   v.is_input = false;
   v.name.clear();
   v.storage = seg.next_group++;
-  int id = add_result_value(seg, std::move(v));
-  seg.graph.nodes[node].outputs = {id};
+  mix_value(seg.hash, v);
+  seg.graph.nodes[node].outputs.push_back(id);
   seg.replayed[r.get()] = id;
   return id;
 }
@@ -240,14 +258,14 @@ void set_lazy(Segment& seg, const std::shared_ptr<Segment>& owner, Tensor& t, in
 }
 
 // A lazy result: metadata and a pending storage that a flush fills.
-Tensor make_pending(const TensorMeta& m) {
-  std::vector<int64_t> strides = m.strides.empty() ? kiln::detail::contiguous_strides(m.sizes) : m.strides;
+Tensor make_pending(TensorMeta&& m) {
+  std::vector<int64_t> strides = m.strides.empty() ? kiln::detail::contiguous_strides(m.sizes) : std::move(m.strides);
   auto storage = std::make_shared<Storage>();
   storage->nbytes = kiln::detail::storage_span(m.sizes, strides) * itemsize(m.dtype);
   storage->device = m.device;
   auto impl = std::make_shared<TensorImpl>();
   impl->storage = std::move(storage);
-  impl->sizes = m.sizes;
+  impl->sizes = std::move(m.sizes);
   impl->strides = std::move(strides);
   impl->dtype = m.dtype;
   impl->device = m.device;
@@ -306,27 +324,21 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
 
   std::vector<Tensor> outputs;
   outputs.reserve(metas.size());
-  std::vector<int> out_ids;
-  out_ids.reserve(metas.size());
   for (auto& m : metas) {
     Tensor out;
-    ValueInfo v;
+    int id;
     if (op.kind == OpKind::view) {
       out = kiln::detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset);
-      v = info_of(out);
-      v.storage = seg.graph.values[seg.graph.nodes[node].inputs[0]].storage;
+      id = add_result_value(seg, out, seg.graph.values[seg.graph.nodes[node].inputs[0]].storage);
     } else {
-      out = make_pending(m);
-      v = info_of(out);
-      v.storage = seg.next_group++;
+      out = make_pending(std::move(m));
+      id = add_result_value(seg, out, seg.next_group++);
+      seg.pending.push_back({out.impl().storage, id});
     }
-    int id = add_result_value(seg, std::move(v));
-    if (op.kind != OpKind::view) seg.pending.push_back({out.impl().storage, id});
     set_lazy(seg, owner, out, id);
-    out_ids.push_back(id);
+    seg.graph.nodes[node].outputs.push_back(id);
     outputs.push_back(std::move(out));
   }
-  seg.graph.nodes[node].outputs = std::move(out_ids);
   if (op.mutates(OpCall(&op, inputs, attrs)))
     for (int i : op.mutated_inputs)
       if (inputs[i].defined()) bump_version(inputs[i]);
@@ -570,7 +582,7 @@ Graph trace_graph(const std::vector<ValueInfo>& inputs,
   args.reserve(inputs.size());
   for (const ValueInfo& v : inputs) {
     TensorMeta m{v.sizes, v.strides, v.dtype, v.device, v.storage_offset};
-    Tensor t = make_pending(m);
+    Tensor t = make_pending(std::move(m));
     t.impl().is_wrapped_number = v.is_wrapped_number;
     value_of(*seg, t);  // placeholder k
     args.push_back(std::move(t));

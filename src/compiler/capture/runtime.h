@@ -213,6 +213,13 @@ struct CaptureContext {
   std::vector<int> last_outputs;
   std::vector<const kiln::detail::Storage*> last_output_storages;
 
+  CaptureContext() = default;
+  CaptureContext(const CaptureContext&) = delete;
+  CaptureContext& operator=(const CaptureContext&) = delete;
+  // Leaves an unused segment to the thread's next compiled call (pending() takes it): its
+  // recycled nodes and values save that call's capture most of its allocations.
+  ~CaptureContext();
+
   Segment& pending();
   // Ends the pending segment: compiles or looks up its graph, runs it, makes its live values
   // real. `end_of_call`: the compiled call returns (not a graph break).

@@ -2,6 +2,7 @@
 // (context.cpp), and the min-cut partition of what its autograd nodes save (recompute.cpp).
 #pragma once
 
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -42,8 +43,53 @@ struct Segment {
   std::vector<std::weak_ptr<autograd::Node>> autograd_nodes;
   std::unordered_map<const Recipe*, int> replayed;
 
+  // The nodes and values of earlier captures, kept for their allocations: a function captured
+  // again and again builds the same graph, and new_node / new_value hand out these in the same
+  // order (so each one's vectors already have the capacity the next capture needs).
+  std::vector<Node> spare_nodes;        // the next to hand out last
+  std::vector<ValueInfo> spare_values;
+
+  // An empty node / value appended to the graph (from the spares when there are any). A recycled
+  // node keeps its old attrs for the caller to assign over (a vector attr then reuses its buffer).
+  Node& new_node() {
+    if (spare_nodes.empty()) return graph.nodes.emplace_back();
+    Node& n = graph.nodes.emplace_back(std::move(spare_nodes.back()));
+    spare_nodes.pop_back();
+    n.inputs.clear();
+    n.outputs.clear();
+    n.name.clear();
+    n.inplace = false;
+    return n;
+  }
+  ValueInfo& new_value() {
+    if (spare_values.empty()) return graph.values.emplace_back();
+    ValueInfo& v = graph.values.emplace_back(std::move(spare_values.back()));
+    spare_values.pop_back();
+    v.sizes.clear();
+    v.strides.clear();
+    v.name.clear();
+    v.storage_offset = 0;
+    v.storage = -1;
+    v.is_input = false;
+    v.is_wrapped_number = false;
+    return v;
+  }
+
   void clear() {
+    spare_nodes.insert(spare_nodes.end(), std::make_move_iterator(graph.nodes.rbegin()),
+                       std::make_move_iterator(graph.nodes.rend()));
+    spare_values.insert(spare_values.end(), std::make_move_iterator(graph.values.rbegin()),
+                        std::make_move_iterator(graph.values.rend()));
+    std::vector<Node> node_buffer = std::move(graph.nodes);
+    std::vector<ValueInfo> value_buffer = std::move(graph.values);
+    std::vector<int> input_buffer = std::move(graph.inputs);
+    node_buffer.clear();
+    value_buffer.clear();
+    input_buffer.clear();
     graph = Graph();
+    graph.nodes = std::move(node_buffer);  // their capacity too
+    graph.values = std::move(value_buffer);
+    graph.inputs = std::move(input_buffer);
     hash = kSegmentHashSeed;
     input_ids.clear();
     input_groups.clear();
