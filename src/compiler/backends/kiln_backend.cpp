@@ -111,6 +111,7 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
         ex->kernels[i] = ex->library->function<void(void* const*, const double*, const int64_t*, const int64_t*)>(k.name.c_str());
     }
   }
+  runtime::flatten_steps(*ex);  // last: it points into the kernels' size arguments, which codegen fills
   if (const CompileOptions* o = compiling_options();
       o && (o->mode == Mode::reduce_overhead || o->mode == Mode::max_autotune) && runtime::CudaGraphRunner::applies(g)) {
     // On a GPU, reduce_overhead replays the whole graph as one CUDA graph.

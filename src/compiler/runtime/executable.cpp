@@ -149,21 +149,80 @@ namespace {
 // the run makes it directly instead of through call_op and the op's meta function, which cost more
 // than the view itself (a GPT-2 block dispatches some forty). Only when the input has the layout
 // the graph recorded for it (then the recorded output layout is exactly what meta would give) and
-// no attr is filled at run time; otherwise nullopt, and the node is dispatched.
-std::optional<Tensor> view_from_plan(const Graph& g, const Node& n, const std::vector<Tensor>& env, bool no_slots) {
-  if (!no_slots || n.inplace || n.op->kind != OpKind::view || n.outputs.size() != 1 || n.inputs.empty() ||
-      n.inputs[0] < 0)
-    return std::nullopt;
-  const Tensor& in = env[n.inputs[0]];
-  const ValueInfo& from = g.values[n.inputs[0]];
-  const ValueInfo& to = g.values[n.outputs[0]];
-  if (!in.defined() || to.dtype != in.dtype() || !(in.sizes() == IntArrayRef(from.sizes)) ||
-      !(in.strides() == IntArrayRef(from.strides)))
-    return std::nullopt;
-  return kiln::detail::make_view(in, to.sizes, to.strides, in.storage_offset() + (to.storage_offset - from.storage_offset));
+// no attr is filled at run time (flatten_steps); otherwise nullopt, and the node is dispatched.
+std::optional<Tensor> view_from_plan(const Executable& ex, const FlatStep& step, const std::vector<Tensor>& env) {
+  if (step.view_in < 0) return std::nullopt;
+  const Tensor& in = env[step.view_in];
+  if (!in.defined()) return std::nullopt;
+  const int64_t* from = ex.step_numbers.data() + step.layout;
+  const int64_t* to = from + 2 * step.in_rank;
+  const IntArrayRef from_sizes(from, step.in_rank), from_strides(from + step.in_rank, step.in_rank);
+  if (!(in.sizes() == from_sizes) || !(in.strides() == from_strides)) return std::nullopt;
+  return kiln::detail::make_view(in, std::vector<int64_t>(to, to + step.out_rank),
+                                 std::vector<int64_t>(to + step.out_rank, to + 2 * step.out_rank),
+                                 in.storage_offset() + step.offset_delta);
 }
 
 }  // namespace
+
+void flatten_steps(Executable& ex) {
+  const Graph& g = ex.program.graph;
+  ex.steps.clear();
+  ex.step_ints.clear();
+  ex.step_numbers.clear();
+  ex.value_layout.assign(g.values.size(), 0);
+  auto ints = [&](const std::vector<int>& list) { ex.step_ints.insert(ex.step_ints.end(), list.begin(), list.end()); };
+  auto numbers = [&](const std::vector<int64_t>& list) {
+    ex.step_numbers.insert(ex.step_numbers.end(), list.begin(), list.end());
+  };
+  auto offset = [](size_t n) { return static_cast<uint32_t>(n); };
+  for (const lower::Step& step : ex.program.steps) {
+    FlatStep& f = ex.steps.emplace_back();
+    f.kind = step.kind;
+    f.kernel = step.kernel;
+    f.node = step.node;
+    f.inputs = offset(ex.step_ints.size());
+    if (step.kind == lower::Step::Kind::node) ints(g.nodes[step.node].inputs);
+    else f.size_args = ex.program.kernels[step.kernel].size_args.data();
+    f.bindings = offset(ex.step_ints.size());
+    ints(step.bindings);
+    f.allocate = offset(ex.step_ints.size());
+    ints(step.allocate);
+    f.write_into = offset(ex.step_ints.size());
+    for (auto [v, input] : step.write_into) ex.step_ints.insert(ex.step_ints.end(), {v, input});
+    f.release = offset(ex.step_ints.size());
+    ints(step.release);
+    f.end = offset(ex.step_ints.size());
+    for (int v : step.allocate) {
+      const ValueInfo& vi = g.values[v];
+      ex.value_layout[v] = offset(ex.step_numbers.size());
+      ex.step_numbers.insert(ex.step_numbers.end(), {static_cast<int64_t>(vi.sizes.size()), static_cast<int64_t>(vi.dtype),
+                                                     static_cast<int64_t>(vi.device.type), vi.device.index});
+      numbers(vi.sizes);
+      numbers(vi.strides);
+    }
+    if (step.kind != lower::Step::Kind::node) continue;
+    const Node& n = g.nodes[step.node];
+    if (!ex.slots[step.node].empty() || n.inplace || n.op->kind != OpKind::view || n.outputs.size() != 1 ||
+        n.inputs.empty() || n.inputs[0] < 0)
+      continue;
+    const ValueInfo& from = g.values[n.inputs[0]];
+    const ValueInfo& to = g.values[n.outputs[0]];
+    if (to.dtype != from.dtype || from.strides.size() != from.sizes.size() || to.strides.size() != to.sizes.size() ||
+        from.sizes.size() > 255 || to.sizes.size() > 255)
+      continue;
+    f.view_in = n.inputs[0];
+    f.view_out = n.outputs[0];
+    f.layout = offset(ex.step_numbers.size());
+    f.in_rank = static_cast<uint8_t>(from.sizes.size());
+    f.out_rank = static_cast<uint8_t>(to.sizes.size());
+    f.offset_delta = to.storage_offset - from.storage_offset;
+    numbers(from.sizes);
+    numbers(from.strides);
+    numbers(to.sizes);
+    numbers(to.strides);
+  }
+}
 
 std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   const Graph& g = ex.program.graph;
@@ -189,36 +248,43 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   ArenaLease arena(ex);
   std::vector<void*> pointers;
   int64_t kernels = 0, dispatched = 0;
-  for (const lower::Step& step : ex.program.steps) {
+  const int* lists = ex.step_ints.data();
+  for (size_t i = 0; i < ex.steps.size(); ++i) {
+    const FlatStep& step = ex.steps[i];
     if (step.kind == lower::Step::Kind::kernel) {
-      for (int v : step.allocate) {
+      for (uint32_t j = step.allocate; j < step.write_into; ++j) {
+        const int v = lists[j];
         if (const Tensor* t = arena.tensor(ex, v)) {
           env[v] = *t;
           continue;
         }
-        const ValueInfo& vi = g.values[v];
-        env[v] = kiln::detail::make_empty_strided(vi.sizes, vi.strides, vi.dtype, vi.device);
+        const int64_t* layout = ex.step_numbers.data() + ex.value_layout[v];
+        const auto rank = static_cast<size_t>(layout[0]);
+        const auto dtype = static_cast<DType>(layout[1]);
+        const Device device(static_cast<DeviceType>(layout[2]), static_cast<int>(layout[3]));
+        layout += 4;
+        env[v] = kiln::detail::make_empty_strided(std::vector<int64_t>(layout, layout + rank),
+                                                  std::vector<int64_t>(layout + rank, layout + 2 * rank), dtype, device);
       }
-      for (auto [v, input] : step.write_into) env[v] = env[input];
+      for (uint32_t j = step.write_into; j < step.release; j += 2) env[lists[j]] = env[lists[j + 1]];
       pointers.clear();
-      for (int v : step.bindings) pointers.push_back(env[v].impl().data());
+      for (uint32_t j = step.bindings; j < step.allocate; ++j) pointers.push_back(env[lists[j]].impl().data());
       kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
       if (ex.kernels[step.kernel])
-        ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data(),
-                                ex.program.kernels[step.kernel].size_args.data());
-      else launch_cuda(ex, step, env, scalars, int_scalars);
+        ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data(), step.size_args);
+      else launch_cuda(ex, ex.program.steps[i], env, scalars, int_scalars);
       ++kernels;
     } else {
       ++dispatched;
-      const Node& n = g.nodes[step.node];
-      if (std::optional<Tensor> view = view_from_plan(g, n, env, ex.slots[step.node].empty())) {
-        env[n.outputs[0]] = std::move(*view);
-        for (int v : step.release) env[v] = Tensor();
+      if (std::optional<Tensor> view = view_from_plan(ex, step, env)) {
+        env[step.view_out] = std::move(*view);
+        for (uint32_t j = step.release; j < step.end; ++j) env[lists[j]] = Tensor();
         continue;
       }
+      const Node& n = g.nodes[step.node];
       std::vector<Tensor> inputs;
-      inputs.reserve(n.inputs.size());
-      for (int v : n.inputs) inputs.push_back(v >= 0 ? env[v] : Tensor());
+      inputs.reserve(step.bindings - step.inputs);
+      for (uint32_t j = step.inputs; j < step.bindings; ++j) inputs.push_back(lists[j] >= 0 ? env[lists[j]] : Tensor());
       std::vector<Attr> attrs = n.attrs;
       for (auto [attr, k] : ex.slots[step.node]) attrs[attr] = as_kind(n.attrs[attr], args.scalars[k]);
       if (n.inplace) {
@@ -237,7 +303,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
         for (size_t k = 0; k < outs.size() && k < n.outputs.size(); ++k) env[n.outputs[k]] = std::move(outs[k]);
       }
     }
-    for (int v : step.release) env[v] = Tensor();
+    for (uint32_t j = step.release; j < step.end; ++j) env[lists[j]] = Tensor();
   }
   detail::counter_set().kernel_runs.fetch_add(kernels, std::memory_order_relaxed);
   detail::counter_set().dispatched_nodes.fetch_add(dispatched, std::memory_order_relaxed);

@@ -41,8 +41,35 @@ struct Arena {
   std::vector<Tensor> tensors;  // per graph value; undefined where not planned
 };
 
+// The program's steps as the executor reads them: every step's value lists in one pool of ints,
+// and the recorded layouts its views and fresh buffers need in one pool of numbers, so that a call
+// walks three contiguous arrays instead of each step's and value's own vectors (a dynamic graph
+// keeps one program per size; cycling through many sizes, those stay cold in cache).
+struct FlatStep {
+  lower::Step::Kind kind = lower::Step::Kind::node;
+  int kernel = -1;
+  int node = -1;
+  // Ranges in Executable::step_ints: (node inputs [inputs, bindings),) bindings [bindings, allocate), allocate [allocate,
+  // write_into), write_into pairs [write_into, release), release [release, end).
+  uint32_t bindings = 0, allocate = 0, write_into = 0, release = 0, end = 0;
+  // A view node without scalar slots: its input and output values, and in step_numbers (at
+  // `layout`) the input's sizes and strides then the output's; -1 otherwise.
+  int view_in = -1, view_out = -1;
+  uint32_t layout = 0;
+  uint8_t in_rank = 0, out_rank = 0;
+  int64_t offset_delta = 0;  // output storage offset minus the input's
+  const int64_t* size_args = nullptr;  // a kernel step: its kernel's size arguments
+  uint32_t inputs = 0;                 // a node step: its input values in step_ints [inputs, bindings)
+};
+
 struct Executable {
   lower::Program program;
+  std::vector<FlatStep> steps;        // flatten_steps(): per program step
+  std::vector<int> step_ints;
+  std::vector<int64_t> step_numbers;  // views' layouts, and each allocated value's buffer
+  std::vector<uint32_t> value_layout; // per graph value allocated by a kernel step: its offset in
+                                      // step_numbers (rank, dtype, device type and index, sizes,
+                                      // strides)
   std::shared_ptr<SharedObject> library;
   std::vector<KernelFn> kernels;  // per Program kernel (null for CUDA kernels)
   std::vector<CudaKernel> cuda_kernels;  // per Program kernel (function null for CPU kernels)
@@ -53,6 +80,9 @@ struct Executable {
   bool autotune = false;          // max_autotune: library calls and generated CUDA kernels' launch
                                   // shapes are timed (autotune_scope.h, cuda_launch.h)
 };
+
+// Builds ex.steps, step_ints, step_numbers and value_layout from ex.program and ex.slots.
+void flatten_steps(Executable& ex);
 
 // Runs the program's steps on `args` (the graph's inputs and run-time scalars) and returns the
 // graph's outputs: generated kernels run (CPU) or launch (CUDA, on the device's current stream),
