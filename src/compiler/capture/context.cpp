@@ -27,22 +27,25 @@ inline void mix(uint64_t& h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   h *= 0x100000001b3ull;
 }
-inline void mix_ints(uint64_t& h, const std::vector<int64_t>& v) {
-  mix(h, v.size());
-  for (int64_t x : v) mix(h, static_cast<uint64_t>(x));
+// A list folds into one word first, its elements through independent multiplies (the serial
+// chain of mix() is what a capture of a few hundred ops spent most of its hashing time in); the
+// key only has to spread graphs over buckets, since every hit is compared in full.
+inline uint64_t fold_ints(const std::vector<int64_t>& v) {
+  static constexpr uint64_t kOdd[4] = {0x9e3779b97f4a7c15ull, 0xc2b2ae3d27d4eb4full, 0x165667b19e3779f9ull,
+                                       0xd6e8feb86659fd93ull};
+  uint64_t acc = v.size();
+  for (size_t i = 0; i < v.size(); ++i) acc += (static_cast<uint64_t>(v[i]) + i) * kOdd[i & 3];
+  return acc ^ (acc >> 29);
 }
+inline void mix_ints(uint64_t& h, const std::vector<int64_t>& v) { mix(h, fold_ints(v)); }
 inline void mix_device(uint64_t& h, Device d) { mix(h, static_cast<uint64_t>(d.type) * 1024 + d.index); }
 inline uint64_t str_hash(const std::string& s) { return std::hash<std::string>{}(s); }
 // A value's metadata, as far as the structural key needs it.
 inline void mix_value(uint64_t& h, const ValueInfo& v) {
-  mix(h, v.is_input ? 0x1a : 0x2b);
-  mix(h, static_cast<uint64_t>(v.dtype));
-  mix_device(h, v.device);
-  mix_ints(h, v.sizes);
-  mix_ints(h, v.strides);
-  mix(h, static_cast<uint64_t>(v.storage_offset));
-  mix(h, static_cast<uint64_t>(v.storage));
-  mix(h, v.is_wrapped_number);
+  mix(h, (v.is_input ? 1u : 0u) | static_cast<uint64_t>(v.is_wrapped_number) << 1 | static_cast<uint64_t>(v.dtype) << 8 |
+             static_cast<uint64_t>(v.device.type) << 16 | static_cast<uint64_t>(static_cast<uint32_t>(v.device.index)) << 24);
+  mix(h, fold_ints(v.sizes) ^ (fold_ints(v.strides) << 1));
+  mix(h, static_cast<uint64_t>(v.storage_offset) * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(v.storage));
 }
 
 }  // namespace
@@ -198,11 +201,10 @@ int append_node(Segment& seg, const OpDef& op, const std::vector<int>& in_ids, c
   for (size_t k = 0; k < attrs.size(); ++k) n.attrs[k] = attrs[k];
   n.inplace = inplace;
   uint64_t& h = seg.hash;
-  mix(h, reinterpret_cast<uintptr_t>(&op));
-  mix(h, inplace);
-  mix(h, n.inputs.size());
-  for (int v : n.inputs) mix(h, static_cast<uint64_t>(v));
-  mix(h, attrs.size());
+  mix(h, reinterpret_cast<uintptr_t>(&op) ^ static_cast<uint64_t>(inplace) ^ attrs.size() << 56);
+  uint64_t wiring = n.inputs.size();
+  for (size_t i = 0; i < n.inputs.size(); ++i) wiring += (static_cast<uint64_t>(n.inputs[i]) + 1) * (0x9e3779b97f4a7c15ull + 2 * i);
+  mix(h, wiring);
   for (size_t k = 0; k < attrs.size(); ++k) {
     bool dynamic = is_dynamic_attr(op, attrs[k], k);
     if (dynamic) seg.graph.scalars.push_back({index, static_cast<int>(k)});
