@@ -17,12 +17,14 @@
 //              graph without running the forward's C++ body).
 // Each mode reports tokens per second over the whole generation (compiles included), without the
 // backend compile time, and over later generations of the same tokens (warm: every length seen
-// once already; the fastest of --warm-runs, 3 by default, which keeps a busy machine's noise out),
+// once already; the fastest of --warm-runs rounds, 3 by default, in which the modes take turns, so
+// that a busy machine's noise falls on all of them alike),
 // graph compiles, new sizes of dynamic graphs, kernel builds (system compiler runs) and compile
 // seconds of the first generation, and whether it generated the same tokens as eager.
 #include <fmt/format.h>
 
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -104,50 +106,58 @@ int run_gpt2_bench(const std::vector<std::string>& args) {
                                    {"prompt", a.prompt},
                                    {"new_tokens", a.tokens}};
   Tensor eager_tokens;
-  double eager_tps = 0;
+  // First generations, mode by mode (each from a reset compiler, so that its compiles are its own).
+  std::vector<std::function<Tensor()>> generations;
   for (const std::string& mode : a.modes) {
     compiler::reset();
     const compiler::Counters before = compiler::counters();
     const double compile_before = backend_compile_seconds();
-    Tensor out;
     CompileOptions options;
     if (mode.rfind("static", 0) == 0) options.dynamic = false;
     if (mode.size() > 3 && mode.compare(mode.size() - 3, 3, "-ro") == 0) options.mode = Mode::reduce_overhead;
     if (mode == "dynamic-pure") options.pure = true;
     auto compiled = compile(model, options);
-    auto eager_forward = [&](const Tensor& idx) { return model->forward(idx); };
-    auto generation = [&] {
+    auto& generation = generations.emplace_back([mode, compiled, model, &prompt, &a]() mutable {
+      auto eager_forward = [&](const Tensor& idx) { return model->forward(idx); };
       return mode == "eager" ? generate(eager_forward, prompt, a.tokens) : generate(compiled, prompt, a.tokens);
-    };
+    });
     const auto t0 = std::chrono::steady_clock::now();
-    out = generation();
+    Tensor out = generation();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const compiler::Counters c = compiler::counters();
     const double compile_seconds = backend_compile_seconds() - compile_before;
-    // The same generation again (the fastest of --warm-runs): every length has been seen.
-    double warm_seconds = 0;
-    for (int64_t r = 0; r < a.warm_runs; ++r) {
-      const auto w0 = std::chrono::steady_clock::now();
-      generation();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
-      warm_seconds = r == 0 ? s : std::min(warm_seconds, s);
-    }
     if (mode == "eager") eager_tokens = out;
-    const double tps = static_cast<double>(a.tokens) / seconds;
-    if (mode == "eager") eager_tps = static_cast<double>(a.tokens) / warm_seconds;
-    nlohmann::ordered_json m = {
+    result["modes"][mode] = {
         {"seconds", seconds},
-        {"tokens_per_s", tps},
+        {"tokens_per_s", static_cast<double>(a.tokens) / seconds},
         {"tokens_per_s_without_compiles", static_cast<double>(a.tokens) / std::max(seconds - compile_seconds, 1e-9)},
-        {"tokens_per_s_warm", static_cast<double>(a.tokens) / warm_seconds},
         {"graph_compiles", c.graph_compiles - before.graph_compiles},
         {"size_specializations", c.size_specializations - before.size_specializations},
         {"kernel_builds", c.kernel_builds - before.kernel_builds},
         {"compile_seconds", compile_seconds},
         {"eager_calls", c.eager_frames - before.eager_frames},
         {"same_tokens_as_eager", eager_tokens.defined() ? equal(out, eager_tokens) : true}};
-    if (eager_tps > 0) m["warm_speedup_vs_eager"] = (static_cast<double>(a.tokens) / warm_seconds) / eager_tps;
-    result["modes"][mode] = m;
+  }
+  // Warm generations (every length seen), the modes taking turns so that a noisy stretch of a
+  // shared machine falls on all of them alike: one untimed round (the later modes' resets
+  // dropped the earlier modes' caches), then --warm-runs timed rounds; each mode's fastest counts.
+  for (auto& generation : generations) generation();
+  std::vector<double> warm(a.modes.size(), 0.0);
+  for (int64_t r = 0; r < a.warm_runs; ++r) {
+    for (size_t i = 0; i < generations.size(); ++i) {
+      const auto w0 = std::chrono::steady_clock::now();
+      generations[i]();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+      warm[i] = r == 0 ? s : std::min(warm[i], s);
+    }
+  }
+  double eager_tps = 0;
+  for (size_t i = 0; i < a.modes.size(); ++i)
+    if (a.modes[i] == "eager") eager_tps = static_cast<double>(a.tokens) / warm[i];
+  for (size_t i = 0; i < a.modes.size(); ++i) {
+    auto& m = result["modes"][a.modes[i]];
+    m["tokens_per_s_warm"] = static_cast<double>(a.tokens) / warm[i];
+    if (eager_tps > 0) m["warm_speedup_vs_eager"] = (static_cast<double>(a.tokens) / warm[i]) / eager_tps;
   }
 
   if (a.json) {
@@ -159,7 +169,7 @@ int run_gpt2_bench(const std::vector<std::string>& args) {
       a.config.n_layer, a.config.n_head, a.config.n_embd, a.config.vocab_size, a.device.str(), get_num_threads(),
       a.tokens, a.prompt);
   std::cout << "tokens/s: first generation (compiles included), without the compile time, later generations "
-               "(warm: the fastest of " << a.warm_runs << "; 'vs eager' compares warm runs)\n";
+               "(warm: the fastest of " << a.warm_runs << " rounds, the modes taking turns; 'vs eager' compares warm runs)\n";
   std::cout << fmt::format("{:<12} {:>9} {:>12} {:>9} {:>9} {:>7} {:>10} {:>7} {:>10} {:>6} {:>5}\n", "mode", "tokens/s",
                            "w/o compile", "warm", "vs eager", "graphs", "new sizes", "builds", "compile s", "eager",
                            "same");
