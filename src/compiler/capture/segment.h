@@ -49,12 +49,18 @@ struct Segment {
   std::vector<Node> spare_nodes;        // the next to hand out last
   std::vector<ValueInfo> spare_values;
 
+  template <class T>
+  static T& append_recycled(std::vector<T>& to, std::vector<T>& spares) {
+    if (spares.empty()) return to.emplace_back();
+    T& x = to.emplace_back(std::move(spares.back()));
+    spares.pop_back();
+    return x;
+  }
+
   // An empty node / value appended to the graph (from the spares when there are any). A recycled
   // node keeps its old attrs for the caller to assign over (a vector attr then reuses its buffer).
   Node& new_node() {
-    if (spare_nodes.empty()) return graph.nodes.emplace_back();
-    Node& n = graph.nodes.emplace_back(std::move(spare_nodes.back()));
-    spare_nodes.pop_back();
+    Node& n = append_recycled(graph.nodes, spare_nodes);
     n.inputs.clear();
     n.outputs.clear();
     n.name.clear();
@@ -62,9 +68,7 @@ struct Segment {
     return n;
   }
   ValueInfo& new_value() {
-    if (spare_values.empty()) return graph.values.emplace_back();
-    ValueInfo& v = graph.values.emplace_back(std::move(spare_values.back()));
-    spare_values.pop_back();
+    ValueInfo& v = append_recycled(graph.values, spare_values);
     v.sizes.clear();
     v.strides.clear();
     v.name.clear();

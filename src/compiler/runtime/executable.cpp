@@ -153,7 +153,7 @@ namespace {
 std::optional<Tensor> view_from_plan(const Executable& ex, const FlatStep& step, const std::vector<Tensor>& env) {
   if (step.view_in < 0) return std::nullopt;
   const Tensor& in = env[step.view_in];
-  if (!in.defined()) return std::nullopt;
+  if (!in.defined() || in.dtype() != step.view_dtype) return std::nullopt;
   const int64_t* from = ex.step_numbers.data() + step.layout;
   const int64_t* to = from + 2 * step.in_rank;
   const IntArrayRef from_sizes(from, step.in_rank), from_strides(from + step.in_rank, step.in_rank);
@@ -170,7 +170,6 @@ void flatten_steps(Executable& ex) {
   ex.steps.clear();
   ex.step_ints.clear();
   ex.step_numbers.clear();
-  ex.value_layout.assign(g.values.size(), 0);
   auto ints = [&](const std::vector<int>& list) { ex.step_ints.insert(ex.step_ints.end(), list.begin(), list.end()); };
   auto numbers = [&](const std::vector<int64_t>& list) {
     ex.step_numbers.insert(ex.step_numbers.end(), list.begin(), list.end());
@@ -193,9 +192,9 @@ void flatten_steps(Executable& ex) {
     f.release = offset(ex.step_ints.size());
     ints(step.release);
     f.end = offset(ex.step_ints.size());
+    f.buffers = offset(ex.step_numbers.size());
     for (int v : step.allocate) {
       const ValueInfo& vi = g.values[v];
-      ex.value_layout[v] = offset(ex.step_numbers.size());
       ex.step_numbers.insert(ex.step_numbers.end(), {static_cast<int64_t>(vi.sizes.size()), static_cast<int64_t>(vi.dtype),
                                                      static_cast<int64_t>(vi.device.type), vi.device.index});
       numbers(vi.sizes);
@@ -208,11 +207,12 @@ void flatten_steps(Executable& ex) {
       continue;
     const ValueInfo& from = g.values[n.inputs[0]];
     const ValueInfo& to = g.values[n.outputs[0]];
-    if (to.dtype != from.dtype || from.strides.size() != from.sizes.size() || to.strides.size() != to.sizes.size() ||
-        from.sizes.size() > 255 || to.sizes.size() > 255)
+    if (from.strides.size() != from.sizes.size() || to.strides.size() != to.sizes.size() || from.sizes.size() > 255 ||
+        to.sizes.size() > 255)
       continue;
     f.view_in = n.inputs[0];
     f.view_out = n.outputs[0];
+    f.view_dtype = to.dtype;
     f.layout = offset(ex.step_numbers.size());
     f.in_rank = static_cast<uint8_t>(from.sizes.size());
     f.out_rank = static_cast<uint8_t>(to.sizes.size());
@@ -252,19 +252,20 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
   for (size_t i = 0; i < ex.steps.size(); ++i) {
     const FlatStep& step = ex.steps[i];
     if (step.kind == lower::Step::Kind::kernel) {
+      const int64_t* layout = ex.step_numbers.data() + step.buffers;
       for (uint32_t j = step.allocate; j < step.write_into; ++j) {
         const int v = lists[j];
+        const auto rank = static_cast<size_t>(layout[0]);
+        const int64_t* sizes = layout + 4;
+        layout = sizes + 2 * rank;  // the next value's
         if (const Tensor* t = arena.tensor(ex, v)) {
           env[v] = *t;
           continue;
         }
-        const int64_t* layout = ex.step_numbers.data() + ex.value_layout[v];
-        const auto rank = static_cast<size_t>(layout[0]);
-        const auto dtype = static_cast<DType>(layout[1]);
-        const Device device(static_cast<DeviceType>(layout[2]), static_cast<int>(layout[3]));
-        layout += 4;
-        env[v] = kiln::detail::make_empty_strided(std::vector<int64_t>(layout, layout + rank),
-                                                  std::vector<int64_t>(layout + rank, layout + 2 * rank), dtype, device);
+        const Device device(static_cast<DeviceType>(sizes[-2]), static_cast<int>(sizes[-1]));
+        env[v] = kiln::detail::make_empty_strided(std::vector<int64_t>(sizes, sizes + rank),
+                                                  std::vector<int64_t>(sizes + rank, sizes + 2 * rank),
+                                                  static_cast<DType>(sizes[-3]), device);
       }
       for (uint32_t j = step.write_into; j < step.release; j += 2) env[lists[j]] = env[lists[j + 1]];
       pointers.clear();

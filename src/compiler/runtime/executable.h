@@ -49,27 +49,28 @@ struct FlatStep {
   lower::Step::Kind kind = lower::Step::Kind::node;
   int kernel = -1;
   int node = -1;
-  // Ranges in Executable::step_ints: (node inputs [inputs, bindings),) bindings [bindings, allocate), allocate [allocate,
-  // write_into), write_into pairs [write_into, release), release [release, end).
-  uint32_t bindings = 0, allocate = 0, write_into = 0, release = 0, end = 0;
-  // A view node without scalar slots: its input and output values, and in step_numbers (at
-  // `layout`) the input's sizes and strides then the output's; -1 otherwise.
+  // Ranges in Executable::step_ints: a node step's input values [inputs, bindings), then bindings
+  // [bindings, allocate), allocate [allocate, write_into), write_into pairs [write_into, release)
+  // and release [release, end).
+  uint32_t inputs = 0, bindings = 0, allocate = 0, write_into = 0, release = 0, end = 0;
+  // In step_numbers from `buffers`: each allocated value's rank, dtype, device type and index,
+  // sizes and strides, in allocate order.
+  uint32_t buffers = 0;
+  const int64_t* size_args = nullptr;  // a kernel step: its kernel's size arguments
+  // A view node without scalar slots: its input and output values, the output's dtype, and in
+  // step_numbers (at `layout`) the input's sizes and strides then the output's; -1 otherwise.
   int view_in = -1, view_out = -1;
+  DType view_dtype = DType::float32;
   uint32_t layout = 0;
   uint8_t in_rank = 0, out_rank = 0;
   int64_t offset_delta = 0;  // output storage offset minus the input's
-  const int64_t* size_args = nullptr;  // a kernel step: its kernel's size arguments
-  uint32_t inputs = 0;                 // a node step: its input values in step_ints [inputs, bindings)
 };
 
 struct Executable {
   lower::Program program;
   std::vector<FlatStep> steps;        // flatten_steps(): per program step
   std::vector<int> step_ints;
-  std::vector<int64_t> step_numbers;  // views' layouts, and each allocated value's buffer
-  std::vector<uint32_t> value_layout; // per graph value allocated by a kernel step: its offset in
-                                      // step_numbers (rank, dtype, device type and index, sizes,
-                                      // strides)
+  std::vector<int64_t> step_numbers;  // fresh buffers' and views' layouts
   std::shared_ptr<SharedObject> library;
   std::vector<KernelFn> kernels;  // per Program kernel (null for CUDA kernels)
   std::vector<CudaKernel> cuda_kernels;  // per Program kernel (function null for CPU kernels)
@@ -81,7 +82,7 @@ struct Executable {
                                   // shapes are timed (autotune_scope.h, cuda_launch.h)
 };
 
-// Builds ex.steps, step_ints, step_numbers and value_layout from ex.program and ex.slots.
+// Builds ex.steps, step_ints and step_numbers from ex.program and ex.slots.
 void flatten_steps(Executable& ex);
 
 // Runs the program's steps on `args` (the graph's inputs and run-time scalars) and returns the
