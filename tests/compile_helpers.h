@@ -76,6 +76,7 @@ inline compiler::Counters operator-(compiler::Counters a, const compiler::Counte
   a.cuda_graph_output_copies -= b.cuda_graph_output_copies;
   a.kernel_builds -= b.kernel_builds;
   a.size_specializations -= b.size_specializations;
+  a.guided_captures -= b.guided_captures;
   return a;
 }
 

@@ -323,6 +323,9 @@ struct Counters {
   int64_t size_specializations = 0;  // a dynamic graph met at a new concrete size: the backend ran
                                      // again for it, its kernels came from the kernel cache (not
                                      // counted in graph_compiles)
+  int64_t guided_captures = 0;  // graphs a capture found by following the graph its frame entry
+                                // ran before, without building a graph (also cache hits; see
+                                // "Guided capture" in docs/compiler.md)
 };
 Counters counters();
 

@@ -22,7 +22,7 @@ using kiln::detail::TensorImpl;
 namespace {
 thread_local CaptureContext* t_capture = nullptr;
 
-// FNV-style 64-bit mixing: the structural key of a segment, built as it is captured.
+// FNV-style 64-bit mixing: the structural key of a segment (structure_hash).
 inline void mix(uint64_t& h, uint64_t v) {
   h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   h *= 0x100000001b3ull;
@@ -82,8 +82,24 @@ namespace {
 thread_local std::shared_ptr<Segment> t_spare_segment;
 }  // namespace
 
+namespace {
+
+// KILN_GUIDED_CAPTURE=0 turns guided capture off (read once; for comparing the two).
+bool guided_capture_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KILN_GUIDED_CAPTURE");
+    return !env || std::string_view(env) != "0";
+  }();
+  return enabled;
+}
+
+}  // namespace
+
 Segment& CaptureContext::pending() {
-  if (!segment) segment = t_spare_segment ? std::move(t_spare_segment) : std::make_shared<Segment>();
+  if (!segment) {
+    segment = t_spare_segment ? std::move(t_spare_segment) : std::make_shared<Segment>();
+    take_guide(*segment);
+  }
   return *segment;
 }
 
@@ -118,11 +134,163 @@ void set_info(ValueInfo& v, const Tensor& t) {
 
 int replay_recipe(Segment& seg, const Tensor& t);
 
+bool is_dynamic_attr(const OpDef& op, const Attr& a, size_t index) {
+  if (std::holds_alternative<Scalar>(a) || std::holds_alternative<double>(a)) return true;
+  return std::find(op.runtime_attrs.begin(), op.runtime_attrs.end(), static_cast<int>(index)) !=
+         op.runtime_attrs.end();
+}
+
+bool size_like(const Attr& a) {
+  return std::holds_alternative<int64_t>(a) || std::holds_alternative<std::vector<int64_t>>(a);
+}
+
+// Whether attr k of two nodes of `op` agree: run-time scalar slots in kind only (int and float
+// scalars promote differently); with `sizes` false, integer attrs in kind (lists in length) only.
+bool attr_matches(const OpDef& op, const Attr& p, const Attr& q, size_t k, bool sizes) {
+  if (p.index() != q.index()) return false;
+  if (is_dynamic_attr(op, p, k)) {
+    auto* s = std::get_if<Scalar>(&p);
+    auto* t = std::get_if<Scalar>(&q);
+    return !s || (s->is_floating_point() == t->is_floating_point() && s->is_boolean() == t->is_boolean());
+  }
+  if (!sizes && size_like(p)) {
+    auto* u = std::get_if<std::vector<int64_t>>(&p);
+    return !u || u->size() == std::get<std::vector<int64_t>>(q).size();
+  }
+  return std::visit(
+      [&](const auto& v) -> bool {
+        using T = std::decay_t<decltype(v)>;
+        const T& w = std::get<T>(q);
+        if constexpr (std::is_same_v<T, Scalar>) {
+          return v.to_double() == w.to_double() && v.is_floating_point() == w.is_floating_point();
+        } else if constexpr (std::is_same_v<T, std::monostate>) {
+          return true;
+        } else {
+          return v == w;
+        }
+      },
+      p);
+}
+
+// ---- guided capture (segment.h, Guide) ----
+
+// size_signature's numbers of one value: sizes, strides, rank, storage offset.
+void push_value_numbers(std::vector<int64_t>& out, const TensorImpl& i) {
+  out.insert(out.end(), i.sizes.begin(), i.sizes.end());
+  out.insert(out.end(), i.strides.begin(), i.strides.end());
+  out.push_back(static_cast<int64_t>(i.strides.size()));
+  out.push_back(i.storage_offset);
+}
+
+// Whether a new placeholder for `impl` (alias group `group`) is the guide's next value and input.
+bool follow_guide_input(const Segment& seg, const TensorImpl& impl, int group) {
+  const Graph& g = seg.guide->graph->graph;
+  const size_t id = seg.guided.values, k = seg.inputs.size();
+  if (id >= g.values.size() || k >= g.inputs.size() || g.inputs[k] != static_cast<int>(id)) return false;
+  const ValueInfo& v = g.values[id];
+  return v.is_input && v.dtype == impl.dtype && v.device == impl.device && v.storage == group &&
+         v.is_wrapped_number == impl.is_wrapped_number && v.sizes.size() == impl.sizes.size();
+}
+
+// Whether the call of `op` (inputs `in_ids`, results `outputs`) is the guide's next node; if so,
+// records its numbers and scalars. Values get their ids in order, new buffers their alias groups
+// from seg.next_group, as an ordinary capture assigns them.
+bool follow_guide(Segment& seg, const OpDef& op, const std::vector<int>& in_ids, const std::vector<Attr>& attrs,
+                  const std::vector<Tensor>& outputs) {
+  const Graph& g = seg.guide->graph->graph;
+  Segment::Guided& gd = seg.guided;
+  if (gd.nodes >= g.nodes.size()) return false;
+  const Node& n = g.nodes[gd.nodes];
+  if (n.op != &op || n.inplace || n.inputs != in_ids || n.attrs.size() != attrs.size() ||
+      n.outputs.size() != outputs.size())
+    return false;
+  for (size_t k = 0; k < attrs.size(); ++k)
+    if (!attr_matches(op, attrs[k], n.attrs[k], k, /*sizes=*/false)) return false;
+  const bool view = op.kind == OpKind::view;
+  if (view && (in_ids.empty() || in_ids[0] < 0)) return false;
+  int group = seg.next_group;
+  for (size_t j = 0; j < outputs.size(); ++j) {
+    if (n.outputs[j] != static_cast<int>(gd.values + j)) return false;
+    const ValueInfo& v = g.values[n.outputs[j]];
+    const TensorImpl& o = outputs[j].impl();
+    const int storage = view ? g.values[in_ids[0]].storage : group++;
+    if (v.storage != storage || v.is_input || v.is_wrapped_number || v.dtype != o.dtype || v.device != o.device ||
+        v.sizes.size() != o.sizes.size())
+      return false;
+  }
+  for (size_t k = 0; k < attrs.size(); ++k) {
+    const Attr& a = attrs[k];
+    if (is_dynamic_attr(op, a, k)) gd.scalars.push_back(a);
+    else if (auto* i = std::get_if<int64_t>(&a)) gd.attr_numbers.push_back(*i);
+    else if (auto* list = std::get_if<std::vector<int64_t>>(&a))
+      gd.attr_numbers.insert(gd.attr_numbers.end(), list->begin(), list->end());
+  }
+  for (const Tensor& o : outputs) push_value_numbers(gd.value_numbers, o.impl());
+  ++gd.nodes;
+  return true;
+}
+
+// Ends guided capture: builds the graph captured so far from the guide's structure and the
+// numbers collected (what an ordinary capture would have built), and goes on as one.
+void derail(Segment& seg) {
+  const Graph& g = seg.guide->graph->graph;
+  Segment::Guided& gd = seg.guided;
+  size_t at = 0;
+  for (size_t i = 0; i < gd.values; ++i) {
+    const ValueInfo& from = g.values[i];
+    const auto rank = static_cast<std::ptrdiff_t>(from.sizes.size());
+    ValueInfo& v = seg.new_value();
+    const auto numbers = gd.value_numbers.begin() + static_cast<std::ptrdiff_t>(at);
+    v.sizes.assign(numbers, numbers + rank);
+    v.strides.assign(numbers + rank, numbers + 2 * rank);
+    v.storage_offset = numbers[2 * rank + 1];
+    at += static_cast<size_t>(2 * rank + 2);
+    v.dtype = from.dtype;
+    v.device = from.device;
+    v.storage = from.storage;
+    v.is_input = from.is_input;
+    v.is_wrapped_number = from.is_wrapped_number;
+  }
+  seg.graph.inputs.assign(g.inputs.begin(), g.inputs.begin() + static_cast<std::ptrdiff_t>(seg.inputs.size()));
+  size_t attr_at = 0, scalar_at = 0;
+  for (size_t j = 0; j < gd.nodes; ++j) {
+    const Node& from = g.nodes[j];
+    Node& n = seg.new_node();
+    n.op = from.op;
+    n.inputs = from.inputs;
+    n.outputs = from.outputs;
+    n.attrs.resize(from.attrs.size());
+    for (size_t k = 0; k < from.attrs.size(); ++k) {
+      const Attr& a = from.attrs[k];
+      if (is_dynamic_attr(*from.op, a, k)) {
+        n.attrs[k] = gd.scalars[scalar_at++];
+        seg.graph.scalars.push_back({static_cast<int>(j), static_cast<int>(k)});
+      } else if (std::holds_alternative<int64_t>(a)) {
+        n.attrs[k] = gd.attr_numbers[attr_at++];
+      } else if (auto* list = std::get_if<std::vector<int64_t>>(&a)) {
+        const auto first = gd.attr_numbers.begin() + static_cast<std::ptrdiff_t>(attr_at);
+        n.attrs[k] = std::vector<int64_t>(first, first + static_cast<std::ptrdiff_t>(list->size()));
+        attr_at += list->size();
+      } else {
+        n.attrs[k] = a;
+      }
+    }
+  }
+  seg.guide.reset();
+  gd.nodes = gd.values = 0;
+  gd.value_numbers.clear();
+  gd.attr_numbers.clear();
+  gd.scalars.clear();
+}
+
 // The value id of `t` in `seg`: its lazy value, a recomputed value's replay, or a (new)
 // placeholder for a real tensor.
 int value_of(Segment& seg, const Tensor& t) {
   const TensorImpl& impl = t.impl();
-  if (impl.lazy && impl.lazy->recipe && !impl.storage->data) return replay_recipe(seg, t);
+  if (impl.lazy && impl.lazy->recipe && !impl.storage->data) {
+    if (seg.guide) derail(seg);
+    return replay_recipe(seg, t);
+  }
   if (impl.lazy && impl.lazy->segment) {  // a recomputed value has no segment: its graph ran
     const Segment& owner = *impl.lazy->segment;
     if (&owner == &seg) return impl.lazy->value;
@@ -132,14 +300,19 @@ int value_of(Segment& seg, const Tensor& t) {
   if (!inserted) return it->second;
   auto [g, new_group] = seg.input_groups.try_emplace(impl.storage.get(), seg.next_group);
   if (new_group) ++seg.next_group;
-  int id = static_cast<int>(seg.graph.values.size());
-  ValueInfo& v = seg.new_value();
-  set_info(v, t);
-  v.storage = g->second;
-  v.is_input = true;
-  v.is_wrapped_number = impl.is_wrapped_number;
-  mix_value(seg.hash, v);
-  seg.graph.inputs.push_back(id);
+  if (seg.guide && !follow_guide_input(seg, impl, g->second)) derail(seg);
+  int id = seg.next_value_id();
+  if (seg.guide) {
+    push_value_numbers(seg.guided.value_numbers, impl);
+    ++seg.guided.values;
+  } else {
+    ValueInfo& v = seg.new_value();
+    set_info(v, t);
+    v.storage = g->second;
+    v.is_input = true;
+    v.is_wrapped_number = impl.is_wrapped_number;
+    seg.graph.inputs.push_back(id);
+  }
   seg.inputs.push_back(t);
   it->second = id;
   return id;
@@ -151,12 +324,6 @@ std::vector<int> value_ids(Segment& seg, std::span<const Tensor> tensors) {
   ids.reserve(tensors.size());
   for (const Tensor& t : tensors) ids.push_back(t.defined() ? value_of(seg, t) : -1);
   return ids;
-}
-
-bool is_dynamic_attr(const OpDef& op, const Attr& a, size_t index) {
-  if (std::holds_alternative<Scalar>(a) || std::holds_alternative<double>(a)) return true;
-  return std::find(op.runtime_attrs.begin(), op.runtime_attrs.end(), static_cast<int>(index)) !=
-         op.runtime_attrs.end();
 }
 
 void mix_attr(uint64_t& h, const Attr& a, bool dynamic) {
@@ -190,7 +357,7 @@ void mix_attr(uint64_t& h, const Attr& a, bool dynamic) {
       a);
 }
 
-// Appends the node for `op` and hashes it. Returns its index.
+// Appends the node for `op`. Returns its index.
 int append_node(Segment& seg, const OpDef& op, const std::vector<int>& in_ids, const std::vector<Attr>& attrs,
                 bool inplace) {
   int index = static_cast<int>(seg.graph.nodes.size());
@@ -200,26 +367,17 @@ int append_node(Segment& seg, const OpDef& op, const std::vector<int>& in_ids, c
   n.attrs.resize(attrs.size());
   for (size_t k = 0; k < attrs.size(); ++k) n.attrs[k] = attrs[k];
   n.inplace = inplace;
-  uint64_t& h = seg.hash;
-  mix(h, reinterpret_cast<uintptr_t>(&op) ^ static_cast<uint64_t>(inplace) ^ attrs.size() << 56);
-  uint64_t wiring = n.inputs.size();
-  for (size_t i = 0; i < n.inputs.size(); ++i) wiring += (static_cast<uint64_t>(n.inputs[i]) + 1) * (0x9e3779b97f4a7c15ull + 2 * i);
-  mix(h, wiring);
-  for (size_t k = 0; k < attrs.size(); ++k) {
-    bool dynamic = is_dynamic_attr(op, attrs[k], k);
-    if (dynamic) seg.graph.scalars.push_back({index, static_cast<int>(k)});
-    mix_attr(h, attrs[k], dynamic);
-  }
+  for (size_t k = 0; k < attrs.size(); ++k)
+    if (is_dynamic_attr(op, attrs[k], k)) seg.graph.scalars.push_back({index, static_cast<int>(k)});
   return index;
 }
 
-// Appends a result value laid out as `t` in alias group `storage`, and hashes it.
+// Appends a result value laid out as `t` in alias group `storage`.
 int add_result_value(Segment& seg, const Tensor& t, int storage) {
   int id = static_cast<int>(seg.graph.values.size());
   ValueInfo& v = seg.new_value();
   set_info(v, t);
   v.storage = storage;
-  mix_value(seg.hash, v);
   return id;
 }
 
@@ -245,7 +403,6 @@ int replay_recipe(Segment& seg, const Tensor& t) {
   v.is_input = false;
   v.name.clear();
   v.storage = seg.next_group++;
-  mix_value(seg.hash, v);
   seg.graph.nodes[node].outputs.push_back(id);
   seg.replayed[r.get()] = id;
   return id;
@@ -321,25 +478,30 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
 
   Segment& seg = cap.pending();
   const std::shared_ptr<Segment>& owner = cap.segment;
-  int node = append_node(seg, op, value_ids(seg, inputs), attrs, /*inplace=*/false);
+  if (seg.guide && autograd::recording(inputs)) derail(seg);  // the partition needs the graph
+  const std::vector<int> in_ids = value_ids(seg, inputs);
   if (!op.runtime_attrs.empty()) cap.random = true;
 
+  const bool view = op.kind == OpKind::view;
   std::vector<Tensor> outputs;
   outputs.reserve(metas.size());
   for (auto& m : metas) {
-    Tensor out;
+    outputs.push_back(view ? kiln::detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset)
+                           : make_pending(std::move(m)));
+  }
+  if (seg.guide && !follow_guide(seg, op, in_ids, attrs, outputs)) derail(seg);
+  const int node = seg.guide ? -1 : append_node(seg, op, in_ids, attrs, /*inplace=*/false);
+  for (Tensor& out : outputs) {
+    const int storage = view ? -1 : seg.next_group++;
     int id;
-    if (op.kind == OpKind::view) {
-      out = kiln::detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset);
-      id = add_result_value(seg, out, seg.graph.values[seg.graph.nodes[node].inputs[0]].storage);
+    if (seg.guide) {
+      id = static_cast<int>(seg.guided.values++);  // follow_guide recorded its layout
     } else {
-      out = make_pending(std::move(m));
-      id = add_result_value(seg, out, seg.next_group++);
-      seg.pending.push_back({out.impl().storage, id});
+      id = add_result_value(seg, out, view ? seg.graph.values[in_ids[0]].storage : storage);
+      seg.graph.nodes[node].outputs.push_back(id);
     }
+    if (!view) seg.pending.push_back({out.impl().storage, id});
     set_lazy(seg, owner, out, id);
-    seg.graph.nodes[node].outputs.push_back(id);
-    outputs.push_back(std::move(out));
   }
   if (op.mutates(OpCall(&op, inputs, attrs)))
     for (int i : op.mutated_inputs)
@@ -368,10 +530,10 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   autograd::InplaceRecording recording = autograd::begin_inplace_recording(op, inputs, outputs);
 
   Segment& seg = cap.pending();
+  if (seg.guide) derail(seg);  // in-place calls are captured as they are
   std::vector<int> in_ids = value_ids(seg, inputs);
   std::vector<int> out_ids = value_ids(seg, outputs);
   int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/true);
-  for (int v : out_ids) mix(seg.hash, static_cast<uint64_t>(v));
   seg.graph.nodes[node].outputs = std::move(out_ids);
   if (!op.runtime_attrs.empty()) cap.random = true;
 
@@ -464,48 +626,64 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
       explain->out.break_reasons.push_back(br);
     }
   }
-  if (!segment || segment->graph.nodes.empty()) return;
+  if (!segment || segment->empty()) return;
 
   std::shared_ptr<Segment> seg = std::move(segment);
   segment.reset();
   Graph& graph = seg->graph;
   // Outputs: every buffer still referenced from outside the segment.
+  std::vector<int> outputs;
   std::vector<std::shared_ptr<Storage>> live;
   for (const auto& p : seg->pending) {
     if (auto s = p.storage.lock()) {
-      graph.outputs.push_back(p.value);
+      outputs.push_back(p.value);
       live.push_back(std::move(s));
     }
   }
-  // The min-cut partition: values only autograd saved, cheap to recompute, are not outputs.
+  // A guided capture that followed its guide to the end runs the compiled graph its numbers name;
+  // else it becomes an ordinary capture here.
+  std::shared_ptr<CompiledGraph> compiled;
+  if (seg->guide) {
+    compiled = guided_graph(*fn, *seg, outputs);
+    if (!compiled) derail(*seg);
+  }
   std::vector<RecomputedValue> recomputed;
-  if (!seg->autograd_nodes.empty() && backend_has_tag(backend, "aot_autograd"))
-    recomputed = split_recomputed(*seg, live);
-  mix(seg->hash, 0x3c);
-  for (int v : graph.outputs) mix(seg->hash, static_cast<uint64_t>(v));
-
   std::vector<Attr> scalars;
-  scalars.reserve(graph.scalars.size());
-  for (const ScalarSlot& s : graph.scalars) scalars.push_back(graph.nodes[s.node].attrs[s.attr]);
+  if (compiled) {
+    scalars = std::move(seg->guided.scalars);
+  } else {
+    graph.outputs = std::move(outputs);
+    // The min-cut partition: values only autograd saved, cheap to recompute, are not outputs.
+    if (!seg->autograd_nodes.empty() && backend_has_tag(backend, "aot_autograd"))
+      recomputed = split_recomputed(*seg, live);
+    scalars.reserve(graph.scalars.size());
+    for (const ScalarSlot& s : graph.scalars) scalars.push_back(graph.nodes[s.node].attrs[s.attr]);
+  }
+  // The values' layouts: the captured graph's, or the compiled graph's (the same numbers).
+  const Graph& shapes = compiled ? compiled->graph : graph;
+  const std::vector<int>& output_ids = compiled ? outputs : graph.outputs;
   Arguments args{seg->inputs, scalars};
 
   std::vector<Tensor> results;
   try {
     // Backends and compiled graphs run ordinary ops; none of them belongs to the user's capture.
     SuspendCapture suspend;
-    std::shared_ptr<CompiledGraph> compiled = find_or_compile(*this, graph, seg->hash, args);
+    if (!compiled) {
+      compiled = find_or_compile(*this, graph, structure_hash(graph), args);
+      remember_guide(compiled);
+    }
     {
       NoGradGuard no_grad;
       kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
       results = compiled->fn(args);
     }
     counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);
-    if (results.size() != graph.outputs.size()) {
+    if (results.size() != output_ids.size()) {
       throw CompileError("[kiln::compile] the compiled graph " + compiled->id + " returned " +
-                         std::to_string(results.size()) + " tensors for " + std::to_string(graph.outputs.size()) +
+                         std::to_string(results.size()) + " tensors for " + std::to_string(output_ids.size()) +
                          " outputs. A backend's callable must return one tensor per graph output.");
     }
-    for (size_t k = 0; k < results.size(); ++k) bind(*live[k], graph.values[graph.outputs[k]], results[k], k);
+    for (size_t k = 0; k < results.size(); ++k) bind(*live[k], shapes.values[output_ids[k]], results[k], k);
     if (!recomputed.empty()) {
       attach_recipes(seg, recomputed, live);
       const auto saved_values = std::count_if(recomputed.begin(), recomputed.end(),
@@ -526,13 +704,35 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
   for (const auto& s : live) last_output_storages.push_back(s.get());
   last_inputs = std::move(seg->inputs);
   last_scalars = std::move(scalars);
-  last_outputs = graph.outputs;
+  last_outputs = output_ids;
   ++flushes;
   // Reuse the segment's allocations when nothing else refers to it.
   if (seg.use_count() == 1) {
     seg->clear();
     segment = std::move(seg);
+    take_guide(*segment);
   }
+}
+
+void CaptureContext::take_guide(Segment& seg) {
+  if (!fn || !entry || explain || !guided_capture_enabled()) return;
+  std::lock_guard lock(fn->mutex);
+  if (static_cast<size_t>(flushes) < entry->guides.size()) {
+    const std::shared_ptr<const Guide>& g = entry->guides[flushes];
+    if (g && g->graph->backend == backend) seg.guide = g;
+  }
+}
+
+void CaptureContext::remember_guide(const std::shared_ptr<CompiledGraph>& cg) {
+  if (!fn || !entry || cg->id == "eager" || !guided_capture_enabled()) return;
+  std::lock_guard lock(fn->mutex);
+  std::vector<std::shared_ptr<const Guide>>& guides = entry->guides;
+  if (guides.size() <= static_cast<size_t>(flushes)) guides.resize(static_cast<size_t>(flushes) + 1);
+  if (guides[flushes] && guides[flushes]->graph == cg) return;
+  auto guide = std::make_shared<Guide>();
+  guide->graph = cg;
+  guide->family = cg->dynamic_graph.lock();
+  guides[flushes] = std::move(guide);
 }
 
 void CaptureContext::abandon(const std::string& why) {
@@ -629,10 +829,6 @@ Graph trace_graph(const std::vector<ValueInfo>& inputs,
 
 namespace {
 
-bool size_like(const Attr& a) {
-  return std::holds_alternative<int64_t>(a) || std::holds_alternative<std::vector<int64_t>>(a);
-}
-
 // same_structure (sizes: true) and same_family (sizes: false, where sizes, strides, offsets and
 // integer attrs may differ, integer lists only in their values).
 bool same_graph(const Graph& a, const Graph& b, bool sizes) {
@@ -655,37 +851,8 @@ bool same_graph(const Graph& a, const Graph& b, bool sizes) {
     if (x.op != y.op || x.inplace != y.inplace || x.inputs != y.inputs || x.outputs != y.outputs ||
         x.attrs.size() != y.attrs.size())
       return false;
-    for (size_t k = 0; k < x.attrs.size(); ++k) {
-      const Attr& p = x.attrs[k];
-      const Attr& q = y.attrs[k];
-      if (p.index() != q.index()) return false;
-      if (is_dynamic_attr(*x.op, p, k)) {
-        auto* s = std::get_if<Scalar>(&p);
-        auto* t = std::get_if<Scalar>(&q);
-        if (s && (s->is_floating_point() != t->is_floating_point() || s->is_boolean() != t->is_boolean()))
-          return false;
-        continue;
-      }
-      if (!sizes && size_like(p)) {
-        auto* u = std::get_if<std::vector<int64_t>>(&p);
-        if (u && u->size() != std::get<std::vector<int64_t>>(q).size()) return false;
-        continue;
-      }
-      bool equal = std::visit(
-          [&](const auto& v) -> bool {
-            using T = std::decay_t<decltype(v)>;
-            const T& w = std::get<T>(q);
-            if constexpr (std::is_same_v<T, Scalar>) {
-              return v.to_double() == w.to_double() && v.is_floating_point() == w.is_floating_point();
-            } else if constexpr (std::is_same_v<T, std::monostate>) {
-              return true;
-            } else {
-              return v == w;
-            }
-          },
-          p);
-      if (!equal) return false;
-    }
+    for (size_t k = 0; k < x.attrs.size(); ++k)
+      if (!attr_matches(*x.op, x.attrs[k], y.attrs[k], k, sizes)) return false;
   }
   return true;
 }
@@ -743,6 +910,64 @@ uint64_t family_hash(const Graph& g) {
   for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
   for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
   return h;
+}
+
+uint64_t structure_hash(const Graph& g) {
+  uint64_t h = kSegmentHashSeed;
+  mix(h, g.values.size());
+  for (const ValueInfo& v : g.values) mix_value(h, v);
+  for (const Node& n : g.nodes) {
+    mix(h, reinterpret_cast<uintptr_t>(n.op) ^ static_cast<uint64_t>(n.inplace) ^ n.attrs.size() << 56);
+    uint64_t wiring = n.inputs.size() + (n.outputs.size() << 32);
+    for (size_t i = 0; i < n.inputs.size(); ++i) wiring += (static_cast<uint64_t>(n.inputs[i]) + 1) * (0x9e3779b97f4a7c15ull + 2 * i);
+    for (size_t i = 0; i < n.outputs.size(); ++i) wiring += (static_cast<uint64_t>(n.outputs[i]) + 1) * (0xc2b2ae3d27d4eb4full + 2 * i);
+    mix(h, wiring);
+    for (size_t k = 0; k < n.attrs.size(); ++k) mix_attr(h, n.attrs[k], is_dynamic_attr(*n.op, n.attrs[k], k));
+  }
+  mix(h, 0x3c);
+  for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
+  mix(h, 0x3d);
+  for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
+  return h;
+}
+
+std::shared_ptr<CompiledGraph> guided_graph(FunctionState& st, const Segment& seg, const std::vector<int>& outputs) {
+  const Guide& guide = *seg.guide;
+  const Graph& g = guide.graph->graph;
+  const Segment::Guided& gd = seg.guided;
+  if (gd.nodes != g.nodes.size() || gd.values != g.values.size() || seg.inputs.size() != g.inputs.size() ||
+      outputs != g.outputs || !seg.autograd_nodes.empty())
+    return nullptr;
+  // size_signature's numbers, in the two parts the capture collected them in.
+  auto signature_is = [&](const std::vector<int64_t>& sizes) {
+    const size_t n = gd.value_numbers.size();
+    return sizes.size() == n + gd.attr_numbers.size() && std::equal(gd.value_numbers.begin(), gd.value_numbers.end(), sizes.begin()) &&
+           std::equal(gd.attr_numbers.begin(), gd.attr_numbers.end(), sizes.begin() + static_cast<std::ptrdiff_t>(n));
+  };
+  std::shared_ptr<CompiledGraph> cg;
+  {
+    std::lock_guard lock(st.mutex);
+    if (guide.family) {
+      auto& inst = guide.family->instances;
+      for (size_t i = inst.size(); i-- > 0;) {  // most recently used last
+        if (signature_is(inst[i]->sizes)) {
+          cg = inst[i];
+          std::rotate(inst.begin() + static_cast<std::ptrdiff_t>(i), inst.begin() + static_cast<std::ptrdiff_t>(i) + 1, inst.end());
+          break;
+        }
+      }
+    } else if (signature_is(guide.graph->sizes)) {
+      cg = guide.graph;
+    }
+  }
+  if (!cg) return nullptr;
+  {
+    std::lock_guard lock(cg->mutex);  // (one still compiling, or failed: the ordinary path decides)
+    if (!cg->ready || cg->error) return nullptr;
+  }
+  counter_set().graph_cache_hits.fetch_add(1, std::memory_order_relaxed);
+  counter_set().guided_captures.fetch_add(1, std::memory_order_relaxed);
+  return cg;
 }
 
 }  // namespace kiln::compiler::detail

@@ -821,6 +821,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       cg->hash = hash;
       cg->family = fhash;
       cg->sizes = std::move(signature);
+      cg->dynamic_graph = family;
       cg->backend = ctx.backend;
       cg->id = family->id;
       family->instances.push_back(cg);
@@ -855,10 +856,12 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
       // has dynamic sizes), or when automatic dynamic sees a graph compiled before at other sizes.
       bool dynamic = st.options.dynamic == true || (ctx.entry && ctx.entry->dynamic);
       if (!fhash) fhash = family_hash(graph);
+      std::shared_ptr<CompiledGraph> static_instance;  // the graph compiled static at other sizes
       if (!dynamic && st.options.dynamic != false) {
         for (const auto& [h, other] : st.graphs) {
           if (other->family == fhash && other->backend == ctx.backend && same_family(other->graph, graph)) {
             dynamic = true;
+            static_instance = other;
             if (log_options().dynamic)
               log_stream() << "[kiln.compile] automatic dynamic: graph " << cg->id << " of " << st.where()
                            << " is graph " << other->id << " at other sizes; compiling it dynamic\n";
@@ -873,9 +876,17 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
         auto created = std::make_shared<GraphFamily>();
         created->id = cg->id;
         created->first = cg;
+        // The static graph serves its own sizes as an instance of the dynamic one, so that a call
+        // at those sizes finds it there (guided capture looks there).
+        if (static_instance) {
+          created->instances.push_back(static_instance);
+          static_instance->dynamic_graph = created;
+        }
         created->instances.push_back(cg);
+        cg->dynamic_graph = created;
         st.families.emplace(cg->family, std::move(created));
       } else {
+        cg->sizes = size_signature(graph);
         st.graphs.emplace(hash, cg);
       }
       compile_here = true;

@@ -229,6 +229,7 @@ Counters counters() {
   out.cuda_graph_output_copies = c.cuda_graph_output_copies.load();
   out.kernel_builds = c.kernel_builds.load();
   out.size_specializations = c.size_specializations.load();
+  out.guided_captures = c.guided_captures.load();
   return out;
 }
 
@@ -244,7 +245,7 @@ void reset() {
   for (auto* a : {&c.calls, &c.frame_compiles, &c.graph_compiles, &c.graph_cache_hits, &c.graph_runs, &c.graph_breaks,
                   &c.eager_frames, &c.replays, &c.kernel_runs, &c.dispatched_nodes,
                   &c.recomputed_values, &c.cuda_graph_captures, &c.cuda_graph_replays,
-                  &c.cuda_graph_output_copies, &c.kernel_builds, &c.size_specializations})
+                  &c.cuda_graph_output_copies, &c.kernel_builds, &c.size_specializations, &c.guided_captures})
     a->store(0);
 }
 

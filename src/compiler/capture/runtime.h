@@ -92,6 +92,9 @@ std::vector<std::string> describe_guards(const GuardSet& g, const std::vector<st
 
 // ---- compiled graphs ----
 
+struct GraphFamily;
+struct Guide;  // segment.h
+
 struct CompiledGraph {
   Graph graph;  // the structure it was compiled from (cache keys compare against it)
   uint64_t hash = 0;
@@ -99,7 +102,9 @@ struct CompiledGraph {
   // An instance of a dynamic graph: size_signature(graph), which with same_family against the
   // family's first graph says what same_structure against `graph` would, from one contiguous array
   // instead of the instance's graph (cold in cache when a function cycles through many sizes).
+  // (A static graph keeps its own too: a guided capture compares its numbers with it.)
   std::vector<int64_t> sizes;
+  std::weak_ptr<GraphFamily> dynamic_graph;  // the dynamic graph this is an instance of, if any
   CompiledFn fn;
   std::string backend;
   std::string id;  // "0/1": frame id / graph number, for logs
@@ -151,6 +156,9 @@ struct FrameEntry {
   static constexpr size_t kMaxSizedReplays = 64;  // as GraphFamily::kMaxInstances
   bool hinted = false;  // perf hint about replay given (guarded by replay_mutex, as the plans are)
   std::mutex replay_mutex;
+  // Guided capture: per segment position in a call (0 before the first graph break), the compiled
+  // graph this entry ran there last (segment.h, Guide). Guarded by FunctionState::mutex.
+  std::vector<std::shared_ptr<const Guide>> guides;
 };
 
 struct FunctionState : std::enable_shared_from_this<FunctionState> {
@@ -221,6 +229,10 @@ struct CaptureContext {
   ~CaptureContext();
 
   Segment& pending();
+  // Guided capture: a new segment follows the graph this entry ran last at its position in the
+  // call; a compiled graph found the ordinary way becomes the guide for that position.
+  void take_guide(Segment& seg);
+  void remember_guide(const std::shared_ptr<CompiledGraph>& cg);
   // Ends the pending segment: compiles or looks up its graph, runs it, makes its live values
   // real. `end_of_call`: the compiled call returns (not a graph break).
   void flush(bool end_of_call, std::string_view reason, const CallSite* site);
@@ -270,6 +282,12 @@ void check_marks_honoured(const GuardSet& guards, const std::vector<Leaf>& leave
 // Dynamic shapes: a hash of what same_family compares (no sizes, strides or integer attrs), and
 // whether two graphs are the same program at other sizes.
 uint64_t family_hash(const Graph& g);
+// The graph cache's key: a hash of everything same_structure compares.
+uint64_t structure_hash(const Graph& g);
+// A guided capture's compiled graph (Guide): when `seg` followed its guide to the last node and
+// left `outputs` live as it did, the guide's graph or its dynamic graph's instance with the
+// numbers the capture collected, if one is compiled; else null. Counts a cache hit.
+std::shared_ptr<CompiledGraph> guided_graph(FunctionState& st, const Segment& seg, const std::vector<int>& outputs);
 bool same_family(const Graph& a, const Graph& b);
 // The numbers same_family leaves out, in order: every value's sizes, strides and storage offset,
 // and every integer attr that is not a run-time slot. Two graphs of one family are the same
@@ -287,7 +305,7 @@ struct CounterSet {
   std::atomic<int64_t> calls{0}, frame_compiles{0}, graph_compiles{0}, graph_cache_hits{0},
       graph_runs{0}, graph_breaks{0}, eager_frames{0}, replays{0}, kernel_runs{0}, dispatched_nodes{0},
       recomputed_values{0}, cuda_graph_captures{0}, cuda_graph_replays{0},
-      cuda_graph_output_copies{0}, kernel_builds{0}, size_specializations{0};
+      cuda_graph_output_copies{0}, kernel_builds{0}, size_specializations{0}, guided_captures{0};
 };
 CounterSet& counter_set();
 uint64_t reset_epoch();

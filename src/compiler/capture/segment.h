@@ -20,11 +20,24 @@ namespace kiln::compiler::detail {
 
 constexpr uint64_t kSegmentHashSeed = 0xcbf29ce484222325ull;
 
+struct CompiledGraph;
+struct GraphFamily;
+
+// Guided capture: what the segment a frame entry ran last at one position of its call looks like
+// (FrameEntry::guides). A capture following a guide checks each op against the guide's next node
+// and collects only the numbers size_signature holds, instead of building a graph; when the call
+// ends on the guide's last node, those numbers find the compiled graph to run (an instance of
+// `family`, or `graph` itself). The first op that differs turns the segment into an ordinary
+// capture (derail in context.cpp), which rebuilds the graph so far from the guide and the numbers.
+struct Guide {
+  std::shared_ptr<CompiledGraph> graph;   // a compiled graph of the structure to follow
+  std::shared_ptr<GraphFamily> family;    // its dynamic graph, when it is one
+};
+
 struct Segment {
   enum class State { pending, done, failed };
 
-  Graph graph;
-  uint64_t hash = kSegmentHashSeed;
+  Graph graph;  // empty while guided: `guided` says how far the capture has followed the guide
   std::unordered_map<const kiln::detail::TensorImpl*, int> input_ids;
   std::unordered_map<const kiln::detail::Storage*, int> input_groups;
   std::vector<Tensor> inputs;  // strong references, one per graph input
@@ -48,6 +61,22 @@ struct Segment {
   // order (so each one's vectors already have the capacity the next capture needs).
   std::vector<Node> spare_nodes;        // the next to hand out last
   std::vector<ValueInfo> spare_values;
+
+  // Guided capture (see Guide): the nodes and values followed so far (value ids are handed out as
+  // the graph would), size_signature's numbers in two parts (values, then attrs), and the
+  // run-time scalar attrs in slot order.
+  std::shared_ptr<const Guide> guide;
+  struct Guided {
+    size_t nodes = 0;
+    size_t values = 0;
+    std::vector<int64_t> value_numbers;
+    std::vector<int64_t> attr_numbers;
+    std::vector<Attr> scalars;
+  } guided;
+
+  // The id the next value gets.
+  int next_value_id() const { return static_cast<int>(guide ? guided.values : graph.values.size()); }
+  bool empty() const { return guide ? guided.nodes == 0 : graph.nodes.empty(); }
 
   template <class T>
   static T& append_recycled(std::vector<T>& to, std::vector<T>& spares) {
@@ -94,7 +123,11 @@ struct Segment {
     graph.nodes = std::move(node_buffer);  // their capacity too
     graph.values = std::move(value_buffer);
     graph.inputs = std::move(input_buffer);
-    hash = kSegmentHashSeed;
+    guide.reset();
+    guided.nodes = guided.values = 0;
+    guided.value_numbers.clear();  // (their capacity stays)
+    guided.attr_numbers.clear();
+    guided.scalars.clear();
     input_ids.clear();
     input_groups.clear();
     inputs.clear();
