@@ -52,6 +52,15 @@ void write_debug(const Graph& before, const lower::Program& p, const lower::Memo
   detail::log_stream() << "[kiln.compile] debug trace: " << dir.string() << "\n";
 }
 
+// KILN_PACKED_GEMM=0 runs linear layers' GEMMs through the dispatcher, as eager does (to compare).
+bool packed_gemms_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_PACKED_GEMM");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
 CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   Graph before = graph;
   const bool dynamic_sizes = graph.dynamic;
@@ -66,6 +75,17 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   lower::elide_copy_backs(ex->program);
   const Graph& g = ex->program.graph;
   ex->slots.resize(g.nodes.size());
+  // Linear layers' GEMMs with their weights packed once (runtime/packed_gemm.h).
+  {
+    const std::vector<char> written = passes::internal::written_memory(g);
+    for (int v : g.inputs) ex->writes_inputs |= v >= 0 && written[v];
+    if (packed_gemms_enabled()) {
+      ex->packed_gemms.resize(g.nodes.size());
+      for (const lower::Step& step : ex->program.steps)
+        if (step.kind == lower::Step::Kind::node)
+          ex->packed_gemms[step.node] = runtime::plan_packed_gemm(g, g.nodes[step.node], written);
+    }
+  }
   for (size_t k = 0; k < g.scalars.size(); ++k)
     if (g.scalars[k].node >= 0) ex->slots[g.scalars[k].node].emplace_back(g.scalars[k].attr, static_cast<int>(k));
   for (auto& k : ex->program.kernels) {

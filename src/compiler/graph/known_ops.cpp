@@ -18,6 +18,7 @@ const KnownOps& known_ops() {
       .convolution_backward = registered_op("convolution_backward"),
       .copy = registered_op("copy"),
       .le = registered_op("le"),
+      .mm = registered_op("mm"),
       .native_batch_norm = registered_op("native_batch_norm"),
       .native_batch_norm_backward = registered_op("native_batch_norm_backward"),
       .relu = registered_op("relu"),

@@ -11,7 +11,7 @@ namespace kiln::compiler {
 // conv2d_bn and conv2d_relu are fuse_conv_bn's fused ops.
 struct KnownOps {
   const OpDef &addmm, &as_strided, &avg_pool2d, &cat, &conv2d, &conv2d_bn, &conv2d_relu;
-  const OpDef &convolution_backward, &copy, &le, &native_batch_norm, &native_batch_norm_backward;
+  const OpDef &convolution_backward, &copy, &le, &mm, &native_batch_norm, &native_batch_norm_backward;
   const OpDef &relu, &where;
 };
 

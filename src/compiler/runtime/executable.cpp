@@ -1,6 +1,8 @@
 // The executor of the kiln backend's programs (executable.h).
 #include "compiler/runtime/executable.h"
 
+#include "compiler/graph/known_ops.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -232,6 +234,14 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
                  " and " + std::to_string(args.scalars.size()) + ".");
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
+  // A graph that writes its inputs invalidates packed weight copies when it is done (even when it
+  // throws half way): its kernels' writes bump no version counter (packed_gemm.h).
+  struct NoteInputWrites {
+    bool writes;
+    ~NoteInputWrites() {
+      if (writes) note_graph_input_writes();
+    }
+  } note_input_writes{ex.writes_inputs};
   std::optional<kiln::kernels::AutotuneScope> autotune;
   if (ex.autotune) autotune.emplace();
   std::vector<Tensor> env(g.values.size());
@@ -288,6 +298,17 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       for (uint32_t j = step.inputs; j < step.bindings; ++j) inputs.push_back(lists[j] >= 0 ? env[lists[j]] : Tensor());
       std::vector<Attr> attrs = n.attrs;
       for (auto [attr, k] : ex.slots[step.node]) attrs[attr] = as_kind(n.attrs[attr], args.scalars[k]);
+      if (PackedGemm* packed = static_cast<size_t>(step.node) < ex.packed_gemms.size() ? ex.packed_gemms[step.node].get() : nullptr) {
+        const bool planned = arena.held() && ex.plan.out_node[step.node];
+        Tensor out = planned ? *arena.tensor(ex, n.outputs[0]) : Tensor();
+        static const std::string packed_addmm = "addmm (packed weight)", packed_mm = "mm (packed weight)";
+        kiln::detail::OpTimer timer(n.op == &known_ops().mm ? packed_mm : packed_addmm);
+        if (run_packed_gemm(*packed, inputs, attrs, out)) {
+          env[n.outputs[0]] = std::move(out);
+          for (uint32_t j = step.release; j < step.end; ++j) env[lists[j]] = Tensor();
+          continue;
+        }
+      }
       if (n.inplace) {
         std::vector<Tensor> targets;
         for (int v : n.outputs) targets.push_back(env[v]);

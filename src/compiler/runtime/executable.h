@@ -15,6 +15,7 @@
 #include "compiler/lower/memory_plan.h"
 #include "compiler/runtime/cuda_launch.h"
 #include "compiler/runtime/kernel_cache.h"
+#include "compiler/runtime/packed_gemm.h"
 #include "kiln/compiler.h"
 
 namespace kiln::compiler::runtime {
@@ -76,6 +77,9 @@ struct Executable {
   std::vector<CudaKernel> cuda_kernels;  // per Program kernel (function null for CPU kernels)
   // Per node step: which attrs are scalar slots.
   std::vector<std::vector<std::pair<int, int>>> slots;  // per graph node: (attr, scalar index)
+  // Per graph node: a linear layer's GEMM run with its weight packed once (packed_gemm.h), else null.
+  std::vector<std::shared_ptr<PackedGemm>> packed_gemms;
+  bool writes_inputs = false;     // the graph writes a graph input's memory (note_graph_input_writes)
   lower::MemoryPlan plan;         // reduce_overhead; empty otherwise
   std::unique_ptr<Arena> arena;   // set when the plan is not empty
   bool autotune = false;          // max_autotune: library calls and generated CUDA kernels' launch

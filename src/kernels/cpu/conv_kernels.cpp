@@ -60,6 +60,7 @@
 #include "kernels/autotune_scope.h"
 #include "kernels/cpu/conv_autotune.h"
 #include "kernels/cpu/conv_kernels.h"
+#include "kernels/cpu/onednn.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/cpu/winograd_nhwc.h"
 #include "kernels/fold_batch_norm.h"
@@ -85,15 +86,8 @@ bool onednn_enabled() {
   return enabled;
 }
 
-dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-
-dnnl::stream& thread_stream() {
-  thread_local dnnl::stream stream(cpu_engine());
-  return stream;
-}
+using onednn::cpu_engine;
+using onednn::thread_stream;
 
 // A growable 64-byte-aligned buffer, reused across calls on one thread.
 class ScratchBuffer {
