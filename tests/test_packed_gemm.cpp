@@ -77,6 +77,8 @@ TEST(PackedGemm, AddmmAndMmMatchEager) {
     std::vector<Tensor> inputs = with_bias ? std::vector<Tensor>{b, x, w.t()} : std::vector<Tensor>{x, w.t()};
     std::vector<Attr> attrs = with_bias ? std::vector<Attr>{Scalar(1), Scalar(1)} : std::vector<Attr>{};
     Tensor out;
+    EXPECT_FALSE(run_packed_gemm(*p, inputs, attrs, out));  // a node's first call: the dispatcher's
+    EXPECT_FALSE(out.defined());
     ASSERT_TRUE(run_packed_gemm(*p, inputs, attrs, out));
     EXPECT_TRUE(close(out, with_bias ? addmm(b, x, w.t()) : mm(x, w.t()), gemm_tolerance()));
     // Into a given output (reduce_overhead's arena).
@@ -92,6 +94,8 @@ TEST(PackedGemm, AWeightChangedInPlaceIsPackedAgain) {
   auto p = plan_packed_gemm(g, g.nodes[linear_graph(g, x, w, &b)], {});
   ASSERT_NE(p, nullptr);
   std::vector<Attr> attrs{Scalar(1), Scalar(1)};
+  Tensor first;
+  EXPECT_FALSE(run_packed_gemm(*p, std::vector<Tensor>{b, x, w.t()}, attrs, first));  // (the first call)
   for (int step = 0; step < 2; ++step) {  // two changes: still under the limit of packs in a row
     Tensor out;
     ASSERT_TRUE(run_packed_gemm(*p, std::vector<Tensor>{b, x, w.t()}, attrs, out)) << step;
@@ -115,7 +119,7 @@ TEST(PackedGemm, AWeightThatChangesOnEveryCallGoesBackToTheDispatcher) {
     }
     w.add_(0.25);
   }
-  EXPECT_EQ(packed_runs, 3);
+  EXPECT_EQ(packed_runs, 3);  // calls 2, 3 and 4: the first goes to the dispatcher, the fifth too
 }
 
 TEST(PackedGemm, ScalarsOtherThanOneAndOtherLayoutsDoNotQualify) {

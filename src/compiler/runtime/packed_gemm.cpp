@@ -20,8 +20,11 @@ using dnnl::memory;
 struct PackedGemm {
   bool bias = false;          // addmm (else mm)
   int64_t m = 0, k = 0, n = 0;
-  // The primitive, made at the first run (a dynamic graph lowers each new size; most sizes of a
-  // generation run once or never again): `ready` false when oneDNN has no implementation.
+  // The primitive, made at the second run: a dynamic graph lowers every new size it meets, and
+  // a size met once (a generation's growing sequence) would pay oneDNN's kernel generation and
+  // the packing for one call; its first run goes through the dispatcher. `ready` false when
+  // oneDNN has no implementation.
+  std::atomic<int> runs{0};
   std::once_flag made;
   bool ready = false;
   dnnl::matmul::primitive_desc pd;
@@ -216,6 +219,7 @@ bool run_packed_gemm(PackedGemm& p, std::span<const Tensor> inputs, std::span<co
     return false;
 
   if (p.unstable.load(std::memory_order_relaxed)) return false;
+  if (p.runs.fetch_add(1, std::memory_order_relaxed) == 0) return false;
   std::call_once(p.made, [&] { make_primitive(p); });
   if (!p.ready) return false;
   dnnl::engine& engine = cpu::onednn::cpu_engine();

@@ -38,7 +38,9 @@ void note_graph_input_writes();
 
 // out = bias + x @ w (addmm) or x @ w (mm). `inputs` are the node's inputs and `attrs` its attrs
 // with this call's scalars; `out` is the planned output (reduce_overhead's arena) or undefined (a
-// new tensor is made). Returns false, touching nothing, when this call does not fit the plan.
+// new tensor is made). Returns false, touching nothing, when this call does not fit the plan, and
+// on a node's first call (a size a dynamic graph meets once is not worth oneDNN's kernel
+// generation and the packing).
 bool run_packed_gemm(PackedGemm& p, std::span<const Tensor> inputs, std::span<const Attr> attrs, Tensor& out);
 
 }  // namespace kiln::compiler::runtime
