@@ -1110,6 +1110,32 @@ TEST_F(Compile, PureModuleReplaySeesInPlaceParameterUpdates) {
   EXPECT_EQ(compiler::counters().replays, replays + 1);
 }
 
+// A replay writes what the body wrote: every write shows in the tensor's version counter, as the
+// body's in-place calls did when they were captured (autograd's saved-tensor checks and packed
+// weights read it), also where a generated kernel stores straight into the argument.
+TEST_F(Compile, PureReplayCountsItsWritesInVersionCounters) {
+  for (const char* backend : {"kiln", "aot_eager"}) {
+    Tensor w = randn({64});
+    Tensor expected = w.clone();
+    auto f = kiln::compile(
+        [&](const Tensor& s) {
+          w.mul_(s);
+          return s + 1;
+        },
+        {.backend = std::string(backend), .pure = true});
+    Tensor s = full({}, 0.5);
+    Delta d;
+    for (int i = 0; i < 5; ++i) {
+      const uint64_t before = w.version();
+      f(s);
+      expected.mul_(0.5);
+      EXPECT_GT(w.version(), before) << backend << " call " << i;
+      EXPECT_TRUE(close(w, expected)) << backend << " call " << i;
+    }
+    EXPECT_GT(d.now().replays, 0) << backend;
+  }
+}
+
 TEST_F(Compile, PureFunctionWithRandomOpsKeepsDrawing) {
   int count = 0;
   auto f = kiln::compile(

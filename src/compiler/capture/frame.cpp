@@ -10,6 +10,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "compiler/graph/passes.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"
@@ -120,6 +121,10 @@ struct FrameEntry::Replay {
     // grad_fn, which a backward inside the call spent): a replay gives it a stand-in with that
     // name and marks it as requiring grad, as the body did.
     std::shared_ptr<autograd::SpentNode> history;
+    // The graph writes this input's memory: a replay bumps its version counter, as the body's
+    // in-place calls did when they were captured (generated kernels that store into an input
+    // count nothing themselves).
+    bool written = false;
   };
   std::vector<Input> inputs;
   std::vector<Attr> scalars;
@@ -327,6 +332,11 @@ void analyze_for_replay(CaptureContext& ctx, FrameEntry& entry, const std::vecto
     }
     plan->inputs.push_back(std::move(in));
   }
+  {
+    const std::vector<char> written = passes::internal::written_memory(g);
+    for (size_t k = 0; k < plan->inputs.size() && k < g.inputs.size(); ++k)
+      plan->inputs[k].written = g.inputs[k] >= 0 && written[g.inputs[k]];
+  }
   plan->scalars = ctx.last_scalars;  // this capture's values (the cached graph holds the first capture's)
   std::vector<Leaf> result_leaves;
   if (hooks.result_leaves) hooks.result_leaves(result_leaves);
@@ -456,6 +466,8 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
     NoGradGuard no_grad;
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
+  for (size_t k = 0; k < plan->inputs.size(); ++k)
+    if (plan->inputs[k].written) inputs[k].impl().storage->version.fetch_add(1, std::memory_order_relaxed);
   for (size_t k = 0; k < plan->inputs.size(); ++k) {
     if (const auto& history = plan->inputs[k].history) {
       inputs[k].impl().requires_grad = true;

@@ -4,6 +4,8 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
 #include <atomic>
 #include <unordered_map>
 #include <vector>
@@ -181,13 +183,36 @@ std::shared_ptr<PackedGemm> plan_packed_gemm(const Graph& g, const Node& node, c
 
 namespace {
 
+// A thread's scratch memory for the primitives it runs (user scratchpad mode: calls of one
+// primitive from several threads never share it).
+void* thread_scratch(size_t bytes) {
+  struct Buffer {
+    void* data = nullptr;
+    size_t capacity = 0;
+    ~Buffer() { std::free(data); }
+  };
+  thread_local Buffer buffer;
+  if (bytes > buffer.capacity) {
+    std::free(buffer.data);
+    buffer.capacity = (bytes + 63) / 64 * 64;
+    buffer.data = std::aligned_alloc(64, buffer.capacity);
+    if (!buffer.data) {
+      buffer.capacity = 0;
+      throw std::bad_alloc();
+    }
+  }
+  return buffer.data;
+}
+
 void make_primitive(PackedGemm& p) {
   try {
     const memory::desc src = matrix_desc(p.m, p.k, p.k, 1), dst = matrix_desc(p.m, p.n, p.n, 1);
     const memory::desc weights({p.k, p.n}, memory::data_type::f32, memory::format_tag::any);
     dnnl::engine& engine = cpu::onednn::cpu_engine();
-    p.pd = p.bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, matrix_desc(1, p.n, p.n, 1), dst), engine)
-                  : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), engine);
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    p.pd = p.bias ? dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, matrix_desc(1, p.n, p.n, 1), dst), attr, engine)
+                  : dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), attr, engine);
     p.primitive = dnnl::matmul(p.pd);
     p.ready = true;
   } catch (const dnnl::error&) {
@@ -235,6 +260,8 @@ bool run_packed_gemm(PackedGemm& p, std::span<const Tensor> inputs, std::span<co
   memory dst(p.pd.dst_desc(), engine, out.impl().data());
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, *packed}, {DNNL_ARG_DST, dst}};
   if (p.bias) args.emplace(DNNL_ARG_BIAS, memory(p.pd.bias_desc(), engine, inputs[0].impl().data()));
+  const memory::desc scratch = p.pd.scratchpad_desc();
+  if (scratch.get_size() > 0) args.emplace(DNNL_ARG_SCRATCHPAD, memory(scratch, engine, thread_scratch(scratch.get_size())));
   p.primitive.execute(cpu::onednn::thread_stream(), args);
   cpu::onednn::thread_stream().wait();
   return true;
