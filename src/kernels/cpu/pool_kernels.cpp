@@ -22,6 +22,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "kernels/cpu/onednn.h"
 #include "kernels/cpu/loops.h"
 #include "kernels/cpu/pool_window.h"
 #include "core/tensor_factory.h"
@@ -353,15 +354,8 @@ void with_channels_last(const Tensor& input, std::span<Tensor> outs, Body&& body
 
 // ---------------- oneDNN ----------------
 
-dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-
-dnnl::stream& thread_stream() {
-  thread_local dnnl::stream stream(cpu_engine());
-  return stream;
-}
+using onednn::cpu_engine;
+using onednn::thread_stream;
 
 struct PoolKey {
   std::array<int64_t, 14> dims;
