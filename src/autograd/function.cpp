@@ -19,6 +19,8 @@ bool differentiable(DType t) { return is_floating_point(t); }
 
 uint64_t next_sequence_nr() { return g_sequence_nr.fetch_add(1, std::memory_order_relaxed); }
 
+// Lazy creation is safe because it happens on the thread that owns the tensor: requires_grad_(true)
+// creates a leaf's metadata (the ensure_meta hook) and record() an output's before either is shared.
 AutogradMeta& meta(const Tensor& t) {
   auto& impl = t.impl();
   if (!impl.autograd) impl.autograd = std::make_shared<AutogradMeta>();
@@ -31,6 +33,9 @@ Edge gradient_edge(const Tensor& t) {
   if (!t.defined() || !t.requires_grad()) return {};
   AutogradMeta& m = meta(t);
   if (m.grad_fn) return {m.grad_fn, m.output_nr};
+  // A leaf shared between threads: every graph must get the one live accumulator, and the weak_ptr
+  // must not be written by two threads at once (a torn control block crashed the engine).
+  std::lock_guard lock(m.accumulator_mutex);
   auto acc = m.grad_accumulator.lock();
   if (!acc) {
     auto a = std::make_shared<AccumulateGrad>();
@@ -318,6 +323,7 @@ namespace {
     const auto& r = *static_cast<const InplaceRecording*>(state.get());
     record(op, r.node_inputs, attrs, outputs, r.overwritten);
   };
+  h.ensure_meta = [](const Tensor& t) { meta(t); };
   return true;
 }();
 

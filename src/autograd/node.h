@@ -43,6 +43,8 @@ struct AutogradMeta {
   bool is_view_of_grad_tensor = false;  // a view whose base requires grad (in-place on it is refused)
   std::vector<TensorHook> hooks;        // leaves only; non-leaf hooks live on grad_fn
   std::mutex mutex;                     // guards grad during accumulation
+  // Guards grad_accumulator: threads running forwards on one shared leaf create its node at once.
+  std::mutex accumulator_mutex;
 };
 
 // A tensor saved for backward, with the version it had when saved.

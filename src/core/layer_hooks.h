@@ -44,6 +44,10 @@ struct AutogradHooks {
                                          std::span<const Tensor> outputs) = nullptr;
   void (*finish_inplace)(const std::shared_ptr<void>& state, const OpDef& op, std::span<const Attr> attrs,
                          std::span<Tensor> outputs) = nullptr;
+  // requires_grad_(true): creates the tensor's autograd metadata now, on the caller's thread. A
+  // leaf that later threads share (a model's parameters) must not have it created lazily by the
+  // first op each thread records: two threads would both write the pointer.
+  void (*ensure_meta)(const Tensor& t) = nullptr;
 };
 
 struct LogHooks {

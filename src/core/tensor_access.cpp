@@ -76,6 +76,7 @@ Tensor& Tensor::requires_grad_(bool on) {
   KILN_CHECK(!on || is_floating_point(), DTypeError,
              "[kiln::requires_grad_] only tensors of floating point dtype can require gradients, got " +
                  std::string(dtype_name(dtype())) + ".");
+  if (on && detail::autograd_hooks.ensure_meta) detail::autograd_hooks.ensure_meta(*this);
   impl().requires_grad = on;
   return *this;
 }
