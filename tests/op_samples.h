@@ -35,7 +35,7 @@ inline std::optional<SampleCall> sample_call(const OpDef& op, DType dtype, Devic
                                              const std::function<Tensor(IntArrayRef, DType, size_t)>& floats) {
   SampleCall call;
   const std::string& schema = op.schema;
-  const size_t open = schema.find('('), close = schema.find(')');
+  const size_t open = schema.find('('), close = schema.rfind(") ->");  // "Tensor(a)" has a ')'
   std::stringstream params(schema.substr(open + 1, close - open - 1));
   const std::vector<int64_t> sizes{4, 16};
   for (std::string p; std::getline(params, p, ',');) {

@@ -145,6 +145,13 @@ struct OpDef {
   // statistics only in training); unset: every call writes them. Decides the version bump, which
   // caches keyed on versions (folded conv + batch-norm weights) rely on.
   std::function<bool(const OpCall&)> writes_mutated_inputs;
+  // Filled by register_op from the schema: the tensor parameters (a Tensor[] list counts none and
+  // sets tensor_list) and the other parameters, all and those without a default (a call may leave
+  // trailing defaulted ones out). call_op checks a call's arity against them before the meta
+  // reads inputs and attrs by position; -1 when the schema does not parse (no check).
+  int tensor_params = -1, required_tensor_params = -1;
+  bool tensor_list = false;
+  int attr_params = -1, required_attr_params = -1;
 
   // Whether the op fuses into its neighbours' generated kernel (a pointwise lowering): the
   // scheduler chains such ops into one kernel and into a reduction's prologue or epilogue, reads
@@ -180,6 +187,10 @@ OpDef& register_op(OpDef def);
 void register_kernel(std::string_view name, DeviceType device, Kernel kernel);
 // Registers several kernels of one device: {{"uniform", uniform_kernel}, {"normal", normal_kernel}}.
 void register_kernels(DeviceType device, std::initializer_list<std::pair<std::string_view, Kernel>> kernels);
+
+// Throws ValueError when a call of `op` has the wrong number of tensor inputs or attrs for its
+// schema (call_op and call_op_out check this first).
+void check_arity(const OpDef& op, size_t inputs, size_t attrs);
 
 // Runs an op: meta (validation), output allocation, kernel. Returns its outputs.
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs = {});

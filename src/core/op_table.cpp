@@ -73,7 +73,80 @@ std::vector<const OpDef*> OpTable::all() const {
   return out;
 }
 
+namespace {
+
+// Counts a schema's parameters: "f(Tensor(a) self, Tensor[] xs, *, int[2] k=1) -> Tensor" has one
+// tensor, a tensor list and one attr. Leaves the counts at -1 when the schema does not parse.
+void count_params(OpDef& op) {
+  const std::string& s = op.schema;
+  const size_t open = s.find('(');
+  if (open == std::string::npos) return;
+  int tensors = 0, attrs = 0, required_tensors = 0, required_attrs = 0, depth = 0;
+  bool list = false;
+  size_t start = open + 1;
+  for (size_t i = start; i < s.size(); ++i) {
+    const char c = s[i];
+    if (c == '(' || c == '[') {
+      ++depth;
+    } else if ((c == ')' || c == ']') && depth > 0) {
+      --depth;
+    } else if ((c == ',' || c == ')') && depth == 0) {
+      std::string_view p = std::string_view(s).substr(start, i - start);
+      while (!p.empty() && p.front() == ' ') p.remove_prefix(1);
+      if (!p.empty() && p != "*") {
+        const bool required = p.find('=') == std::string_view::npos;
+        if (!p.starts_with("Tensor")) {
+          ++attrs;
+          required_attrs += required;
+        } else if (p.substr(0, p.find(' ')).find("[]") != std::string_view::npos) {
+          list = true;
+        } else {
+          ++tensors;
+          required_tensors += required;
+        }
+      }
+      start = i + 1;
+      if (c == ')') {
+        op.tensor_params = tensors;
+        op.required_tensor_params = required_tensors;
+        op.tensor_list = list;
+        op.attr_params = attrs;
+        op.required_attr_params = required_attrs;
+        return;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+std::string count_range(int low, int high, bool unbounded) {
+  if (unbounded) return "at least " + std::to_string(low);
+  return low == high ? std::to_string(low) : std::to_string(low) + " to " + std::to_string(high);
+}
+
+}  // namespace
+
+void check_arity(const OpDef& op, size_t inputs, size_t attrs) {
+  if (op.tensor_params < 0) return;
+  const bool inputs_ok = inputs >= static_cast<size_t>(op.required_tensor_params) &&
+                         (op.tensor_list || inputs <= static_cast<size_t>(op.tensor_params));
+  KILN_CHECK(inputs_ok, ValueError,
+             "[kiln::call_op] op '" + op.name + "' takes " +
+                 count_range(op.required_tensor_params, op.tensor_params, op.tensor_list) + " tensor inputs (" +
+                 op.schema + "), got " + std::to_string(inputs) + ".");
+  const bool attrs_ok =
+      attrs >= static_cast<size_t>(op.required_attr_params) && attrs <= static_cast<size_t>(op.attr_params);
+  KILN_CHECK(attrs_ok, ValueError,
+             "[kiln::call_op] op '" + op.name + "' takes " +
+                 count_range(op.required_attr_params, op.attr_params, false) + " non-tensor arguments (" +
+                 op.schema + "), got " + std::to_string(attrs) + ".");
+}
+
 OpDef& register_op(OpDef def) {
+  count_params(def);
   OpDef& e = OpTable::instance().entry(def.name);
   KILN_CHECK(!e.meta, Error, "[kiln::register_op] op '" + def.name + "' is registered twice.");
   auto kernels = e.kernels;  // kernels may have registered first
@@ -176,6 +249,7 @@ void check_out_targets(const OpDef& op, const std::vector<TensorMeta>& metas, st
 }  // namespace detail
 
 std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs) {
+  check_arity(op, inputs.size(), attrs.size());
   if (void* cap = detail::active_capture_hook()) [[unlikely]]
     return detail::capture_hooks.run_op(cap, op, inputs, attrs);
   detail::OpTimer timer(op.name);
@@ -206,6 +280,7 @@ Tensor call_op1(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> a
 
 void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> attrs,
                  std::span<Tensor> outputs) {
+  check_arity(op, inputs.size(), attrs.size());
   if (!op.overlapping_output_ok) {
     for (const Tensor& out : outputs) {
       KILN_CHECK(!detail::has_internal_overlap(out), Error,
