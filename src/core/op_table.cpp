@@ -9,6 +9,7 @@
 #include "core/dispatch.h"
 #include "core/layer_hooks.h"
 #include "core/profiler.h"
+#include "core/schema.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"  // NoGradGuard: grad mode is core state
@@ -78,49 +79,27 @@ namespace {
 // Counts a schema's parameters: "f(Tensor(a) self, Tensor[] xs, *, int[2] k=1) -> Tensor" has one
 // tensor, a tensor list and one attr. Leaves the counts at -1 when the schema does not parse.
 void count_params(OpDef& op) {
-  const std::string& s = op.schema;
-  const size_t open = s.find('(');
-  if (open == std::string::npos) return;
-  int tensors = 0, attrs = 0, required_tensors = 0, required_attrs = 0, depth = 0;
+  const std::vector<detail::SchemaParam> params = detail::parse_schema_params(op.schema);
+  if (params.empty() && op.schema.find("()") == std::string::npos) return;
+  int tensors = 0, attrs = 0, required_tensors = 0, required_attrs = 0;
   bool list = false;
-  size_t start = open + 1;
-  for (size_t i = start; i < s.size(); ++i) {
-    const char c = s[i];
-    if (c == '(' || c == '[') {
-      ++depth;
-    } else if ((c == ')' || c == ']') && depth > 0) {
-      --depth;
-    } else if ((c == ',' || c == ')') && depth == 0) {
-      std::string_view p = std::string_view(s).substr(start, i - start);
-      while (!p.empty() && p.front() == ' ') p.remove_prefix(1);
-      if (!p.empty() && p != "*") {
-        const bool required = p.find('=') == std::string_view::npos;
-        if (!p.starts_with("Tensor")) {
-          ++attrs;
-          required_attrs += required;
-        } else if (p.substr(0, p.find(' ')).find("[]") != std::string_view::npos) {
-          list = true;
-        } else {
-          ++tensors;
-          required_tensors += required;
-        }
-      }
-      start = i + 1;
-      if (c == ')') {
-        op.tensor_params = tensors;
-        op.required_tensor_params = required_tensors;
-        op.tensor_list = list;
-        op.attr_params = attrs;
-        op.required_attr_params = required_attrs;
-        return;
-      }
+  for (const detail::SchemaParam& p : params) {
+    if (!p.is_tensor()) {
+      ++attrs;
+      required_attrs += !p.has_default;
+    } else if (p.type.find("[]") != std::string::npos) {
+      list = true;
+    } else {
+      ++tensors;
+      required_tensors += !p.has_default;
     }
   }
+  op.tensor_params = tensors;
+  op.required_tensor_params = required_tensors;
+  op.tensor_list = list;
+  op.attr_params = attrs;
+  op.required_attr_params = required_attrs;
 }
-
-}  // namespace
-
-namespace {
 
 std::string count_range(int low, int high, bool unbounded) {
   if (unbounded) return "at least " + std::to_string(low);

@@ -210,7 +210,7 @@ void check_against_schema(const Node& n, const std::string& where) {
   }
 }
 
-void check_value(const ValueInfo& v, const std::string& where, size_t num_values) {
+void check_value(const ValueInfo& v, const std::string& where) {
   if (v.sizes.size() > kMaxRank) refuse(where + " has rank " + std::to_string(v.sizes.size()));
   if (!v.strides.empty() && v.strides.size() != v.sizes.size())
     refuse(where + " has " + std::to_string(v.sizes.size()) + " sizes but " + std::to_string(v.strides.size()) +
@@ -225,8 +225,6 @@ void check_value(const ValueInfo& v, const std::string& where, size_t num_values
     if (s < 0 || s > kMaxSize) refuse(where + " has stride " + std::to_string(s));
   if (v.storage_offset < 0 || v.storage_offset > kMaxSize)
     refuse(where + " has storage offset " + std::to_string(v.storage_offset));
-  if (v.storage < -1 || v.storage >= static_cast<int64_t>(num_values))
-    refuse(where + " names alias group " + std::to_string(v.storage) + ", out of range");
 }
 
 int id_from(const json& j, const std::string& where, size_t bound, bool allow_none = false) {
@@ -366,7 +364,7 @@ Graph deserialize_graph(std::string_view text, const std::map<std::string, Tenso
       if (!it->is_boolean()) refuse(where + ": field 'wrapped_number' must be true or false");
       v.is_wrapped_number = it->get<bool>();
     }
-    check_value(v, where, values.size());
+    check_value(v, where);
     g.values.push_back(std::move(v));
   }
   const size_t num_values = g.values.size();

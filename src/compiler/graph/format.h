@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/schema.h"
 #include "kiln/compiler/graph.h"
 
 namespace kiln::compiler::detail {
@@ -15,14 +16,9 @@ std::string_view short_dtype_name(DType t);
 std::string type_str(DType t, const std::vector<int64_t>& sizes);
 std::string type_str(const ValueInfo& v);
 
-// One parameter of an op schema, "Tensor(a!)? running_mean=None" -> {type, name}.
-struct SchemaParam {
-  std::string type;
-  std::string name;
-  bool is_tensor() const { return type.starts_with("Tensor"); }
-};
-// The parameters of a schema string, in order ("*" dropped). Empty when it does not parse.
-std::vector<SchemaParam> parse_schema_params(std::string_view schema);
+// Schema parameters (core/schema.h), shared with the dispatcher's arity check.
+using kiln::detail::parse_schema_params;
+using kiln::detail::SchemaParam;
 // Names of the op's attrs (its non-Tensor parameters, in schema order).
 std::vector<std::string> attr_names(const OpDef& op);
 
