@@ -4,6 +4,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -49,6 +50,13 @@ std::map<std::string, std::string> load_safetensors_metadata(const std::string& 
 // when the file cannot be written.
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata = {});
+
+// The same, over a safetensors image in memory; `what` names it in errors (e.g. the package and
+// section it came from).
+NamedTensors load_safetensors_bytes(std::string_view bytes, const std::string& what);
+// The bytes save_safetensors writes, in memory (for containers that hold a safetensors image,
+// such as exported programs).
+std::string safetensors_bytes(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata = {});
 
 // ======================= DLPack =======================
 // Zero-copy exchange with any DLPack producer or consumer (PyTorch, JAX, CuPy, NumPy, TVM).

@@ -7,6 +7,7 @@
 #include "kiln/device.h"
 #include "kiln/dtype.h"
 #include "kiln/error.h"
+#include "kiln/export.h"
 #include "kiln/io.h"
 #include "kiln/models.h"
 #include "kiln/nn.h"

@@ -18,6 +18,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <string_view>
@@ -106,8 +107,32 @@ class Context {
   std::string prefix_;
 };
 
+// Where a safetensors image is read from: a file or bytes in memory.
+class ByteSource {
+ public:
+  virtual ~ByteSource() = default;
+  virtual uint64_t size() const = 0;
+  // Reads exactly n bytes at `offset`.
+  virtual void read_at(void* dst, uint64_t n, uint64_t offset) const = 0;
+};
+
+// Bytes in memory (an exported program's weights section).
+class MemorySource : public ByteSource {
+ public:
+  MemorySource(std::string_view bytes, const Context& ctx) : bytes_(bytes), ctx_(ctx) {}
+  uint64_t size() const override { return bytes_.size(); }
+  void read_at(void* dst, uint64_t n, uint64_t offset) const override {
+    if (offset > bytes_.size() || n > bytes_.size() - offset) ctx_.malformed("a read runs past the end of the bytes");
+    if (n > 0) std::memcpy(dst, bytes_.data() + offset, static_cast<size_t>(n));
+  }
+
+ private:
+  std::string_view bytes_;
+  const Context& ctx_;
+};
+
 // A read-only file descriptor.
-class InputFile {
+class InputFile : public ByteSource {
  public:
   InputFile(const std::string& path, const Context& ctx) : ctx_(ctx) {
     // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer; the type is checked
@@ -131,10 +156,10 @@ class InputFile {
   InputFile(const InputFile&) = delete;
   InputFile& operator=(const InputFile&) = delete;
 
-  uint64_t size() const { return size_; }
+  uint64_t size() const override { return size_; }
 
   // Reads exactly n bytes at `offset`; a file that shrank since it was opened is an error.
-  void read_at(void* dst, uint64_t n, uint64_t offset) const {
+  void read_at(void* dst, uint64_t n, uint64_t offset) const override {
     auto* p = static_cast<char*>(dst);
     while (n > 0) {
       size_t chunk = static_cast<size_t>(std::min<uint64_t>(n, kMaxChunk));
@@ -287,7 +312,7 @@ Entry parse_entry(const std::string& name, const json& info, const Context& ctx)
 
 // Reads and validates the length prefix and the JSON header, and checks that the tensors'
 // byte ranges tile the data buffer exactly (what the reference implementation requires).
-Header read_header(const InputFile& file, const Context& ctx) {
+Header read_header(const ByteSource& file, const Context& ctx) {
   const uint64_t file_size = file.size();
   if (file_size < 8)
     ctx.malformed("the file has " + std::to_string(file_size) +
@@ -434,9 +459,9 @@ class AtomicOutputFile {
 
 }  // namespace
 
-NamedTensors load_safetensors(const std::string& path) {
-  Context ctx("load_safetensors", path);
-  InputFile file(path, ctx);
+namespace {
+
+NamedTensors read_tensors(const ByteSource& file, const Context& ctx) {
   Header h = read_header(file, ctx);
   NamedTensors out;
   out.reserve(h.entries.size());
@@ -456,15 +481,32 @@ NamedTensors load_safetensors(const std::string& path) {
   return out;
 }
 
+}  // namespace
+
+NamedTensors load_safetensors(const std::string& path) {
+  Context ctx("load_safetensors", path);
+  InputFile file(path, ctx);
+  return read_tensors(file, ctx);
+}
+
+NamedTensors load_safetensors_bytes(std::string_view bytes, const std::string& what) {
+  Context ctx("load_safetensors_bytes", what);
+  MemorySource source(bytes, ctx);
+  return read_tensors(source, ctx);
+}
+
 std::map<std::string, std::string> load_safetensors_metadata(const std::string& path) {
   Context ctx("load_safetensors_metadata", path);
   InputFile file(path, ctx);
   return read_header(file, ctx).metadata;
 }
 
-void save_safetensors(const std::string& path, const NamedTensors& tensors,
-                      const std::map<std::string, std::string>& metadata) {
-  const std::string op = "[kiln::save_safetensors] " + path + ": ";
+namespace {
+
+// Writes the safetensors image of `tensors` through `write(data, n)`.
+template <class Write>
+void write_safetensors(const std::string& op, const NamedTensors& tensors,
+                       const std::map<std::string, std::string>& metadata, Write&& write) {
   std::set<std::string_view> names;
   for (const auto& [name, t] : tensors) {
     KILN_CHECK(t.defined(), ValueError,
@@ -510,19 +552,38 @@ void save_safetensors(const std::string& path, const NamedTensors& tensors,
                  std::to_string(kMaxHeaderBytes) +
                  "-byte limit readers accept. Save fewer tensors per file.");
 
-  AtomicOutputFile file(path);
   unsigned char prefix[8];
   for (int i = 0; i < 8; ++i)
     prefix[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
-  file.write(prefix, 8);
-  file.write(text.data(), text.size());
+  write(prefix, 8);
+  write(text.data(), text.size());
   for (size_t i : order) {
     const Tensor& t = tensors[i].second;
     if (t.numel() == 0) continue;
     Tensor host = t.to(kCPU).contiguous();  // one tensor at a time: peak extra memory is one tensor
-    file.write(host.raw_data_ptr(), static_cast<uint64_t>(host.nbytes()));
+    write(host.raw_data_ptr(), static_cast<uint64_t>(host.nbytes()));
   }
-  file.commit();
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path, const NamedTensors& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  const std::string op = "[kiln::save_safetensors] " + path + ": ";
+  std::optional<AtomicOutputFile> file;
+  write_safetensors(op, tensors, metadata, [&](const void* data, uint64_t n) {
+    if (!file) file.emplace(path);  // created once the tensors and names are checked
+    file->write(data, n);
+  });
+  file->commit();
+}
+
+std::string safetensors_bytes(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  std::string out;
+  write_safetensors("[kiln::safetensors_bytes] ", tensors, metadata, [&](const void* data, uint64_t n) {
+    out.append(static_cast<const char*>(data), static_cast<size_t>(n));
+  });
+  return out;
 }
 
 }  // namespace kiln

@@ -19,6 +19,8 @@ namespace kiln::compiler::detail {
 using kiln::detail::Storage;
 using kiln::detail::TensorImpl;
 
+thread_local const FlushObserver* t_flush_observer = nullptr;
+
 namespace {
 thread_local CaptureContext* t_capture = nullptr;
 
@@ -684,6 +686,11 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
                          " outputs. A backend's callable must return one tensor per graph output.");
     }
     for (size_t k = 0; k < results.size(); ++k) bind(*live[k], shapes.values[output_ids[k]], results[k], k);
+    if (const FlushObserver* observer = t_flush_observer) {
+      std::vector<const Storage*> bound;
+      for (const auto& s : live) bound.push_back(s.get());
+      (*observer)(bound);
+    }
     if (!recomputed.empty()) {
       attach_recipes(seg, recomputed, live);
       const auto saved_values = std::count_if(recomputed.begin(), recomputed.end(),

@@ -21,6 +21,7 @@ namespace {
 
 std::atomic<int> g_next_frame_id{0};
 thread_local const CompileOptions* t_compiling_options = nullptr;
+
 thread_local int t_disabled_depth = 0;  // inside disable(fn, recursive=true)
 
 using Clock = std::chrono::steady_clock;
@@ -923,11 +924,7 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     BackendFn backend = ctx.backend == st.backend_name && st.backend_fn ? st.backend_fn : lookup_backend(ctx.backend);
     Graph working = cg->graph;  // the backend may rewrite its copy; the cache compares against cg->graph
     auto t0 = Clock::now();
-    struct OptionsScope {
-      const CompileOptions* saved;
-      explicit OptionsScope(const CompileOptions* o) : saved(std::exchange(t_compiling_options, o)) {}
-      ~OptionsScope() { t_compiling_options = saved; }
-    } options_scope(&st.options);
+    CompilingOptionsScope options_scope(&st.options);
     cg->fn = backend(working, example);
     cg->compile_seconds = seconds_since(t0);
     if (!cg->fn) {
@@ -1029,6 +1026,14 @@ DisabledScope::~DisabledScope() {
 namespace kiln::detail {
 void materialize_lazy(const TensorImpl& impl) { compiler::detail::materialize(impl); }
 }  // namespace kiln::detail
+
+namespace kiln::compiler::detail {
+
+CompilingOptionsScope::CompilingOptionsScope(const CompileOptions* options)
+    : saved_(std::exchange(t_compiling_options, options)) {}
+CompilingOptionsScope::~CompilingOptionsScope() { t_compiling_options = saved_; }
+
+}  // namespace kiln::compiler::detail
 
 namespace kiln::compiler {
 

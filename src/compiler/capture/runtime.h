@@ -116,6 +116,24 @@ struct CompiledGraph {
   std::exception_ptr error;
 };
 
+// For export_program (compiler/export): while set on this thread, every flushed segment reports
+// the storages its graph outputs were bound to, in graph-output order, after they became real.
+using FlushObserver = std::function<void(const std::vector<const kiln::detail::Storage*>& outputs)>;
+extern thread_local const FlushObserver* t_flush_observer;
+
+// Makes `options` what compiling_options() returns on this thread while alive (the frame runtime
+// sets it around a backend call; export's loader sets it around its own).
+class CompilingOptionsScope {
+ public:
+  explicit CompilingOptionsScope(const CompileOptions* options);
+  ~CompilingOptionsScope();
+  CompilingOptionsScope(const CompilingOptionsScope&) = delete;
+  CompilingOptionsScope& operator=(const CompilingOptionsScope&) = delete;
+
+ private:
+  const CompileOptions* saved_;
+};
+
 }  // namespace kiln::compiler::detail
 
 namespace kiln::compiler {

@@ -384,7 +384,9 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
     }
     std::vector<std::exception_ptr> errors(batches.size());
     std::atomic<size_t> next{0};
+    BundleRecorder* recorder = BundleRecorder::current();  // export_program bundles the cubins
     auto work = [&] {
+      BundleRecorder::Scope record_here(recorder);
       for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
         try {
           std::vector<const codegen::CudaKernelSource*> members;

@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -294,10 +295,15 @@ void set_entry_verified_hook_for_testing(std::function<void(const std::string& p
   g_verified_hook = std::move(hook);
 }
 
-std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
-  std::string label = req.label.empty() ? "a kernel library" : req.label;
-  KILN_CHECK(!req.sources.empty(), ValueError,
-             "[kiln::compile] nothing to build for " + label + ": the request has no sources.");
+namespace {
+
+// Where an entry of the disk cache came from, for the bundle recorder.
+struct CacheEntryInfo {
+  std::string so_path, sum_path, target_macros, compiler;
+};
+
+std::shared_ptr<SharedObject> load_or_build_cached(const BuildRequest& req, const std::string& label,
+                                                   CacheEntryInfo& info) {
   const std::string vdir = version_dir(resolve_root(), "cpp");
   const codegen::CxxCompiler& cxx = compiler_for(vdir);
   std::vector<std::string> flags = cxx.default_flags;
@@ -305,6 +311,7 @@ std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
   const std::string key = cache_key(cxx, flags, req.sources);
   const std::string so_path = vdir + "/" + key + ".so";
   const std::string sum_path = vdir + "/" + key + ".sha256";
+  info = {so_path, sum_path, cxx.target_macros, cxx.version.substr(0, cxx.version.find('\n'))};
 
   if (auto object = find_loaded(so_path)) {
     ++g_hits;
@@ -338,6 +345,170 @@ std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
   return load(std::move(built), so_path, label);
 }
 
+// ---- bundled kernels ----
+
+std::mutex g_bundle_mutex;
+std::unordered_map<std::string, std::weak_ptr<const BundledLibrary>> g_bundled_libraries;
+std::unordered_map<std::string, std::weak_ptr<SharedObject>> g_bundled_loaded;
+std::map<std::pair<std::string, std::string>, std::weak_ptr<const BundledBlob>> g_bundled_blobs;
+thread_local BundleRecorder* t_recorder = nullptr;
+
+// The registered library for `key` loaded (once per process while in use), or nullptr.
+std::shared_ptr<SharedObject> load_bundled(const std::string& key, const std::string& label,
+                                           std::shared_ptr<const BundledLibrary>& library) {
+  std::lock_guard<std::mutex> lock(g_bundle_mutex);
+  auto it = g_bundled_libraries.find(key);
+  if (it == g_bundled_libraries.end()) return nullptr;
+  library = it->second.lock();
+  if (!library) {
+    g_bundled_libraries.erase(it);
+    return nullptr;
+  }
+  if (auto loaded = g_bundled_loaded[key].lock()) return loaded;
+  // The verified bytes go into a sealed anonymous file of this process: no path another user could
+  // write, and nothing can change them between here and the loader.
+  Fd fd(::memfd_create("kiln-bundled-kernels", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  KILN_CHECK(fd.fd >= 0, CompileError,
+             "[kiln::compile] cannot create an in-memory file for a bundled kernel library: " +
+                 errno_text(errno) + ".");
+  write_all(fd.fd, library->bytes, "a bundled kernel library");
+  ::fcntl(fd.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL);
+  auto object = std::make_shared<SharedObject>(fd.release(), "bundled kernels " + key.substr(0, 16), label);
+  g_bundled_loaded[key] = object;
+  return object;
+}
+
+}  // namespace
+
+std::vector<std::string> cpu_lacks(const std::string& target_macros) {
+  std::vector<std::string> lacking;
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c1 = 0, d1 = 0, b7 = 0, c7 = 0, d7 = 0, a71 = 0;
+  __get_cpuid(1, &a, &b, &c1, &d1);
+  __get_cpuid_count(7, 0, &a, &b7, &c7, &d7);
+  __get_cpuid_count(7, 1, &a71, &b, &a, &a);
+  uint64_t xcr0 = 0;
+  if (c1 & (1u << 27)) {  // OSXSAVE
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+  const bool os_avx = (xcr0 & 0x6) == 0x6;              // XMM and YMM state
+  const bool os_avx512 = os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM0-15 and ZMM16-31 state
+  struct Feature {
+    const char* macro;
+    const char* name;
+    bool present;
+  };
+  const Feature features[] = {
+      {"__SSE3__", "sse3", (c1 & 1u) != 0},
+      {"__SSSE3__", "ssse3", (c1 >> 9 & 1u) != 0},
+      {"__SSE4_1__", "sse4.1", (c1 >> 19 & 1u) != 0},
+      {"__SSE4_2__", "sse4.2", (c1 >> 20 & 1u) != 0},
+      {"__POPCNT__", "popcnt", (c1 >> 23 & 1u) != 0},
+      {"__AVX__", "avx", (c1 >> 28 & 1u) && os_avx},
+      {"__F16C__", "f16c", (c1 >> 29 & 1u) && os_avx},
+      {"__FMA__", "fma", (c1 >> 12 & 1u) && os_avx},
+      {"__BMI__", "bmi", (b7 >> 3 & 1u) != 0},
+      {"__AVX2__", "avx2", (b7 >> 5 & 1u) && os_avx},
+      {"__BMI2__", "bmi2", (b7 >> 8 & 1u) != 0},
+      {"__AVX512F__", "avx512f", (b7 >> 16 & 1u) && os_avx512},
+      {"__AVX512DQ__", "avx512dq", (b7 >> 17 & 1u) && os_avx512},
+      {"__AVX512IFMA__", "avx512ifma", (b7 >> 21 & 1u) && os_avx512},
+      {"__AVX512CD__", "avx512cd", (b7 >> 28 & 1u) && os_avx512},
+      {"__AVX512BW__", "avx512bw", (b7 >> 30 & 1u) && os_avx512},
+      {"__AVX512VL__", "avx512vl", (b7 >> 31 & 1u) && os_avx512},
+      {"__AVX512VBMI__", "avx512vbmi", (c7 >> 1 & 1u) && os_avx512},
+      {"__AVX512VBMI2__", "avx512vbmi2", (c7 >> 6 & 1u) && os_avx512},
+      {"__AVX512VNNI__", "avx512vnni", (c7 >> 11 & 1u) && os_avx512},
+      {"__AVX512BITALG__", "avx512bitalg", (c7 >> 12 & 1u) && os_avx512},
+      {"__AVX512VPOPCNTDQ__", "avx512vpopcntdq", (c7 >> 14 & 1u) && os_avx512},
+      {"__AVX512FP16__", "avx512fp16", (d7 >> 23 & 1u) && os_avx512},
+      {"__AVX512BF16__", "avx512bf16", (a71 >> 5 & 1u) && os_avx512},
+      {"__AVXVNNI__", "avxvnni", (a71 >> 4 & 1u) && os_avx},
+  };
+  for (const Feature& f : features) {
+    const std::string define = std::string("#define ") + f.macro + " ";
+    if (target_macros.find(define) != std::string::npos && !f.present) lacking.push_back(f.name);
+  }
+#else
+  (void)target_macros;
+#endif
+  return lacking;
+}
+
+std::string bundle_key(const BuildRequest& req) {
+  Sha256 sha;
+  sha.field("format", "kiln-bundled-kernels-1");
+  sha.field("kiln", KILN_VERSION);
+  sha.field("headers", headers_digest());
+  for (const auto& flag : req.extra_flags) sha.field("flag", flag);
+  for (const auto& source : req.sources) sha.field("source", source);
+  return sha.hex();
+}
+
+void register_bundled(std::shared_ptr<const BundledLibrary> library) {
+  std::lock_guard<std::mutex> lock(g_bundle_mutex);
+  g_bundled_libraries[library->key] = library;
+}
+
+void register_bundled(std::shared_ptr<const BundledBlob> blob) {
+  std::lock_guard<std::mutex> lock(g_bundle_mutex);
+  g_bundled_blobs[{blob->kind, blob->key}] = blob;
+}
+
+BundleRecorder::BundleRecorder() : saved_(std::exchange(t_recorder, this)) {}
+BundleRecorder::~BundleRecorder() { t_recorder = saved_; }
+BundleRecorder* BundleRecorder::current() { return t_recorder; }
+BundleRecorder::Scope::Scope(BundleRecorder* recorder) : saved_(std::exchange(t_recorder, recorder)) {}
+BundleRecorder::Scope::~Scope() { t_recorder = saved_; }
+
+std::vector<BundledLibrary> BundleRecorder::libraries() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return libraries_;
+}
+std::vector<BundledBlob> BundleRecorder::blobs() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return blobs_;
+}
+void BundleRecorder::add(BundledLibrary library) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& l : libraries_)
+    if (l.key == library.key) return;
+  libraries_.push_back(std::move(library));
+}
+void BundleRecorder::add(BundledBlob blob) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& b : blobs_)
+    if (b.kind == blob.kind && b.key == blob.key) return;
+  blobs_.push_back(std::move(blob));
+}
+
+std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
+  std::string label = req.label.empty() ? "a kernel library" : req.label;
+  KILN_CHECK(!req.sources.empty(), ValueError,
+             "[kiln::compile] nothing to build for " + label + ": the request has no sources.");
+  const std::string bkey = bundle_key(req);
+  std::shared_ptr<const BundledLibrary> bundled;
+  if (auto object = load_bundled(bkey, label, bundled)) {
+    ++g_hits;
+    if (BundleRecorder* r = t_recorder) r->add(*bundled);
+    return object;
+  }
+  CacheEntryInfo info;
+  std::shared_ptr<SharedObject> object = load_or_build_cached(req, label, info);
+  if (BundleRecorder* r = t_recorder) {
+    VerifiedEntry entry = verify_entry(info.so_path, info.sum_path, true);
+    KILN_CHECK(entry.state == VerifiedEntry::State::valid, CompileError,
+               "[kiln::export_program] the kernel library " + info.so_path + " built for " + label +
+                   " changed in the cache before it could be bundled. Is another program writing to "
+                   "the kernel cache directory?");
+    r->add(BundledLibrary{bkey, req.sources, req.extra_flags, info.target_macros, info.compiler,
+                          std::move(entry.bytes)});
+  }
+  return object;
+}
+
 std::string load_or_build_blob(const BlobRequest& req, const std::function<std::string()>& build) {
   Sha256 sha;
   sha.field("format", "kiln-blob-cache-1");
@@ -345,6 +516,22 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   for (const auto& [name, value] : req.key_fields) sha.field(name, value);
   const std::string key = sha.hex();
   const std::string label = req.label.empty() ? "a " + req.kind + " binary" : req.label;
+  BundleRecorder* recorder = t_recorder;
+  {
+    std::shared_ptr<const BundledBlob> bundled;
+    {
+      std::lock_guard<std::mutex> lock(g_bundle_mutex);
+      if (auto it = g_bundled_blobs.find({req.kind, key}); it != g_bundled_blobs.end()) bundled = it->second.lock();
+    }
+    if (bundled) {
+      ++g_hits;
+      if (recorder) recorder->add(*bundled);
+      return bundled->bytes;
+    }
+  }
+  auto record = [&](const std::string& bytes) {
+    if (recorder) recorder->add(BundledBlob{req.kind, key, label, bytes});
+  };
   const std::string vdir = version_dir(resolve_root(), req.kind);
   const std::string bin_path = vdir + "/" + key + ".bin";
   const std::string sum_path = vdir + "/" + key + ".sha256";
@@ -353,6 +540,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   if (entry.state == VerifiedEntry::State::valid) {
     ++g_hits;
     run_verified_hook(bin_path);
+    record(entry.bytes);
     return std::move(entry.bytes);  // the bytes that were hashed, not the file read again
   }
   if (!lock.read_only_reason().empty()) throw_read_only(vdir, lock.read_only_reason(), label);
@@ -365,6 +553,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   compiler::detail::counter_set().kernel_builds.fetch_add(1, std::memory_order_relaxed);
   const std::string tmp = write_temp_file(vdir, key + ".bin", bytes);
   install_entry(tmp, vdir, key, ".bin");
+  record(bytes);
   return bytes;
 }
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -85,6 +86,82 @@ struct BlobRequest {
 // produced by `build` (which throws CompileError on failure) and stored. Thread- and
 // process-safe.
 std::string load_or_build_blob(const BlobRequest& req, const std::function<std::string()>& build);
+
+// ---- kernels bundled with exported programs (compiler/export, docs/export.md) ----
+//
+// An exported program carries the kernel libraries and CUDA binaries its graph was built into on
+// the exporting machine. Loading it registers them here; load_or_build and load_or_build_blob then
+// serve a request whose bundle key matches from those verified bytes, before they look at the
+// compiler or the disk cache, so a loaded program runs on a machine with no compiler installed.
+
+// A kernel library as a package bundles it.
+struct BundledLibrary {
+  std::string key;                       // bundle_key() of the request that built it
+  std::vector<std::string> sources;      // the request's sources and extra flags
+  std::vector<std::string> extra_flags;
+  std::string target_macros;             // the exporting compiler's predefined macros (its ISA)
+  std::string compiler;                  // the first line of its --version, for messages
+  std::string bytes;                     // the shared object
+};
+// A CUDA binary (cubin) as a package bundles it, keyed like the blob cache (source, NVRTC
+// version, options and the GPU architecture are all in the key).
+struct BundledBlob {
+  std::string kind;   // "cuda"
+  std::string key;
+  std::string label;
+  std::string bytes;
+};
+
+// The key a bundled library is found by: a SHA-256 over the bundle format, Kiln's version, the
+// embedded headers, the request's extra flags and its sources. Unlike the cache key it holds no
+// compiler identity (the loading machine may have no compiler); the target ISA is checked
+// separately (cpu_lacks()).
+std::string bundle_key(const BuildRequest& req);
+
+// The ISA features a compiler's predefined macros say its code uses (__AVX2__, __AVX512F__, ...)
+// that this CPU or its OS lacks, by name ("avx512bw"); empty when the code can run here.
+std::vector<std::string> cpu_lacks(const std::string& target_macros);
+
+// Makes `library` (and `blob`) available to load_or_build (load_or_build_blob) for as long as the
+// caller keeps the shared_ptr. The caller has verified the bytes and checked cpu_lacks().
+void register_bundled(std::shared_ptr<const BundledLibrary> library);
+void register_bundled(std::shared_ptr<const BundledBlob> blob);
+
+// While alive, records on this thread every library and blob that load_or_build and
+// load_or_build_blob return (from any source), with its bytes, for export_program. Nests; the
+// innermost recorder receives. current() is the active one (pass it to worker threads with a
+// BundleRecorder::Scope).
+class BundleRecorder {
+ public:
+  BundleRecorder();
+  ~BundleRecorder();
+  BundleRecorder(const BundleRecorder&) = delete;
+  BundleRecorder& operator=(const BundleRecorder&) = delete;
+
+  std::vector<BundledLibrary> libraries() const;
+  std::vector<BundledBlob> blobs() const;
+  void add(BundledLibrary library);
+  void add(BundledBlob blob);
+  static BundleRecorder* current();
+
+  // Makes `recorder` current on this thread while alive (worker threads of a build).
+  class Scope {
+   public:
+    explicit Scope(BundleRecorder* recorder);
+    ~Scope();
+    Scope(const Scope&) = delete;
+    Scope& operator=(const Scope&) = delete;
+
+   private:
+    BundleRecorder* saved_;
+  };
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<BundledLibrary> libraries_;
+  std::vector<BundledBlob> blobs_;
+  BundleRecorder* saved_;
+};
 
 // The cache directory: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else $HOME/.cache/kiln; read
 // on every call, and returned with the symbolic links of its parents resolved. Created 0700 if
