@@ -1,7 +1,11 @@
 // export_program, packages and load_program (kiln/export.h, docs/export.md).
 #include <gtest/gtest.h>
 
+#include <spawn.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <fcntl.h>
 
 #include <filesystem>
 #include <fstream>
@@ -230,6 +234,82 @@ TEST_F(Export, TrainingStepUpdatesTheProgramsStateLikeEager) {
     ASSERT_NE(it, state.end()) << name;
     EXPECT_TRUE(close(it->second, t, {1e-5, 1e-5})) << name;
   }
+}
+
+// ---- another process, with no compiler ----
+
+// Runs `kiln run` on `package` in a child process whose PATH holds no compiler, whose KILN_CXX
+// points nowhere and whose kernel cache is empty: the package's own binaries must be enough.
+int run_without_compiler(const std::string& package, const std::string& in, const std::string& out,
+                         const std::string& cache, std::string& log) {
+  const std::string kiln = std::string(KILN_BINARY_DIR) + "/bin/kiln";
+  const std::string log_path = out + ".log";
+  std::vector<std::string> argv = {kiln, "run", package, "--inputs", in, "--out", out};
+  std::vector<std::string> env = {"PATH=/nonexistent", "KILN_CXX=/nonexistent/c++", "KILN_CACHE_DIR=" + cache,
+                                  "HOME=" + cache};
+  std::vector<char*> a, e;
+  for (auto& s : argv) a.push_back(s.data());
+  a.push_back(nullptr);
+  for (auto& s : env) e.push_back(s.data());
+  e.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = 0;
+  int rc = posix_spawn(&pid, kiln.c_str(), &actions, nullptr, a.data(), e.data());
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return -1;
+  int status = 0;
+  waitpid(pid, &status, 0);
+  std::ifstream lf(log_path);
+  log.assign((std::istreambuf_iterator<char>(lf)), std::istreambuf_iterator<char>());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The demonstration: ResNet-18 and a GPT-2-style decoder exported here with a dynamic
+// batch, run by another process at two batch sizes without any compiler; outputs are this
+// process's, bit for bit.
+TEST_F(Export, AnotherProcessWithoutACompilerRunsResNetAndGPTAtTwoBatchSizes) {
+  manual_seed(5);
+  auto resnet = models::resnet18({.num_classes = 10});
+  resnet->eval();
+  auto gpt = std::make_shared<models::GPT>(models::GPTConfig::tiny());
+  gpt->eval();
+  ExportOptions options;
+  options.dynamic = {{0, 0, "batch", {}}};
+  struct Case {
+    std::string name;
+    ExportedProgram program;
+    std::vector<Tensor> inputs;  // one per batch size
+  };
+  std::vector<Case> cases;
+  cases.push_back({"resnet18", export_program(resnet, randn({2, 3, 32, 32}), options),
+                   {randn({3, 3, 32, 32}), randn({5, 3, 32, 32})}});
+  cases.push_back({"gpt", export_program(gpt, randint(0, 64, {2, 16}), options),
+                   {randint(0, 64, {3, 16}), randint(0, 64, {6, 16})}});
+  const std::string cache = path("empty_cache");
+  fs::create_directories(cache);
+  fs::permissions(cache, fs::perms::owner_all, fs::perm_options::replace);
+  for (Case& c : cases) {
+    const std::string package = path(c.name + ".kpkg");
+    c.program.save(package);
+    ExportedProgram here = load_program(package);  // a fresh program: the same first call as the child's
+    for (size_t b = 0; b < c.inputs.size(); ++b) {
+      const std::string in = path(c.name + std::to_string(b) + "_in.safetensors");
+      const std::string out = path(c.name + std::to_string(b) + "_out.safetensors");
+      save_safetensors(in, {{"arg0", c.inputs[b]}});
+      Tensor expected = here.run({c.inputs[b]})[0];
+      std::string log;
+      ASSERT_EQ(run_without_compiler(package, in, out, cache, log), 0) << c.name << " batch " << b << ":\n" << log;
+      NamedTensors got = load_safetensors(out);
+      ASSERT_EQ(got.size(), 1u);
+      EXPECT_TRUE(equal(got[0].second, expected)) << c.name << " at batch " << c.inputs[b].size(0);
+    }
+  }
+  // The child found nothing to build: its cache holds no kernel library.
+  for (const auto& entry : fs::recursive_directory_iterator(cache))
+    EXPECT_NE(entry.path().extension(), ".so") << entry.path();
 }
 
 // ---- damaged packages ----

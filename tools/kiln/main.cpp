@@ -1,4 +1,5 @@
-// The `kiln` command-line tool: the tour of the examples, the op table, and (later) benchmarks.
+// The `kiln` command-line tool: the tour of the examples, the op table, benchmarks, and exported
+// programs (export-info, run).
 #include <fmt/format.h>
 
 #include <cstring>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "program_cmd.h"
 #include "example.h"
 #include "kiln/kiln.h"
 
@@ -36,6 +38,12 @@ commands:
                        with reduce_overhead (cold pass: compiles; warm: ms per call).
                        --model densenet121|resnet18|resnet50 --min-batch 1 --max-batch 32 --size 128
                        --iters 5 --modes eager,dynamic,dynamic-ro[,static-ro] --device cpu|cuda --json
+  export-info PACKAGE  what an exported program (.kpkg) holds: inputs, outputs, dynamic dims,
+                       weights, ops, kernels, where it was built
+  run PACKAGE --inputs IN.safetensors --out OUT.safetensors [--device cpu|cuda]
+                       run an exported program on the named tensors of IN (one per input, by the
+                       names export-info lists) and write its outputs to OUT
+                       (--no-bundled-binaries: build its kernels here instead)
   version              print the version
   help                 show this message
 )";
@@ -109,6 +117,8 @@ int main(int argc, char** argv) {
     if (cmd == "tour") return run_tour(args);
     if (cmd == "ops") return run_ops(args);
     if (cmd == "bench") return kiln::cli::run_bench(args);
+    if (cmd == "export-info") return kiln::cli::run_export_info(args);
+    if (cmd == "run") return kiln::cli::run_program(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;

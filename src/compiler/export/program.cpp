@@ -298,11 +298,21 @@ std::string structure_difference(const Capture& a, const Capture& b) {
   for (size_t c = 0; c < x.constants.size(); ++c)
     if (x.constants[c].first != y.constants[c].first || !equal(x.constants[c].second, y.constants[c].second))
       return "constant %" + x.values[x.constants[c].first].name + " differs";
-  for (size_t k = 0; k < a.placeholders.size(); ++k)
-    if (a.placeholders[k].kind != b.placeholders[k].kind || a.placeholders[k].index != b.placeholders[k].index ||
-        (a.placeholders[k].kind == Binding::weight &&
-         a.placeholder_tensors[k].unsafe_impl() != b.placeholder_tensors[k].unsafe_impl()))
-      return "placeholder %" + x.values[x.inputs[k]].name + " is another tensor";
+  for (size_t k = 0; k < a.placeholders.size(); ++k) {
+    const std::string where = "placeholder %" + x.values[x.inputs[k]].name;
+    if (a.placeholders[k].kind != b.placeholders[k].kind || a.placeholders[k].index != b.placeholders[k].index)
+      return where + " is another argument";
+    if (a.placeholders[k].kind != Binding::weight) continue;
+    const Tensor& p = a.placeholder_tensors[k];
+    const Tensor& q = b.placeholder_tensors[k];
+    // A host number the body turns into a tensor on each call is new each time: compare values.
+    if (x.values[x.inputs[k]].is_wrapped_number) {
+      if (!equal(p, q))
+        return where + " (a number computed on the host) changes with the size; a program can only follow sizes";
+    } else if (p.unsafe_impl() != q.unsafe_impl()) {
+      return where + " is another tensor";
+    }
+  }
   if (a.results.size() != b.results.size()) return "fn returns another number of tensors";
   for (size_t r = 0; r < a.results.size(); ++r)
     if (a.results[r].kind != b.results[r].kind || a.results[r].index != b.results[r].index)
