@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,4 +23,6 @@ int run_bench(const std::vector<std::string>& args);
 int run_gpt2_bench(const std::vector<std::string>& args);
 // `kiln bench batch-sizes` (bench_batch_sizes.cpp): one model at every batch size, eager vs dynamic.
 int run_batch_sizes_bench(const std::vector<std::string>& args);
+// `kiln bench program` (bench_program.cpp): exported programs vs compile(), and many callers.
+int run_program_bench(const std::vector<std::string>& args);
 }
