@@ -143,6 +143,43 @@ struct LoadOptions {
 };
 ExportedProgram load_program(const std::string& path, const LoadOptions& options = {});
 
+// ------------------------------------------------------------------------------------------
+// Repro and minify (docs/export.md, "Repro and minify")
+// ------------------------------------------------------------------------------------------
+//
+// KILN_REPRO=compile: when a backend fails to compile a graph, compile() writes a repro package
+// (the graph and its inputs) to $KILN_REPRO_DIR (default ./kiln_repro) and names it in the error.
+// KILN_REPRO=accuracy: the first call of each compiled graph is also run op by op on copies of its
+// inputs; an output that differs beyond the tolerance (1e-3; 1e-2 for 16-bit floats) writes a
+// repro package and logs where. `kiln minify repro.kpkg` then shrinks it.
+
+namespace compiler {
+
+struct MinifyResult {
+  std::string kind;     // "compile" or "accuracy"
+  Graph graph;          // the smallest graph found that still fails
+  std::string failure;  // its error, or the output that differs and by how much
+  // The op of the node making the first differing output ("tanh (node %tanh)"); for a compile
+  // failure, the ops of the smallest graph.
+  std::string failing_op;
+  // Passes with which disabled (KILN_DISABLE_PASSES) the smallest graph compiles and is right:
+  // the pass that broke it. Empty: no single pass (look at lowering and code generation).
+  std::vector<std::string> breaking_passes;
+  int original_nodes = 0;
+  int tests = 0;                // graphs compiled and run while minifying
+  std::string minimized_path;   // where the smallest graph was written as a repro, if asked
+  std::string str() const;      // what `kiln minify` prints
+};
+
+// Shrinks the repro package at `repro_path` by delta debugging over its nodes to a smallest graph
+// that still fails the same way (a compile error, or an output that differs from eager), then
+// tries the pipeline with each pass disabled. Writes that graph as a repro package to `out_path`
+// when it is not empty. Throws PackageError for a file that is not a repro package, CompileError
+// when the graph does not fail here.
+MinifyResult minify(const std::string& repro_path, const std::string& out_path = "");
+
+}  // namespace compiler
+
 namespace detail {
 
 // The non-template half of export_program.

@@ -48,6 +48,10 @@ commands:
                        run an exported program on the named tensors of IN (one per input, by the
                        names export-info lists) and write its outputs to OUT
                        (--no-bundled-binaries: build its kernels here instead)
+  minify REPRO [--out SMALLEST.kpkg]
+                       shrink a repro package (KILN_REPRO=compile|accuracy writes them) to the
+                       smallest graph that still fails; print it, the failing op and the pass
+                       that broke it
   version              print the version
   help                 show this message
 )";
@@ -123,6 +127,7 @@ int main(int argc, char** argv) {
     if (cmd == "bench") return kiln::cli::run_bench(args);
     if (cmd == "export-info") return kiln::cli::run_export_info(args);
     if (cmd == "run") return kiln::cli::run_program(args);
+    if (cmd == "minify") return kiln::cli::run_minify(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;

@@ -72,4 +72,22 @@ int run_program(const std::vector<std::string>& args) {
   return 0;
 }
 
+int run_minify(const std::vector<std::string>& args) {
+  std::string repro, out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--out" && i + 1 < args.size()) out = args[++i];
+    else if (repro.empty() && args[i].rfind("--", 0) != 0) repro = args[i];
+    else {
+      std::cerr << "usage: kiln minify REPRO.kpkg [--out SMALLEST.kpkg]\n";
+      return 2;
+    }
+  }
+  if (repro.empty()) {
+    std::cerr << "usage: kiln minify REPRO.kpkg [--out SMALLEST.kpkg]\n";
+    return 2;
+  }
+  std::cout << compiler::minify(repro, out).str();
+  return 0;
+}
+
 }  // namespace kiln::cli

@@ -12,6 +12,7 @@
 #include "compiler/capture/runtime.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
+#include "compiler/export/repro.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"
 
@@ -925,7 +926,26 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     Graph working = cg->graph;  // the backend may rewrite its copy; the cache compares against cg->graph
     auto t0 = Clock::now();
     CompilingOptionsScope options_scope(&st.options);
-    cg->fn = backend(working, example);
+    const exporting::ReproMode repro = exporting::repro_mode();
+    try {
+      cg->fn = backend(working, example);
+    } catch (const std::exception& e) {
+      if (repro != exporting::ReproMode::compile) throw;
+      // KILN_REPRO=compile: the graph and its inputs, for `kiln minify`.
+      exporting::ReproCase c;
+      c.kind = "compile";
+      c.backend = ctx.backend;
+      c.mode = st.options.mode;
+      c.options = st.options.options;
+      c.failure = e.what();
+      c.graph = exporting::with_scalars_baked(cg->graph, example.scalars);
+      c.inputs.assign(example.tensors.begin(), example.tensors.end());
+      const std::string path = exporting::write_repro(c);
+      throw CompileError(std::string(e.what()) + "\n[kiln.repro] Repro written to " + path + "; `kiln minify " + path +
+                         "` shrinks it to the smallest graph that still fails.");
+    }
+    if (repro == exporting::ReproMode::accuracy && cg->fn && ctx.backend != "eager")
+      cg->fn = exporting::accuracy_checked(cg->fn, cg->graph, ctx.backend, cg->id + " of " + st.where(), st.options);
     cg->compile_seconds = seconds_since(t0);
     if (!cg->fn) {
       throw CompileError("[kiln::compile] backend '" + ctx.backend + "' returned an empty callable for graph " +

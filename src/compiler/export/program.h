@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <shared_mutex>
 #include <string>
@@ -103,6 +104,13 @@ Tensor with_layout(const Tensor& t, const compiler::ValueInfo& v);
 std::vector<compiler::exporting::Section> program_sections(const Program& p);
 std::shared_ptr<Program> program_from_sections(std::map<std::string, std::string> sections, const std::string& path,
                                                bool use_bundled_binaries);
+
+// The mode and options as "mode" and "options" fields of a JSON object (program.json,
+// repro.json), and back (PackageError naming `path` for what this Kiln does not know).
+void write_compile_settings(nlohmann::json& j, const std::optional<Mode>& mode,
+                            const std::map<std::string, compiler::OptionValue>& options);
+void read_compile_settings(const nlohmann::json& j, std::optional<Mode>& mode,
+                           std::map<std::string, compiler::OptionValue>& options, const std::string& path);
 
 // Names of the ISA features the predefined macros `target_macros` use ("avx2 fma avx512f").
 std::string isa_features(const std::string& target_macros);

@@ -81,6 +81,32 @@ bool same_spec(const TensorSpec& s, const compiler::ValueInfo& v) {
 
 }  // namespace
 
+void write_compile_settings(nlohmann::json& j, const std::optional<Mode>& mode,
+                            const std::map<std::string, compiler::OptionValue>& options) {
+  j["mode"] = nullptr;
+  for (const auto& [m, name] : kModes)
+    if (mode && *mode == m) j["mode"] = name;
+  j["options"] = json::object();
+  for (const auto& [k, v] : options) j["options"][k] = option_json(v);
+}
+
+void read_compile_settings(const nlohmann::json& j, std::optional<Mode>& mode,
+                           std::map<std::string, compiler::OptionValue>& options, const std::string& path) {
+  Reader r{path};
+  if (!j.at("mode").is_null()) {
+    const std::string name = j.at("mode").get<std::string>();
+    for (const auto& [m, text] : kModes)
+      if (name == text) mode = m;
+    r.check(mode.has_value(), "unknown mode '" + name + "'.");
+  }
+  for (const auto& [k, v] : j.at("options").items()) {
+    if (v.contains("bool")) options[k] = v.at("bool").get<bool>();
+    else if (v.contains("int")) options[k] = v.at("int").get<int64_t>();
+    else if (v.contains("float")) options[k] = v.at("float").get<double>();
+    else options[k] = v.at("str").get<std::string>();
+  }
+}
+
 std::vector<Section> program_sections(const Program& p) {
   std::vector<Section> out;
   json j;
@@ -93,11 +119,7 @@ std::vector<Section> program_sections(const Program& p) {
   j["cpu_features"] = p.cpu_features;
   j["gpu"] = p.gpu;
   j["training"] = p.training;
-  j["mode"] = nullptr;
-  for (const auto& [m, name] : kModes)
-    if (p.mode && *p.mode == m) j["mode"] = name;
-  j["options"] = json::object();
-  for (const auto& [k, v] : p.options) j["options"][k] = option_json(v);
+  write_compile_settings(j, p.mode, p.options);
   for (const char* key : {"inputs", "outputs", "weights"}) j[key] = json::array();
   for (const TensorSpec& s : p.inputs) j["inputs"].push_back(spec_json(s));
   for (const TensorSpec& s : p.outputs) j["outputs"].push_back(spec_json(s));
@@ -169,18 +191,7 @@ std::shared_ptr<Program> program_from_sections(std::map<std::string, std::string
     p->cpu_features = j.at("cpu_features").get<std::string>();
     p->gpu = j.at("gpu").get<std::string>();
     p->training = j.at("training").get<bool>();
-    if (!j.at("mode").is_null()) {
-      const std::string mode = j.at("mode").get<std::string>();
-      for (const auto& [m, name] : kModes)
-        if (mode == name) p->mode = m;
-      r.check(p->mode.has_value(), "unknown mode '" + mode + "'.");
-    }
-    for (const auto& [k, v] : j.at("options").items()) {
-      if (v.contains("bool")) p->options[k] = v.at("bool").get<bool>();
-      else if (v.contains("int")) p->options[k] = v.at("int").get<int64_t>();
-      else if (v.contains("float")) p->options[k] = v.at("float").get<double>();
-      else p->options[k] = v.at("str").get<std::string>();
-    }
+    read_compile_settings(j, p->mode, p->options, path);
     for (const auto& s : j.at("inputs")) p->inputs.push_back(r.spec(s, "input"));
     for (const auto& s : j.at("outputs")) p->outputs.push_back(r.spec(s, "output"));
     for (const auto& s : j.at("weights")) p->weights.push_back(r.spec(s, "weight"));

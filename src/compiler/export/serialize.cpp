@@ -423,7 +423,10 @@ Graph deserialize_graph(std::string_view text, const std::map<std::string, Tenso
   try {
     g.validate();
   } catch (const Error& e) {
-    refuse(std::string("the graph is inconsistent: ") + e.what());
+    // validate()'s advice is for captured graphs; a loaded file is simply wrong.
+    std::string why = e.what();
+    if (const size_t bug = why.find(". This is a capture bug"); bug != std::string::npos) why.erase(bug);
+    refuse("the graph is inconsistent: " + why + ".");
   }
   return g;
 }

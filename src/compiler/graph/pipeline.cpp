@@ -19,6 +19,7 @@ namespace {
 // below cannot drift apart silently.
 const std::vector<std::string> kPassNames = {
     "validate",
+    "test_miscompile",
     "functionalize",
     "pool_before_pointwise_conv",
     "fuse_conv_bn",
@@ -109,6 +110,27 @@ class PassRunner {
   bool validate_;
 };
 
+// KILN_TEST_MISCOMPILE=<op>: a deliberate miscompile, for testing the repro and minify tools
+// (docs/export.md, "Repro and minify") against a known bug. Each node of <op> computes a different
+// function of the same shape (tanh <-> sigmoid, sin <-> cos, exp -> expm1). Never set it otherwise.
+const char* miscompiled_op() {
+  const char* env = std::getenv("KILN_TEST_MISCOMPILE");
+  return env && *env ? env : nullptr;
+}
+
+void test_miscompile(Graph& g) {
+  static const std::pair<const char*, const char*> kSwaps[] = {
+      {"tanh", "sigmoid"}, {"sigmoid", "tanh"}, {"sin", "cos"}, {"cos", "sin"}, {"exp", "expm1"}};
+  const std::string target = miscompiled_op();
+  const OpDef* wrong = nullptr;
+  for (const auto& [from, to] : kSwaps)
+    if (target == from) wrong = &internal::registered_op(to);
+  KILN_CHECK(wrong != nullptr, CompileError,
+             "[kiln::compile] KILN_TEST_MISCOMPILE=" + target + " is not one of tanh, sigmoid, sin, cos, exp.");
+  for (Node& n : g.nodes)
+    if (n.op->name == target && !n.inplace) n.op = wrong;
+}
+
 }  // namespace
 
 void run_aot_eager_pipeline(Graph& graph) {
@@ -120,6 +142,7 @@ void run_aot_eager_pipeline(Graph& graph) {
 
 void run_kiln_pipeline(Graph& graph, const PipelineOptions& options) {
   PassRunner p(graph);
+  if (miscompiled_op()) p.run("test_miscompile", test_miscompile);
   p.run("functionalize", functionalize);
   p.run("pool_before_pointwise_conv", pool_before_pointwise_conv);
   p.run("fuse_conv_bn", fuse_conv_bn);
