@@ -247,6 +247,9 @@ int run_without_compiler(const std::string& package, const std::string& in, cons
   std::vector<std::string> argv = {kiln, "run", package, "--inputs", in, "--out", out};
   std::vector<std::string> env = {"PATH=/nonexistent", "KILN_CXX=/nonexistent/c++", "KILN_CACHE_DIR=" + cache,
                                   "HOME=" + cache};
+  // Where the loader finds Kiln's own dependencies (oneDNN, cuDNN) and which GPU: not compilers.
+  for (const char* keep : {"LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES"})
+    if (const char* v = std::getenv(keep)) env.push_back(std::string(keep) + "=" + v);
   std::vector<char*> a, e;
   for (auto& s : argv) a.push_back(s.data());
   a.push_back(nullptr);
@@ -310,6 +313,33 @@ TEST_F(Export, AnotherProcessWithoutACompilerRunsResNetAndGPTAtTwoBatchSizes) {
   // The child found nothing to build: its cache holds no kernel library.
   for (const auto& entry : fs::recursive_directory_iterator(cache))
     EXPECT_NE(entry.path().extension(), ".so") << entry.path();
+}
+
+// On a GPU: a program exported on cuda runs in another process from its package, its CUDA
+// binaries taken from the package (the child's kernel cache starts empty and ends with no cubin).
+TEST_F(Export, CudaProgramRunsInAnotherProcessFromItsPackage) {
+  if (!cuda::is_available()) GTEST_SKIP() << "no GPU";
+  manual_seed(9);
+  auto model = models::resnet18({.num_classes = 10});
+  model->to(cuda_device());
+  model->eval();
+  ExportOptions options;
+  options.dynamic = {{0, 0, "batch", {}}};
+  const std::string package = path("cuda.kpkg");
+  export_program(model, randn({2, 3, 32, 32}, cuda_device()), options).save(package);
+  ExportedProgram here = load_program(package);
+  Tensor x = randn({3, 3, 32, 32});
+  save_safetensors(path("cuda_in.safetensors"), {{"arg0", x}});
+  Tensor expected = here.run({x.to(cuda_device())})[0].to(kCPU);
+  const std::string cache = path("empty_cuda_cache");
+  fs::create_directories(cache);
+  fs::permissions(cache, fs::perms::owner_all, fs::perm_options::replace);
+  std::string log;
+  ASSERT_EQ(run_without_compiler(package, path("cuda_in.safetensors"), path("cuda_out.safetensors"), cache, log), 0) << log;
+  NamedTensors got = load_safetensors(path("cuda_out.safetensors"));
+  EXPECT_TRUE(close(got[0].second, expected, {1e-4, 1e-4}));
+  for (const auto& entry : fs::recursive_directory_iterator(cache))
+    EXPECT_NE(entry.path().parent_path().filename().string().rfind("cuda", 0), 0u) << "built in the child: " << entry.path();
 }
 
 // ---- damaged packages ----

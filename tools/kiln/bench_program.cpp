@@ -5,9 +5,10 @@
 //   kiln bench program --model densenet121 --device cuda --batch 16 --size 128
 //
 // Inference (eval mode, no grad) on random inputs. In one process:
-//   1. export_program(model, x) with a dynamic batch, save() to a temporary package, load_program();
+//   1. export_program(model, x) (--dynamic: with a dynamic batch), save() to a temporary package,
+//      load_program();
 //      the seconds of each step and the package's size;
-//   2. time per call: compile(model) (the same mode) and the loaded program, --iters calls each after
+//   2. time per call: compile(model) (the same mode; --dynamic: dynamic = true) and the loaded program, --iters calls each after
 //      two warm-up calls, alternating in rounds so both see the same machine; ratio program/compiled;
 //   3. throughput: for each count T of --threads, T threads call the one loaded program, each with
 //      its own input and one intra-op thread (so that T callers use T cores); calls per second, the
@@ -41,6 +42,7 @@ struct ProgramArgs {
   int64_t batch = 8, size = 64, iters = 20, rounds = 3, calls = 200;
   std::vector<int64_t> threads;  // empty: {1, 8} on the CPU, none on a GPU
   std::optional<Mode> mode;
+  bool dynamic = false;  // export with a dynamic batch (and compile with dynamic = true)
   bool json = false;
 };
 
@@ -48,8 +50,8 @@ ProgramArgs parse_program_args(const std::vector<std::string>& args) {
   ProgramArgs a;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& k = args[i];
-    if (k == "--json") {
-      a.json = true;
+    if (k == "--json" || k == "--dynamic") {
+      (k == "--json" ? a.json : a.dynamic) = true;
       continue;
     }
     KILN_CHECK(i + 1 < args.size(), ValueError, "[kiln bench program] " + k + " needs a value. See `kiln help`.");
@@ -79,7 +81,8 @@ ProgramArgs parse_program_args(const std::vector<std::string>& args) {
       throw ValueError("[kiln bench program] unknown option '" + k + "'. See `kiln help`.");
     }
   }
-  KILN_CHECK(a.batch >= 2, ValueError, "[kiln bench program] --batch must be at least 2 (the batch is a dynamic dim).");
+  KILN_CHECK(!a.dynamic || a.batch >= 2, ValueError,
+             "[kiln bench program] --batch must be at least 2 with --dynamic (sizes 0 and 1 specialize).");
   if (a.threads.empty() && a.device.is_cpu()) a.threads = {1, 8};
   return a;
 }
@@ -115,7 +118,7 @@ int run_program_bench(const std::vector<std::string>& args) {
 
   // 1. Export, save, load.
   ExportOptions options;
-  options.dynamic = {{.arg = 0, .dim = 0, .name = "batch"}};
+  if (a.dynamic) options.dynamic = {{.arg = 0, .dim = 0, .name = "batch"}};
   options.mode = a.mode;
   auto t0 = Clock::now();
   ExportedProgram exported = export_program(model, x, options);
@@ -135,6 +138,7 @@ int run_program_bench(const std::vector<std::string>& args) {
   // 2. Time per call, program vs compile(model), alternating rounds.
   CompileOptions co;
   co.mode = a.mode;
+  if (a.dynamic) co.dynamic = true;
   auto compiled = compile(model, co);
   Tensor reference = compiled(x);
   for (int i = 0; i < 2; ++i) {
@@ -197,6 +201,7 @@ int run_program_bench(const std::vector<std::string>& args) {
                                    {"model", a.model},
                                    {"device", a.device.str()},
                                    {"batch", a.batch},
+                                   {"dynamic", a.dynamic},
                                    {"export_s", export_s},
                                    {"save_s", save_s},
                                    {"load_s", load_s},
@@ -216,7 +221,8 @@ int run_program_bench(const std::vector<std::string>& args) {
     std::cout << result.dump(2) << "\n";
     return 0;
   }
-  std::cout << fmt::format("kiln bench program: {} on {}, batch {}\n", a.model, a.device.str(), a.batch);
+  std::cout << fmt::format("kiln bench program: {} on {}, batch {}{}\n", a.model, a.device.str(), a.batch,
+                           a.dynamic ? " (dynamic)" : "");
   std::cout << fmt::format("export {:.2f} s, save {:.2f} s, load {:.2f} s, package {:.1f} MiB\n", export_s, save_s, load_s,
                            static_cast<double>(package_bytes) / (1 << 20));
   std::cout << fmt::format("{:<26} {:>10}\n", "per call (best of rounds)", "ms");

@@ -41,7 +41,7 @@ commands:
   bench program [opts] an exported program: export/save/load seconds, time per call against
                        compile(model), and calls/s from many threads calling one loaded program.
                        --model mlp|resnet18|densenet121 --device cpu|cuda --batch 8 --size 64
-                       --iters 20 --rounds 3 --threads 1,8 --calls 200 --mode default --json
+                       --iters 20 --rounds 3 --threads 1,8 --calls 200 --mode default --dynamic --json
   export-info PACKAGE  what an exported program (.kpkg) holds: inputs, outputs, dynamic dims,
                        weights, ops, kernels, where it was built
   run PACKAGE --inputs IN.safetensors --out OUT.safetensors [--device cpu|cuda]
