@@ -218,6 +218,8 @@ TEST_F(Export, TrainingStepUpdatesTheProgramsStateLikeEager) {
   options.training = true;
   ExportedProgram p = export_program(step, *exported_model, export_opt, x, y, options);
   EXPECT_TRUE(p.writes_weights());
+  NamedTensors model_after_export;
+  for (auto& [n, t] : exported_model->named_parameters()) model_after_export.emplace_back(n, t.clone());
   p.save(path("step.kpkg"));
   ExportedProgram q = load_program(path("step.kpkg"));
   for (int i = 0; i < 3; ++i) {
@@ -227,6 +229,10 @@ TEST_F(Export, TrainingStepUpdatesTheProgramsStateLikeEager) {
     ASSERT_EQ(out.size(), 1u);
     EXPECT_TRUE(close(out[0], expected)) << "step " << i;
   }
+  // The program trained its own copies: the exported model is as export left it.
+  p.run({x, y});
+  auto exported_params = exported_model->named_parameters();
+  for (size_t i = 0; i < exported_params.size(); ++i) EXPECT_TRUE(equal(exported_params[i].second, model_after_export[i].second));
   NamedTensors state = q.state();
   auto params = eager_model->named_parameters();
   for (auto& [name, t] : params) {

@@ -63,6 +63,10 @@ struct KernelCacheHooks {
   std::string (*load_or_build_blob)(const std::string& kind,
                                     const std::vector<std::pair<std::string, std::string>>& key_fields,
                                     const std::string& label, const std::function<std::string()>& build) = nullptr;
+  // Whether export_program is collecting the binaries this thread uses (compiler/runtime's
+  // BundleRecorder): the CUDA JIT then hands the blobs it already holds in memory to
+  // load_or_build_blob again, which records them.
+  bool (*recording)() = nullptr;
 };
 
 extern CaptureHooks capture_hooks;

@@ -40,7 +40,7 @@ std::vector<std::vector<Tensor>> record_inputs(const Graph& g, const std::vector
   NoGradGuard no_grad;
   detail::SuspendCapture no_capture;
   std::vector<Tensor> env(g.values.size());
-  for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = kiln::detail::with_layout(inputs[k], g.values[g.inputs[k]]);
+  for (size_t k = 0; k < g.inputs.size(); ++k) env[g.inputs[k]] = kiln::detail::copy_with_layout(inputs[k], g.values[g.inputs[k]]);
   for (const auto& [v, t] : g.constants) env[v] = t;
   std::vector<std::vector<Tensor>> seen(g.nodes.size());
   for (size_t i = 0; i < g.nodes.size(); ++i) {
@@ -48,10 +48,10 @@ std::vector<std::vector<Tensor>> record_inputs(const Graph& g, const std::vector
     std::vector<Tensor> args;
     for (int v : n.inputs) {
       args.push_back(v >= 0 ? env[v] : Tensor());
-      seen[i].push_back(v >= 0 && env[v].defined() ? kiln::detail::with_layout(env[v], g.values[v]) : Tensor());
+      seen[i].push_back(v >= 0 && env[v].defined() ? kiln::detail::copy_with_layout(env[v], g.values[v]) : Tensor());
     }
     for (int v : n.outputs)  // an in-place target's value before the write
-      seen[i].push_back(n.inplace && env[v].defined() ? kiln::detail::with_layout(env[v], g.values[v]) : Tensor());
+      seen[i].push_back(n.inplace && env[v].defined() ? kiln::detail::copy_with_layout(env[v], g.values[v]) : Tensor());
     if (n.inplace) {
       std::vector<Tensor> targets;
       for (int v : n.outputs) targets.push_back(env[v]);
@@ -148,8 +148,8 @@ struct Tester {
     detail::CompilingOptionsScope scope(&options);
     std::vector<Tensor> compiled_inputs, eager_inputs;
     for (size_t k = 0; k < inputs.size(); ++k) {
-      compiled_inputs.push_back(kiln::detail::with_layout(inputs[k], g.values[g.inputs[k]]));
-      eager_inputs.push_back(kiln::detail::with_layout(inputs[k], g.values[g.inputs[k]]));
+      compiled_inputs.push_back(kiln::detail::copy_with_layout(inputs[k], g.values[g.inputs[k]]));
+      eager_inputs.push_back(kiln::detail::copy_with_layout(inputs[k], g.values[g.inputs[k]]));
     }
     std::vector<Tensor> results;
     try {

@@ -67,14 +67,19 @@ std::string sym_text(const SymExpr& e, const std::vector<DynamicDimSpec>& dims) 
   return out;
 }
 
-Tensor with_layout(const Tensor& t, const ValueInfo& v) {
+namespace {
+
+Tensor laid_out(const Tensor& t, const ValueInfo& v, bool copy) {
   bool contiguous = v.storage_offset == 0;
   int64_t expected = 1;
   for (size_t d = v.sizes.size(); d-- > 0;) {
     if (v.sizes[d] != 1 && v.strides[d] != expected) contiguous = false;
     expected *= v.sizes[d];
   }
-  if (contiguous) return t.to(v.device).contiguous();
+  if (contiguous) {
+    Tensor moved = t.to(v.device);
+    return copy && moved.unsafe_impl() == t.unsafe_impl() ? moved.clone() : moved.contiguous();
+  }
   int64_t extent = v.storage_offset + 1;
   for (size_t d = 0; d < v.sizes.size(); ++d) {
     if (v.sizes[d] == 0) extent = 0;
@@ -86,6 +91,11 @@ Tensor with_layout(const Tensor& t, const ValueInfo& v) {
   view.copy_(t);
   return view;
 }
+
+}  // namespace
+
+Tensor with_layout(const Tensor& t, const ValueInfo& v) { return laid_out(t, v, false); }
+Tensor copy_with_layout(const Tensor& t, const ValueInfo& v) { return laid_out(t, v, true); }
 
 std::string isa_features(const std::string& target_macros) {
   static const std::pair<const char*, const char*> kFeatures[] = {
@@ -517,6 +527,13 @@ TensorSpec spec_of(const std::string& name, const ValueInfo& v) {
 
 }  // namespace
 
+// The graph input that weight `w` feeds.
+static size_t placeholder_of_weight(const Program& p, size_t w) {
+  for (size_t k = 0; k < p.placeholders.size(); ++k)
+    if (p.placeholders[k].kind == Binding::weight && p.placeholders[k].index == static_cast<int>(w)) return k;
+  return 0;
+}
+
 ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std::source_location) {
   KILN_CHECK(!compiler::is_compiling(), CompileError,
              "[kiln::export_program] called inside a compiled function; export from ordinary code.");
@@ -641,7 +658,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
     weight_names.emplace(name, static_cast<int>(p->weights.size()));
     b.index = static_cast<int>(p->weights.size());
     p->weights.push_back(spec_of(name, v));
-    p->weight_tensors.push_back(with_layout(base.placeholder_tensors[k].detach(), v));
+    p->weight_tensors.push_back(copy_with_layout(base.placeholder_tensors[k].detach(), v));
     p->writes_weights |= written[g.inputs[k]] != 0;
   }
   // Outputs.
@@ -674,6 +691,20 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
     for (const Symbol& s : symbols) example.push_back(s.spec.example);
     p->instance(example);
     if (!symbols.empty() && check_values != example) p->instance(check_values);
+    // On a GPU, eager kernels that dispatched nodes use are built when first run: run the program
+    // once (on copies: nothing the user or the program holds changes) so that they are recorded too.
+    bool on_gpu = false;
+    for (const TensorSpec& s : p->inputs) on_gpu |= s.device.is_cuda();
+    for (const TensorSpec& s : p->weights) on_gpu |= s.device.is_cuda();
+    if (on_gpu) {
+      std::vector<Tensor> inputs;
+      for (const Tensor& t : call.tensor_args)
+        if (t.defined()) inputs.push_back(t.detach().clone());
+      NamedTensors state;
+      for (size_t w = 0; w < p->weights.size(); ++w)
+        state.emplace_back(p->weights[w].name, copy_with_layout(p->weight_tensors[w], g.values[g.inputs[placeholder_of_weight(*p, w)]]));
+      ExportedProgram(p).run(inputs, state);
+    }
     for (auto& l : recorder.libraries()) p->libraries.push_back(std::make_shared<const compiler::runtime::BundledLibrary>(std::move(l)));
     for (auto& b : recorder.blobs()) p->blobs.push_back(std::make_shared<const compiler::runtime::BundledBlob>(std::move(b)));
   }

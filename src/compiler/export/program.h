@@ -96,8 +96,11 @@ struct Program {
   std::shared_ptr<const ProgramInstance> instance(const std::vector<int64_t>& s) const;
 };
 
-// A copy of `t` laid out as `v` says (sizes, strides, offset), on `v`'s device.
+// `t` laid out as `v` says (sizes, strides, offset), on `v`'s device: `t` itself when it already is
+// contiguous there and `v` is the contiguous layout, else a copy.
 Tensor with_layout(const Tensor& t, const compiler::ValueInfo& v);
+// The same, always a copy (nothing written to it reaches `t`).
+Tensor copy_with_layout(const Tensor& t, const compiler::ValueInfo& v);
 
 // The package's sections for `p`, and the program a package's sections describe (the graph is
 // validated, the weights checked against their specs, bundled binaries registered when they fit).

@@ -193,8 +193,8 @@ CompiledFn accuracy_checked(CompiledFn fn, const Graph& graph, std::string backe
     std::vector<Tensor> before, for_eager;
     for (size_t k = 0; k < args.tensors.size(); ++k) {
       const ValueInfo& v = reference->values[reference->inputs[k]];
-      before.push_back(kiln::detail::with_layout(args.tensors[k], v));
-      for_eager.push_back(kiln::detail::with_layout(args.tensors[k], v));
+      before.push_back(kiln::detail::copy_with_layout(args.tensors[k], v));
+      for_eager.push_back(kiln::detail::copy_with_layout(args.tensors[k], v));
     }
     std::vector<Tensor> results = fn(args);
     std::vector<Tensor> expected = interpreter(*reference)(Arguments{for_eager, args.scalars});

@@ -92,38 +92,39 @@ std::shared_ptr<const ProgramInstance> Program::instance(const std::vector<int64
 namespace {
 
 std::vector<Tensor> run_program(const Program& p, const std::vector<Tensor>& inputs, const NamedTensors* state) {
-  const std::string api = "[kiln::ExportedProgram::run] " + p.origin + ": ";
+  // Messages are built only when a check fails.
+  auto api = [&p] { return "[kiln::ExportedProgram::run] " + p.origin + ": "; };
   KILN_CHECK(inputs.size() == p.inputs.size(), ValueError,
-             api + "the program takes " + std::to_string(p.inputs.size()) + " input" + (p.inputs.size() == 1 ? "" : "s") +
+             api() + "the program takes " + std::to_string(p.inputs.size()) + " input" + (p.inputs.size() == 1 ? "" : "s") +
                  ", got " + std::to_string(inputs.size()) + ".");
   std::vector<int64_t> s(p.dims.size(), -1);
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& t = inputs[i];
     const TensorSpec& spec = p.inputs[i];
-    const std::string what = api + "input " + std::to_string(i) + " ('" + spec.name + "')";
-    KILN_CHECK(t.defined(), ValueError, what + " is undefined.");
+    auto what = [&] { return api() + "input " + std::to_string(i) + " ('" + spec.name + "')"; };
+    KILN_CHECK(t.defined(), ValueError, what() + " is undefined.");
     KILN_CHECK(t.dtype() == spec.dtype, ValueError,
-               what + " has dtype " + std::string(dtype_name(t.dtype())) + "; the program takes " + std::string(dtype_name(spec.dtype)) + ".");
+               what() + " has dtype " + std::string(dtype_name(t.dtype())) + "; the program takes " + std::string(dtype_name(spec.dtype)) + ".");
     KILN_CHECK(t.device() == spec.device, ValueError,
-               what + " is on " + t.device().str() + "; the program runs on " + spec.device.str() + ". Move it with .to().");
+               what() + " is on " + t.device().str() + "; the program runs on " + spec.device.str() + ". Move it with .to().");
     KILN_CHECK(t.dim() == static_cast<int64_t>(spec.sizes.size()), ValueError,
-               what + " has " + std::to_string(t.dim()) + " dimensions; the program takes " + std::to_string(spec.sizes.size()) + ".");
+               what() + " has " + std::to_string(t.dim()) + " dimensions; the program takes " + std::to_string(spec.sizes.size()) + ".");
     for (size_t d = 0; d < spec.sizes.size(); ++d) {
       const int sym = p.input_dims[i][d];
       const int64_t size = t.size(static_cast<int64_t>(d));
       if (sym < 0) {
         KILN_CHECK(size == spec.sizes[d], ValueError,
-                   what + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + "; the program was exported with " +
+                   what() + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + "; the program was exported with " +
                        std::to_string(spec.sizes[d]) + " there, and that dim is static.");
         continue;
       }
       const DynamicDimSpec& dim = p.dims[sym];
       KILN_CHECK(size >= dim.min && size <= dim.max, ValueError,
-                 what + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + " ('" + dim.name +
+                 what() + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + " ('" + dim.name +
                      "'), outside its range [" + std::to_string(dim.min) + ", " +
                      (dim.max == std::numeric_limits<int64_t>::max() ? std::string("inf") : std::to_string(dim.max)) + "].");
       KILN_CHECK(s[sym] < 0 || s[sym] == size, ValueError,
-                 what + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + " ('" + dim.name +
+                 what() + " has size " + std::to_string(size) + " in dim " + std::to_string(d) + " ('" + dim.name +
                      "'), but another input has " + std::to_string(s[sym]) + " there; dims with one name are one size.");
       s[sym] = size;
     }
@@ -135,7 +136,7 @@ std::vector<Tensor> run_program(const Program& p, const std::vector<Tensor>& inp
   if (state) {
     for (const auto& [name, t] : *state) given[name] = &t;
     for (const TensorSpec& w : p.weights)
-      KILN_CHECK(given.count(w.name), ValueError, api + "the state has no tensor '" + w.name + "'; pass every weight the program lists.");
+      KILN_CHECK(given.count(w.name), ValueError, api() + "the state has no tensor '" + w.name + "'; pass every weight the program lists.");
   }
   std::vector<Tensor> tensors;
   tensors.reserve(p.placeholders.size());
@@ -143,15 +144,15 @@ std::vector<Tensor> run_program(const Program& p, const std::vector<Tensor>& inp
     const Binding& b = p.placeholders[k];
     const compiler::ValueInfo& v = g.values[g.inputs[k]];
     Tensor t;
-    std::string what;
+    auto what = [&] {
+      return b.kind == Binding::input ? "input '" + p.inputs[b.index].name + "'" : "state tensor '" + p.weights[b.index].name + "'";
+    };
     if (b.kind == Binding::input) {
       t = inputs[b.index];
-      what = "input '" + p.inputs[b.index].name + "'";
     } else if (state) {
       t = *given[p.weights[b.index].name];
-      what = "state tensor '" + p.weights[b.index].name + "'";
       KILN_CHECK(t.defined() && t.dtype() == v.dtype && t.device() == v.device && t.sizes() == IntArrayRef(v.sizes), ValueError,
-                 api + what + " does not match the weight's spec (" + std::string(dtype_name(v.dtype)) + shape_str(v.sizes) +
+                 api() + what() + " does not match the weight's spec (" + std::string(dtype_name(v.dtype)) + shape_str(v.sizes) +
                      " on " + v.device.str() + ").");
     } else {
       tensors.push_back(p.weight_tensors[b.index]);
@@ -159,7 +160,7 @@ std::vector<Tensor> run_program(const Program& p, const std::vector<Tensor>& inp
     }
     if (!has_layout(t, v)) {
       KILN_CHECK(!p.written_placeholders[k], ValueError,
-                 api + what + " has " + layout_text(t.sizes(), t.strides(), t.storage_offset()) +
+                 api() + what() + " has " + layout_text(t.sizes(), t.strides(), t.storage_offset()) +
                      "; the program writes it in place, so it must have the exported layout (" +
                      layout_text(v.sizes, v.strides, v.storage_offset) + ").");
       t = with_layout(t, v);  // a copy the program may read
@@ -172,7 +173,7 @@ std::vector<Tensor> run_program(const Program& p, const std::vector<Tensor>& inp
     for (size_t j = 0; j < tensors.size(); ++j)
       if (j != k && tensors[j].impl().storage.get() == tensors[k].impl().storage.get() &&
           g.values[g.inputs[j]].storage != g.values[g.inputs[k]].storage)
-        throw ValueError(api + "'" + g.values[g.inputs[k]].name + "', which the program writes, shares memory with '" +
+        throw ValueError(api() + "'" + g.values[g.inputs[k]].name + "', which the program writes, shares memory with '" +
                          g.values[g.inputs[j]].name + "'. Pass separate tensors.");
   }
   std::unique_lock<std::mutex> step;

@@ -566,6 +566,7 @@ namespace {
          const std::string& label, const std::function<std::string()>& build) {
         return load_or_build_blob(BlobRequest{kind, key_fields, label}, build);
       };
+  kiln::detail::kernel_cache_hooks.recording = [] { return t_recorder != nullptr; };
   return true;
 }();
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <new>
+#include <shared_mutex>
 #include <atomic>
 #include <unordered_map>
 #include <vector>
@@ -61,11 +62,23 @@ class PackedWeights {
     const void* data = w.data();
     const uint64_t version = w.storage->version.load(std::memory_order_acquire);
     const uint64_t epoch = g_input_write_epoch.load(std::memory_order_acquire);
-    std::lock_guard lock(mutex_);
+    {
+      // The common case, an unchanged weight, under a shared lock: callers of one program on many
+      // threads (and of one model) look their weights up side by side.
+      std::shared_lock lock(mutex_);
+      if (auto it = entries_.find(data); it != entries_.end())
+        for (const Entry& e : it->second)
+          if (e.storage_address == w.storage.get() && !e.storage.expired() && e.md == md && e.version == version &&
+              e.epoch == epoch) {
+            packed_now = false;
+            return e.packed;
+          }
+    }
+    std::unique_lock lock(mutex_);
     std::vector<Entry>& list = entries_[data];
     std::erase_if(list, [](const Entry& e) { return e.storage.expired(); });
     for (Entry& e : list) {
-      if (e.storage.lock() != w.storage || !(e.md == md)) continue;
+      if (e.storage_address != w.storage.get() || !(e.md == md)) continue;
       packed_now = e.version != version || e.epoch != epoch;
       if (packed_now) {
         e.packed = pack(data, md, k, n);
@@ -75,7 +88,7 @@ class PackedWeights {
       return e.packed;
     }
     packed_now = true;
-    list.push_back(Entry{w.storage, version, epoch, md, pack(data, md, k, n)});
+    list.push_back(Entry{w.storage, w.storage.get(), version, epoch, md, pack(data, md, k, n)});
     if (++inserts_ % 256 == 0) sweep();
     return list.back().packed;
   }
@@ -83,6 +96,7 @@ class PackedWeights {
  private:
   struct Entry {
     std::weak_ptr<kiln::detail::Storage> storage;
+    const kiln::detail::Storage* storage_address;  // compared without locking the weak_ptr
     uint64_t version;
     uint64_t epoch;  // g_input_write_epoch when packed
     memory::desc md;
@@ -106,7 +120,7 @@ class PackedWeights {
     }
   }
 
-  std::mutex mutex_;
+  std::shared_mutex mutex_;
   std::unordered_map<const void*, std::vector<Entry>> entries_;
   size_t inserts_ = 0;
 };

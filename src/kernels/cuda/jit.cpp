@@ -239,7 +239,17 @@ struct Entry {
   std::once_flag once;
   std::vector<JitFunction> functions;
   std::exception_ptr error;
+  std::string source, target;  // what the binary was built from (for export's recorder)
 };
+
+// What the binary of `source` for `target` is keyed by in the kernel cache.
+std::vector<std::pair<std::string, std::string>> blob_key(const std::string& source, const std::string& target) {
+  std::vector<std::pair<std::string, std::string>> key = {{"nvrtc", nvrtc_version()}, {"target", target}, {"source", source}};
+  for (const auto& o : options(target)) key.emplace_back("option", o);
+  for (const auto& header : kiln::detail::embedded_headers())
+    key.emplace_back(std::string(header.name), std::string(header.text));
+  return key;
+}
 
 }  // namespace
 
@@ -270,11 +280,9 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
       cudaFree(nullptr);  // makes the device's primary context current on this thread
       std::string target = target_for(device);
       std::string text = source();
-      std::vector<std::pair<std::string, std::string>> key = {
-          {"nvrtc", nvrtc_version()}, {"target", target}, {"source", text}};
-      for (const auto& o : options(target)) key.emplace_back("option", o);
-      for (const auto& header : kiln::detail::embedded_headers())
-        key.emplace_back(std::string(header.name), std::string(header.text));
+      const std::vector<std::pair<std::string, std::string>> key = blob_key(text, target);
+      entry->source = text;
+      entry->target = target;
       auto build = [&] { return compile(text, target, label).binary; };
       const auto& cache = kiln::detail::kernel_cache_hooks;
       std::string binary = cache.load_or_build_blob ? cache.load_or_build_blob("cuda", key, label, build) : build();
@@ -291,6 +299,14 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
     }
   });
   if (entry->error) std::rethrow_exception(entry->error);
+  const auto& cache = kiln::detail::kernel_cache_hooks;
+  if (cache.recording && cache.recording() && cache.load_or_build_blob) {
+    // A module this process loaded earlier: hand its binary to the cache again (a disk hit, or a
+    // rebuild where the cache cannot keep it), so that export_program's recorder sees it.
+    const std::string& text = entry->source;
+    const std::string& target = entry->target;
+    cache.load_or_build_blob("cuda", blob_key(text, target), label, [&] { return compile(text, target, label).binary; });
+  }
   return entry->functions;
 }
 
