@@ -12,7 +12,8 @@
 //      two warm-up calls, alternating in rounds so both see the same machine; ratio program/compiled;
 //   3. throughput: for each count T of --threads, T threads call the one loaded program, each with
 //      its own input and one intra-op thread (so that T callers use T cores); calls per second, the
-//      ratio to one caller's, and whether every result equals that input's single-caller result.
+//      ratio to one caller's, and whether every result equals that input's single-caller result;
+//      then compile(model) called the same way, for the machine's own scaling.
 #include <fmt/format.h>
 
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -159,10 +161,11 @@ int run_program_bench(const std::vector<std::string>& args) {
     program_best = std::min(program_best, seconds_since(t0) / a.iters);
   }
 
-  // 3. Throughput from T threads.
+  // 3. Throughput from T threads: the loaded program, and compile(model) called the same way (the
+  // machine's own scaling, for comparison).
   struct ThreadRow {
     int64_t threads = 0;
-    double calls_per_s = 0;
+    double calls_per_s = 0, compiled_calls_per_s = 0;
     bool exact = true;
   };
   std::vector<ThreadRow> rows;
@@ -174,8 +177,9 @@ int run_program_bench(const std::vector<std::string>& args) {
       program.run({inputs.back()});
       expected.push_back(program.run({inputs.back()})[0]);
     }
-    for (int64_t n : a.threads) {
-      std::atomic<bool> exact{true};
+    // Calls per second of `call` from n threads, each with its own input and one intra-op thread.
+    auto throughput = [&](int64_t n, const std::function<Tensor(const Tensor&)>& call, bool check, bool& exact) {
+      std::atomic<bool> all_exact{true};
       std::atomic<int> ready{0};
       std::atomic<bool> go{false};
       std::vector<std::thread> pool;
@@ -183,17 +187,27 @@ int run_program_bench(const std::vector<std::string>& args) {
         pool.emplace_back([&, t] {
           set_num_threads(1);  // one core per caller
           NoGradGuard no_grad_here;
-          program.run({inputs[t]});
+          call(inputs[t]);
           ++ready;
           while (!go.load()) std::this_thread::yield();
-          for (int64_t i = 0; i < a.calls; ++i)
-            if (!equal(program.run({inputs[t]})[0], expected[t])) exact = false;
+          for (int64_t i = 0; i < a.calls; ++i) {
+            Tensor out = call(inputs[t]);
+            if (check && !equal(out, expected[t])) all_exact = false;
+          }
         });
       while (ready.load() < n) std::this_thread::yield();
-      t0 = Clock::now();
+      const auto start = Clock::now();
       go = true;
       for (auto& th : pool) th.join();
-      rows.push_back({n, static_cast<double>(n * a.calls) / seconds_since(t0), exact.load()});
+      exact = all_exact.load();
+      return static_cast<double>(n * a.calls) / seconds_since(start);
+    };
+    for (int64_t n : a.threads) {
+      ThreadRow row{n};
+      row.calls_per_s = throughput(n, [&](const Tensor& in) { return program.run({in})[0]; }, true, row.exact);
+      bool unused = true;
+      row.compiled_calls_per_s = throughput(n, [&](const Tensor& in) { return compiled(in); }, false, unused);
+      rows.push_back(row);
     }
   }
 
@@ -215,7 +229,9 @@ int run_program_bench(const std::vector<std::string>& args) {
     threads.push_back({{"threads", r.threads},
                        {"calls_per_s", r.calls_per_s},
                        {"speedup", r.calls_per_s / rows.front().calls_per_s},
-                       {"exact", r.exact}});
+                       {"exact", r.exact},
+                       {"compiled_calls_per_s", r.compiled_calls_per_s},
+                       {"compiled_speedup", r.compiled_calls_per_s / rows.front().compiled_calls_per_s}});
   result["threads"] = threads;
   if (a.json) {
     std::cout << result.dump(2) << "\n";
@@ -230,11 +246,12 @@ int run_program_bench(const std::vector<std::string>& args) {
   std::cout << fmt::format("{:<26} {:>10.3f}   ({:.2f}x compiled; matches: {})\n", "loaded program", program_best * 1e3,
                            program_best / compiled_best, program_matches ? "yes" : "no");
   if (!rows.empty()) {
-    std::cout << fmt::format("\n{:>8} {:>12} {:>9} {:>7}   (callers of one loaded program, 1 intra-op thread each)\n",
-                             "threads", "calls/s", "speedup", "exact");
+    std::cout << fmt::format("\n{:>8} {:>12} {:>9} {:>7} {:>14} {:>9}   (callers, 1 intra-op thread each)\n", "threads",
+                             "program/s", "speedup", "exact", "compiled/s", "speedup");
     for (const ThreadRow& r : rows)
-      std::cout << fmt::format("{:>8} {:>12.1f} {:>8.2f}x {:>7}\n", r.threads, r.calls_per_s,
-                               r.calls_per_s / rows.front().calls_per_s, r.exact ? "yes" : "no");
+      std::cout << fmt::format("{:>8} {:>12.1f} {:>8.2f}x {:>7} {:>14.1f} {:>8.2f}x\n", r.threads, r.calls_per_s,
+                               r.calls_per_s / rows.front().calls_per_s, r.exact ? "yes" : "no", r.compiled_calls_per_s,
+                               r.compiled_calls_per_s / rows.front().compiled_calls_per_s);
   }
   return 0;
 }
