@@ -713,7 +713,9 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
     if (p->cpu_features.empty()) p->cpu_features = isa_features(l->target_macros);
   }
 #ifdef KILN_WITH_CUDA
-  for (const TensorSpec& w : p->inputs)
+  std::vector<TensorSpec> specs = p->inputs;
+  specs.insert(specs.end(), p->weights.begin(), p->weights.end());
+  for (const TensorSpec& w : specs)
     if (w.device.is_cuda() && p->gpu.empty()) {
       cuda::DeviceProperties props = cuda::get_device_properties(w.device.index);
       p->gpu = props.name + " (sm_" + std::to_string(props.major) + std::to_string(props.minor) + ")";

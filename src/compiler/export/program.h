@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -88,6 +89,8 @@ struct Program {
   // Instances by dynamic sizes: looked up under a shared lock, built under build_mutex.
   mutable std::shared_mutex instances_mutex;
   mutable std::map<std::vector<int64_t>, std::shared_ptr<const ProgramInstance>> instances;
+  mutable std::deque<std::vector<int64_t>> built_order;  // the keys of `instances`, oldest first
+  static constexpr size_t kMaxInstances = 64;
   mutable std::mutex build_mutex;
   mutable std::mutex step_mutex;  // runs that write the program's own weights take turns
 

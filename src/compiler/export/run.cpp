@@ -86,6 +86,13 @@ std::shared_ptr<const ProgramInstance> Program::instance(const std::vector<int64
                        ": " + e.what());
   }
   std::unique_lock lock(instances_mutex);
+  // At most kMaxInstances sizes stay built (the oldest goes first; a run still using it keeps it
+  // alive until it returns), so that a server meeting ever new sizes does not grow without bound.
+  if (instances.size() >= kMaxInstances && !built_order.empty()) {
+    instances.erase(built_order.front());
+    built_order.pop_front();
+  }
+  built_order.push_back(s);
   return instances.emplace(s, std::move(inst)).first->second;
 }
 
