@@ -57,20 +57,7 @@ Graph with_scalars_baked(const Graph& g, std::span<const Attr> scalars) {
     const ScalarSlot& s = out.scalars[k];
     if (s.node < 0) continue;
     Attr& attr = out.nodes[s.node].attrs[s.attr];
-    const Attr& given = scalars[k];
-    // The slot keeps its attr's kind (a double slot stays a double).
-    auto number = [&]() -> std::optional<Scalar> {
-      if (auto* x = std::get_if<Scalar>(&given)) return *x;
-      if (auto* x = std::get_if<double>(&given)) return Scalar(*x);
-      if (auto* x = std::get_if<int64_t>(&given)) return Scalar(*x);
-      if (auto* x = std::get_if<bool>(&given)) return Scalar(*x);
-      return std::nullopt;
-    }();
-    if (!number) continue;
-    if (std::holds_alternative<Scalar>(attr)) attr = *number;
-    else if (std::holds_alternative<double>(attr)) attr = number->to_double();
-    else if (std::holds_alternative<int64_t>(attr)) attr = number->to_int();
-    else if (std::holds_alternative<bool>(attr)) attr = number->to_bool();
+    if (std::optional<Attr> value = detail::scalar_in_kind_of(attr, scalars[k])) attr = *value;
   }
   out.scalars.clear();
   return out;

@@ -1,6 +1,7 @@
 // Text forms shared by the graph printer, validate() and the passes (defined in printer.cpp).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,6 +22,11 @@ using kiln::detail::parse_schema_params;
 using kiln::detail::SchemaParam;
 // Names of the op's attrs (its non-Tensor parameters, in schema order).
 std::vector<std::string> attr_names(const OpDef& op);
+
+// A scalar slot's run-time value `given` in the kind of the node's attr `example` (a Scalar slot
+// takes a Scalar, a double slot a double, ...); nullopt when `given` is not a number (defined in
+// interpreter.cpp).
+std::optional<Attr> scalar_in_kind_of(const Attr& example, const Attr& given);
 
 // Node names: "index.Tensor" -> "index_Tensor", "mylib::dct" -> "mylib__dct" (identifiers).
 std::string identifier_from(std::string_view op_name);

@@ -48,20 +48,7 @@ struct Program {
 
 // A runtime scalar in the form the node's attr has (a double for a Scalar slot, ...).
 Attr coerce(const Attr& example, const Attr& given, const Program& p, size_t slot) {
-  if (given.index() == example.index()) return given;
-  auto number = [&]() -> std::optional<Scalar> {
-    if (auto* s = std::get_if<Scalar>(&given)) return *s;
-    if (auto* d = std::get_if<double>(&given)) return Scalar(*d);
-    if (auto* i = std::get_if<int64_t>(&given)) return Scalar(*i);
-    if (auto* b = std::get_if<bool>(&given)) return Scalar(*b);
-    return std::nullopt;
-  }();
-  if (number) {
-    if (std::holds_alternative<Scalar>(example)) return *number;
-    if (std::holds_alternative<double>(example)) return number->to_double();
-    if (std::holds_alternative<int64_t>(example)) return number->to_int();
-    if (std::holds_alternative<bool>(example)) return number->to_bool();
-  }
+  if (std::optional<Attr> a = detail::scalar_in_kind_of(example, given)) return *a;
   throw CompileError("[kiln::compiler::interpreter] scalar " + std::to_string(slot) + " (" +
                      p.slot_names[slot] + ") got a value of the wrong kind (attr alternative " +
                      std::to_string(given.index()) + ", expected " +
@@ -195,6 +182,24 @@ std::vector<Tensor> run(Program& p, const Arguments& args) {
 }
 
 }  // namespace
+
+std::optional<Attr> detail::scalar_in_kind_of(const Attr& example, const Attr& given) {
+  if (given.index() == example.index()) return given;
+  auto number = [&]() -> std::optional<Scalar> {
+    if (auto* s = std::get_if<Scalar>(&given)) return *s;
+    if (auto* d = std::get_if<double>(&given)) return Scalar(*d);
+    if (auto* i = std::get_if<int64_t>(&given)) return Scalar(*i);
+    if (auto* b = std::get_if<bool>(&given)) return Scalar(*b);
+    return std::nullopt;
+  }();
+  if (number) {
+    if (std::holds_alternative<Scalar>(example)) return *number;
+    if (std::holds_alternative<double>(example)) return number->to_double();
+    if (std::holds_alternative<int64_t>(example)) return number->to_int();
+    if (std::holds_alternative<bool>(example)) return number->to_bool();
+  }
+  return std::nullopt;
+}
 
 CompiledFn interpreter(Graph graph) {
   std::shared_ptr<Program> program = build(graph);
