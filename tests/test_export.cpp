@@ -247,10 +247,11 @@ TEST_F(Export, TrainingStepUpdatesTheProgramsStateLikeEager) {
 // Runs `kiln run` on `package` in a child process whose PATH holds no compiler, whose KILN_CXX
 // points nowhere and whose kernel cache is empty: the package's own binaries must be enough.
 int run_without_compiler(const std::string& package, const std::string& in, const std::string& out,
-                         const std::string& cache, std::string& log) {
+                         const std::string& cache, std::string& log, bool bundled_binaries = true) {
   const std::string kiln = std::string(KILN_BINARY_DIR) + "/bin/kiln";
   const std::string log_path = out + ".log";
   std::vector<std::string> argv = {kiln, "run", package, "--inputs", in, "--out", out};
+  if (!bundled_binaries) argv.push_back("--no-bundled-binaries");
   std::vector<std::string> env = {"PATH=/nonexistent", "KILN_CXX=/nonexistent/c++", "KILN_CACHE_DIR=" + cache,
                                   "HOME=" + cache};
   // Where the loader finds Kiln's own dependencies (oneDNN, cuDNN) and which GPU: not compilers.
@@ -319,6 +320,13 @@ TEST_F(Export, AnotherProcessWithoutACompilerRunsResNetAndGPTAtTwoBatchSizes) {
   // The child found nothing to build: its cache holds no kernel library.
   for (const auto& entry : fs::recursive_directory_iterator(cache))
     EXPECT_NE(entry.path().extension(), ".so") << entry.path();
+  // And it could not have: without the package's binaries the same child fails, saying why.
+  std::string log;
+  EXPECT_NE(run_without_compiler(path("gpt.kpkg"), path("gpt0_in.safetensors"), path("refused.safetensors"), cache, log,
+                                 /*bundled_binaries=*/false),
+            0);
+  EXPECT_TRUE(contains(log, "bundled binaries are turned off")) << log;
+  EXPECT_TRUE(contains(log, "cannot run the C++ compiler")) << log;
 }
 
 // On a GPU: a program exported on cuda runs in another process from its package, its CUDA
