@@ -435,6 +435,20 @@ TEST_F(Export, DamagedPackagesAreRefused) {
     std::string e = error_of([&] { load_program(path("future.kpkg")); });
     EXPECT_TRUE(contains(e, "version is 99")) << e;
   }
+  // A kernel library's build record without its binary (a re-written package, not a damaged one).
+  {
+    auto sections = sections_of(good);
+    std::vector<std::string> without;
+    for (const auto& name : order)
+      if (name != "kernels/0/library.so") without.push_back(name);
+    write_sections(path("no_binary.kpkg"), sections, without);
+    try {
+      load_program(path("no_binary.kpkg"));
+      ADD_FAILURE() << "expected PackageError";
+    } catch (const PackageError& e) {
+      EXPECT_TRUE(contains(e.what(), "no section 'kernels/0/library.so'")) << e.what();
+    }
+  }
   // A weight whose bytes do not match its spec.
   {
     auto sections = sections_of(good);

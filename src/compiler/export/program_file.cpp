@@ -334,7 +334,7 @@ std::shared_ptr<Program> program_from_sections(std::map<std::string, std::string
       r.fail(dir + "build.json is malformed: " + e.what());
     }
     lib->target_macros = r.section(sections, dir + "target_macros.txt");
-    lib->bytes = std::move(sections.at(dir + "library.so"));
+    lib->bytes = r.section(sections, dir + "library.so");
     const std::string here = compiler::runtime::bundle_key({lib->sources, lib->extra_flags, ""});
     if (here != lib->key) {
       notes = "the bundled kernels were built by Kiln " + p->kiln_version + ", whose generated code this Kiln (" +
@@ -367,7 +367,7 @@ std::shared_ptr<Program> program_from_sections(std::map<std::string, std::string
       r.fail(base + ".json is malformed: " + e.what());
     }
     r.check(blob->kind == "cuda", base + ".json names an unknown kind of binary.");
-    blob->bytes = std::move(sections.at(base + ".bin"));
+    blob->bytes = r.section(sections, base + ".bin");
     if (!use_bundled_binaries) continue;
     compiler::runtime::register_bundled(std::shared_ptr<const compiler::runtime::BundledBlob>(blob));
     p->blobs.push_back(std::move(blob));
