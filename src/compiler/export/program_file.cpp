@@ -344,7 +344,7 @@ std::shared_ptr<Program> program_from_sections(std::map<std::string, std::string
     if (std::vector<std::string> lacking = compiler::runtime::cpu_lacks(lib->target_macros); !lacking.empty()) {
       std::string names;
       for (const auto& l : lacking) names += (names.empty() ? "" : ", ") + l;
-      notes = "the bundled kernels were built for a CPU with " + isa_features(lib->target_macros) + "; this CPU lacks " + names;
+      notes = "the bundled kernels were built for a CPU with " + compiler::runtime::isa_features(lib->target_macros) + "; this CPU lacks " + names;
       continue;
     }
     if (!use_bundled_binaries) {

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <map>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <unordered_map>
@@ -380,61 +381,117 @@ std::shared_ptr<SharedObject> load_bundled(const std::string& key, const std::st
 
 }  // namespace
 
+namespace {
+
+// The ISA features generated code may use: the compiler's macro for each, its name, and whether
+// isa_features() reports it (the AVX families; the SSE-era ones every x86-64-v2 CPU has are left
+// out of that summary). In isa_features()'s order.
+struct IsaFeature {
+  const char* macro;
+  const char* name;
+  bool reported;
+};
+constexpr IsaFeature kIsaFeatures[] = {
+    {"__AVX__", "avx", true},
+    {"__AVX2__", "avx2", true},
+    {"__FMA__", "fma", true},
+    {"__F16C__", "f16c", true},
+    {"__AVX512F__", "avx512f", true},
+    {"__AVX512BW__", "avx512bw", true},
+    {"__AVX512VL__", "avx512vl", true},
+    {"__AVX512DQ__", "avx512dq", true},
+    {"__AVX512VNNI__", "avx512vnni", true},
+    {"__AVX512BF16__", "avx512bf16", true},
+    {"__AVX512FP16__", "avx512fp16", true},
+    {"__SSE3__", "sse3", false},
+    {"__SSSE3__", "ssse3", false},
+    {"__SSE4_1__", "sse4.1", false},
+    {"__SSE4_2__", "sse4.2", false},
+    {"__POPCNT__", "popcnt", false},
+    {"__BMI__", "bmi", false},
+    {"__BMI2__", "bmi2", false},
+    {"__AVX512IFMA__", "avx512ifma", false},
+    {"__AVX512CD__", "avx512cd", false},
+    {"__AVX512VBMI__", "avx512vbmi", false},
+    {"__AVX512VBMI2__", "avx512vbmi2", false},
+    {"__AVX512BITALG__", "avx512bitalg", false},
+    {"__AVX512VPOPCNTDQ__", "avx512vpopcntdq", false},
+    {"__AVXVNNI__", "avxvnni", false},
+};
+
+bool uses(const std::string& target_macros, const IsaFeature& f) {
+  return target_macros.find(std::string("#define ") + f.macro + " ") != std::string::npos;
+}
+
+// The names of kIsaFeatures this CPU and its OS support (CPUID and XCR0), probed once: CPUID traps
+// to the hypervisor in a VM.
+const std::set<std::string>& cpu_features() {
+  static const std::set<std::string> present = [] {
+    std::set<std::string> out;
+#if defined(__x86_64__) || defined(__i386__)
+    unsigned a = 0, b = 0, c1 = 0, d1 = 0, b7 = 0, c7 = 0, d7 = 0, a71 = 0;
+    __get_cpuid(1, &a, &b, &c1, &d1);
+    __get_cpuid_count(7, 0, &a, &b7, &c7, &d7);
+    __get_cpuid_count(7, 1, &a71, &b, &a, &a);
+    uint64_t xcr0 = 0;
+    if (c1 & (1u << 27)) {  // OSXSAVE
+      unsigned lo = 0, hi = 0;
+      __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+      xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+    }
+    const bool os_avx = (xcr0 & 0x6) == 0x6;                 // XMM and YMM state
+    const bool os_avx512 = os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM0-15 and ZMM16-31 state
+    const std::pair<const char*, bool> bits[] = {
+        {"sse3", (c1 & 1u) != 0},
+        {"ssse3", (c1 >> 9 & 1u) != 0},
+        {"sse4.1", (c1 >> 19 & 1u) != 0},
+        {"sse4.2", (c1 >> 20 & 1u) != 0},
+        {"popcnt", (c1 >> 23 & 1u) != 0},
+        {"avx", (c1 >> 28 & 1u) && os_avx},
+        {"f16c", (c1 >> 29 & 1u) && os_avx},
+        {"fma", (c1 >> 12 & 1u) && os_avx},
+        {"bmi", (b7 >> 3 & 1u) != 0},
+        {"avx2", (b7 >> 5 & 1u) && os_avx},
+        {"bmi2", (b7 >> 8 & 1u) != 0},
+        {"avx512f", (b7 >> 16 & 1u) && os_avx512},
+        {"avx512dq", (b7 >> 17 & 1u) && os_avx512},
+        {"avx512ifma", (b7 >> 21 & 1u) && os_avx512},
+        {"avx512cd", (b7 >> 28 & 1u) && os_avx512},
+        {"avx512bw", (b7 >> 30 & 1u) && os_avx512},
+        {"avx512vl", (b7 >> 31 & 1u) && os_avx512},
+        {"avx512vbmi", (c7 >> 1 & 1u) && os_avx512},
+        {"avx512vbmi2", (c7 >> 6 & 1u) && os_avx512},
+        {"avx512vnni", (c7 >> 11 & 1u) && os_avx512},
+        {"avx512bitalg", (c7 >> 12 & 1u) && os_avx512},
+        {"avx512vpopcntdq", (c7 >> 14 & 1u) && os_avx512},
+        {"avx512fp16", (d7 >> 23 & 1u) && os_avx512},
+        {"avx512bf16", (a71 >> 5 & 1u) && os_avx512},
+        {"avxvnni", (a71 >> 4 & 1u) && os_avx},
+    };
+    for (const auto& [name, present_here] : bits)
+      if (present_here) out.insert(name);
+#else
+    for (const IsaFeature& f : kIsaFeatures) out.insert(f.name);  // no x86 feature macros apply
+#endif
+    return out;
+  }();
+  return present;
+}
+
+}  // namespace
+
 std::vector<std::string> cpu_lacks(const std::string& target_macros) {
   std::vector<std::string> lacking;
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c1 = 0, d1 = 0, b7 = 0, c7 = 0, d7 = 0, a71 = 0;
-  __get_cpuid(1, &a, &b, &c1, &d1);
-  __get_cpuid_count(7, 0, &a, &b7, &c7, &d7);
-  __get_cpuid_count(7, 1, &a71, &b, &a, &a);
-  uint64_t xcr0 = 0;
-  if (c1 & (1u << 27)) {  // OSXSAVE
-    unsigned lo = 0, hi = 0;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
-  }
-  const bool os_avx = (xcr0 & 0x6) == 0x6;              // XMM and YMM state
-  const bool os_avx512 = os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM0-15 and ZMM16-31 state
-  struct Feature {
-    const char* macro;
-    const char* name;
-    bool present;
-  };
-  const Feature features[] = {
-      {"__SSE3__", "sse3", (c1 & 1u) != 0},
-      {"__SSSE3__", "ssse3", (c1 >> 9 & 1u) != 0},
-      {"__SSE4_1__", "sse4.1", (c1 >> 19 & 1u) != 0},
-      {"__SSE4_2__", "sse4.2", (c1 >> 20 & 1u) != 0},
-      {"__POPCNT__", "popcnt", (c1 >> 23 & 1u) != 0},
-      {"__AVX__", "avx", (c1 >> 28 & 1u) && os_avx},
-      {"__F16C__", "f16c", (c1 >> 29 & 1u) && os_avx},
-      {"__FMA__", "fma", (c1 >> 12 & 1u) && os_avx},
-      {"__BMI__", "bmi", (b7 >> 3 & 1u) != 0},
-      {"__AVX2__", "avx2", (b7 >> 5 & 1u) && os_avx},
-      {"__BMI2__", "bmi2", (b7 >> 8 & 1u) != 0},
-      {"__AVX512F__", "avx512f", (b7 >> 16 & 1u) && os_avx512},
-      {"__AVX512DQ__", "avx512dq", (b7 >> 17 & 1u) && os_avx512},
-      {"__AVX512IFMA__", "avx512ifma", (b7 >> 21 & 1u) && os_avx512},
-      {"__AVX512CD__", "avx512cd", (b7 >> 28 & 1u) && os_avx512},
-      {"__AVX512BW__", "avx512bw", (b7 >> 30 & 1u) && os_avx512},
-      {"__AVX512VL__", "avx512vl", (b7 >> 31 & 1u) && os_avx512},
-      {"__AVX512VBMI__", "avx512vbmi", (c7 >> 1 & 1u) && os_avx512},
-      {"__AVX512VBMI2__", "avx512vbmi2", (c7 >> 6 & 1u) && os_avx512},
-      {"__AVX512VNNI__", "avx512vnni", (c7 >> 11 & 1u) && os_avx512},
-      {"__AVX512BITALG__", "avx512bitalg", (c7 >> 12 & 1u) && os_avx512},
-      {"__AVX512VPOPCNTDQ__", "avx512vpopcntdq", (c7 >> 14 & 1u) && os_avx512},
-      {"__AVX512FP16__", "avx512fp16", (d7 >> 23 & 1u) && os_avx512},
-      {"__AVX512BF16__", "avx512bf16", (a71 >> 5 & 1u) && os_avx512},
-      {"__AVXVNNI__", "avxvnni", (a71 >> 4 & 1u) && os_avx},
-  };
-  for (const Feature& f : features) {
-    const std::string define = std::string("#define ") + f.macro + " ";
-    if (target_macros.find(define) != std::string::npos && !f.present) lacking.push_back(f.name);
-  }
-#else
-  (void)target_macros;
-#endif
+  for (const IsaFeature& f : kIsaFeatures)
+    if (uses(target_macros, f) && !cpu_features().count(f.name)) lacking.push_back(f.name);
   return lacking;
+}
+
+std::string isa_features(const std::string& target_macros) {
+  std::string out;
+  for (const IsaFeature& f : kIsaFeatures)
+    if (f.reported && uses(target_macros, f)) out += (out.empty() ? "" : " ") + std::string(f.name);
+  return out.empty() ? "baseline x86-64" : out;
 }
 
 std::string bundle_key(const BuildRequest& req) {

@@ -121,6 +121,9 @@ std::string bundle_key(const BuildRequest& req);
 // The ISA features a compiler's predefined macros say its code uses (__AVX2__, __AVX512F__, ...)
 // that this CPU or its OS lacks, by name ("avx512bw"); empty when the code can run here.
 std::vector<std::string> cpu_lacks(const std::string& target_macros);
+// The AVX-family features those macros say the code uses, for messages and summaries:
+// "avx avx2 fma f16c avx512f ...", or "baseline x86-64".
+std::string isa_features(const std::string& target_macros);
 
 // Makes `library` (and `blob`) available to load_or_build (load_or_build_blob) for as long as the
 // caller keeps the shared_ptr. The caller has verified the bytes and checked cpu_lacks().
