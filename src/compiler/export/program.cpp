@@ -13,11 +13,13 @@
 #include <chrono>
 #include <ctime>
 #include <limits>
+#include <set>
 #include <unordered_map>
 
 #include "compiler/capture/runtime.h"
 #include "compiler/export/program.h"
 #include "compiler/graph/passes.h"
+#include "core/shape.h"
 #include "kiln/autograd.h"
 #include "kiln/compiler/serialize.h"
 #include "kiln/cuda.h"
@@ -47,6 +49,13 @@ std::optional<int64_t> eval_sym(const SymExpr& e, const std::vector<int64_t>& s)
   return static_cast<int64_t>(sum);
 }
 
+std::string dims_text(const std::vector<DynamicDimSpec>& dims, const std::vector<int64_t>& values) {
+  std::string out;
+  for (size_t i = 0; i < dims.size() && i < values.size(); ++i)
+    out += (i ? ", " : "") + dims[i].name + "=" + std::to_string(values[i]);
+  return out;
+}
+
 std::string sym_text(const SymExpr& e, const std::vector<DynamicDimSpec>& dims) {
   std::string out;
   int64_t constant = 0;
@@ -70,21 +79,12 @@ std::string sym_text(const SymExpr& e, const std::vector<DynamicDimSpec>& dims) 
 namespace {
 
 Tensor laid_out(const Tensor& t, const ValueInfo& v, bool copy) {
-  bool contiguous = v.storage_offset == 0;
-  int64_t expected = 1;
-  for (size_t d = v.sizes.size(); d-- > 0;) {
-    if (v.sizes[d] != 1 && v.strides[d] != expected) contiguous = false;
-    expected *= v.sizes[d];
-  }
-  if (contiguous) {
+  if (v.storage_offset == 0 && dense_row_major(v.sizes, v.strides)) {
     Tensor moved = t.to(v.device);
     return copy && moved.unsafe_impl() == t.unsafe_impl() ? moved.clone() : moved.contiguous();
   }
-  int64_t extent = v.storage_offset + 1;
-  for (size_t d = 0; d < v.sizes.size(); ++d) {
-    if (v.sizes[d] == 0) extent = 0;
-    if (extent > 0) extent += (v.sizes[d] - 1) * v.strides[d];
-  }
+  const int64_t span = storage_span(v.sizes, v.strides);
+  const int64_t extent = span == 0 ? 0 : v.storage_offset + span;
   Tensor buffer = zeros({std::max<int64_t>(extent, 1)}, TensorOptions(v.dtype, v.device));
   Tensor view = as_strided(buffer, v.sizes, v.strides, v.storage_offset);
   NoGradGuard no_grad;
@@ -94,20 +94,12 @@ Tensor laid_out(const Tensor& t, const ValueInfo& v, bool copy) {
 
 }  // namespace
 
+bool has_layout(const Tensor& t, const ValueInfo& v) {
+  return t.sizes() == IntArrayRef(v.sizes) && t.strides() == IntArrayRef(v.strides) && t.storage_offset() == v.storage_offset;
+}
+
 Tensor with_layout(const Tensor& t, const ValueInfo& v) { return laid_out(t, v, false); }
 Tensor copy_with_layout(const Tensor& t, const ValueInfo& v) { return laid_out(t, v, true); }
-
-std::string isa_features(const std::string& target_macros) {
-  static const std::pair<const char*, const char*> kFeatures[] = {
-      {"__AVX__", "avx"},           {"__AVX2__", "avx2"},         {"__FMA__", "fma"},
-      {"__F16C__", "f16c"},         {"__AVX512F__", "avx512f"},   {"__AVX512BW__", "avx512bw"},
-      {"__AVX512VL__", "avx512vl"}, {"__AVX512DQ__", "avx512dq"}, {"__AVX512VNNI__", "avx512vnni"},
-      {"__AVX512BF16__", "avx512bf16"}, {"__AVX512FP16__", "avx512fp16"}};
-  std::string out;
-  for (const auto& [macro, name] : kFeatures)
-    if (target_macros.find(std::string("#define ") + macro + " ") != std::string::npos) out += (out.empty() ? "" : " ") + std::string(name);
-  return out.empty() ? "baseline x86-64" : out;
-}
 
 namespace {
 
@@ -130,19 +122,16 @@ struct Capture {
 // being exported).
 compiler::CompiledFn isolated_runner(const Graph& g) {
   const std::vector<char> written = compiler::passes::internal::written_memory(g);
-  std::vector<char> copy(g.inputs.size());
-  for (size_t k = 0; k < g.inputs.size(); ++k) copy[k] = written[g.inputs[k]];
+  std::vector<std::optional<ValueInfo>> copy(g.inputs.size());  // the layout of each written placeholder
+  for (size_t k = 0; k < g.inputs.size(); ++k)
+    if (written[g.inputs[k]]) copy[k] = g.values[g.inputs[k]];
   compiler::CompiledFn run = compiler::interpreter(g);
   return [run, copy](const compiler::Arguments& args) {
     std::vector<Tensor> tensors(args.tensors.begin(), args.tensors.end());
     for (size_t k = 0; k < tensors.size(); ++k)
-      if (copy[k]) tensors[k] = tensors[k].clone();
+      if (copy[k]) tensors[k] = copy_with_layout(tensors[k], *copy[k]);
     return run(compiler::Arguments{tensors, args.scalars});
   };
-}
-
-bool same_layout(const Tensor& t, const ValueInfo& v) {
-  return t.sizes() == IntArrayRef(v.sizes) && t.strides() == IntArrayRef(v.strides) && t.storage_offset() == v.storage_offset;
 }
 
 // Calls fn once (through compile() with a recording backend) with `args` in place of the tensor
@@ -208,9 +197,9 @@ Capture capture_once(const ExportCall& call, const ExportOptions& options, const
     int value = -1;
     if (it != group_of.end()) {
       for (int o : graph.outputs)
-        if (value < 0 && graph.values[o].storage == it->second && same_layout(t, graph.values[o])) value = o;
+        if (value < 0 && graph.values[o].storage == it->second && has_layout(t, graph.values[o])) value = o;
       for (size_t v = 0; v < graph.values.size() && value < 0; ++v)
-        if (graph.values[v].storage == it->second && same_layout(t, graph.values[v])) value = static_cast<int>(v);
+        if (graph.values[v].storage == it->second && has_layout(t, graph.values[v])) value = static_cast<int>(v);
     }
     if (value < 0)
       export_error("result " + std::to_string(r) +
@@ -416,25 +405,28 @@ std::vector<Symbol> collect_symbols(const ExportCall& call, const ExportOptions&
   return symbols;
 }
 
+std::vector<DynamicDimSpec> specs_of(const std::vector<Symbol>& symbols) {
+  std::vector<DynamicDimSpec> specs;
+  for (const Symbol& s : symbols) specs.push_back(s.spec);
+  return specs;
+}
+
 // The tensor arguments at sizes `values`: generated tensors (normal floats, zero integers) for
 // the arguments with a dynamic dim, undefined (keep the example) for the others.
 std::vector<Tensor> arguments_at(const ExportCall& call, const std::vector<Symbol>& symbols,
                                  const std::vector<int64_t>& values) {
-  std::vector<Tensor> out(call.tensor_args.size());
+  std::vector<std::vector<int64_t>> sizes(call.tensor_args.size());  // empty: no dynamic dim
   for (size_t s = 0; s < symbols.size(); ++s)
     for (const DimUse& u : symbols[s].uses) {
-      const Tensor& example = call.tensor_args[u.arg];
-      if (!out[u.arg].defined()) out[u.arg] = example;  // sizes replaced below
+      if (sizes[u.arg].empty()) sizes[u.arg] = call.tensor_args[u.arg].sizes().vec();
+      sizes[u.arg][u.dim] = values[s];
     }
+  std::vector<Tensor> out(call.tensor_args.size());
   for (size_t i = 0; i < out.size(); ++i) {
-    if (!out[i].defined()) continue;
+    if (sizes[i].empty()) continue;
     const Tensor& example = call.tensor_args[i];
-    std::vector<int64_t> sizes = example.sizes().vec();
-    for (size_t s = 0; s < symbols.size(); ++s)
-      for (const DimUse& u : symbols[s].uses)
-        if (u.arg == static_cast<int>(i)) sizes[u.dim] = values[s];
     TensorOptions o(example.dtype(), example.device());
-    out[i] = is_floating_point(example.dtype()) ? randn(sizes, o) : zeros(sizes, o);
+    out[i] = is_floating_point(example.dtype()) ? randn(sizes[i], o) : zeros(sizes[i], o);
   }
   return out;
 }
@@ -491,12 +483,9 @@ std::vector<IntSlot> fit_slots(const std::vector<Capture>& corners, const std::v
     }
     std::optional<int64_t> predicted = eval_sym(slot.expr, check_values);
     if (!predicted || *predicted != checked[k]) {
-      std::vector<DynamicDimSpec> specs;
-      for (const Symbol& s : symbols) specs.push_back(s.spec);
-      std::string at;
-      for (size_t i = 0; i < d; ++i) at += (i ? ", " : "") + symbols[i].spec.name + "=" + std::to_string(check_values[i]);
-      export_error(slot_text(corners[0].graph, slot) + " is " + std::to_string(checked[k]) + " at " + at + ", not " +
-                   sym_text(slot.expr, specs) + " as the nearby sizes suggest: the graph depends on a dynamic size in "
+      const std::vector<DynamicDimSpec> specs = specs_of(symbols);
+      export_error(slot_text(corners[0].graph, slot) + " is " + std::to_string(checked[k]) + " at " +
+                   dims_text(specs, check_values) + ", not " + sym_text(slot.expr, specs) + " as the nearby sizes suggest: the graph depends on a dynamic size in "
                    "a way a program cannot follow (integer division, a branch on the size). Keep that dim static.");
     }
     slots.push_back(std::move(slot));
@@ -526,13 +515,6 @@ TensorSpec spec_of(const std::string& name, const ValueInfo& v) {
 }
 
 }  // namespace
-
-// The graph input that weight `w` feeds.
-static size_t placeholder_of_weight(const Program& p, size_t w) {
-  for (size_t k = 0; k < p.placeholders.size(); ++k)
-    if (p.placeholders[k].kind == Binding::weight && p.placeholders[k].index == static_cast<int>(w)) return k;
-  return 0;
-}
 
 ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std::source_location) {
   KILN_CHECK(!compiler::is_compiling(), CompileError,
@@ -577,8 +559,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
       std::vector<Tensor> args = call.tensor_args;
       for (size_t i = 0; i < args.size(); ++i)
         if (replacement[i].defined()) args[i] = replacement[i];
-      std::string at;
-      for (size_t i = 0; i < symbols.size(); ++i) at += (i ? ", " : "") + symbols[i].spec.name + "=" + std::to_string(values[i]);
+      const std::string at = dims_text(specs_of(symbols), values);
       Capture c;
       try {
         c = capture_once(call, options, args, replacement);
@@ -610,7 +591,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
   p->slots = std::move(slots);
   p->placeholders = base.placeholders;
   p->results = base.results;
-  for (const Symbol& s : symbols) p->dims.push_back(s.spec);
+  p->dims = specs_of(symbols);
 
   // Inputs: one per tensor argument.
   for (size_t i = 0; i < call.tensor_args.size(); ++i) {
@@ -647,7 +628,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
   const std::vector<char> written = compiler::passes::internal::written_memory(g);
 
   // Weights: copies of the tensors the graph reads that are not arguments, laid out as captured.
-  std::map<std::string, int> weight_names;
+  std::set<std::string> weight_names;
   for (size_t k = 0; k < g.inputs.size(); ++k) {
     Binding& b = p->placeholders[k];
     const ValueInfo& v = g.values[g.inputs[k]];
@@ -655,7 +636,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
     if (b.kind != Binding::weight) continue;
     std::string name = clean_weight_name(v.name, k);
     if (weight_names.count(name)) name += "_" + std::to_string(k);
-    weight_names.emplace(name, static_cast<int>(p->weights.size()));
+    weight_names.insert(name);
     b.index = static_cast<int>(p->weights.size());
     p->weights.push_back(spec_of(name, v));
     p->weight_tensors.push_back(copy_with_layout(base.placeholder_tensors[k].detach(), v));
@@ -701,8 +682,9 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
       for (const Tensor& t : call.tensor_args)
         if (t.defined()) inputs.push_back(t.detach().clone());
       NamedTensors state;
-      for (size_t w = 0; w < p->weights.size(); ++w)
-        state.emplace_back(p->weights[w].name, copy_with_layout(p->weight_tensors[w], g.values[g.inputs[placeholder_of_weight(*p, w)]]));
+      for (size_t k = 0; k < p->placeholders.size(); ++k)
+        if (const Binding& b = p->placeholders[k]; b.kind == Binding::weight)
+          state.emplace_back(p->weights[b.index].name, copy_with_layout(p->weight_tensors[b.index], g.values[g.inputs[k]]));
       ExportedProgram(p).run(inputs, state);
     }
     for (auto& l : recorder.libraries()) p->libraries.push_back(std::make_shared<const compiler::runtime::BundledLibrary>(std::move(l)));
@@ -710,7 +692,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
   }
   for (const auto& l : p->libraries) {
     if (p->compiler.empty()) p->compiler = l->compiler;
-    if (p->cpu_features.empty()) p->cpu_features = isa_features(l->target_macros);
+    if (p->cpu_features.empty()) p->cpu_features = compiler::runtime::isa_features(l->target_macros);
   }
 #ifdef KILN_WITH_CUDA
   std::vector<TensorSpec> specs = p->inputs;

@@ -30,6 +30,8 @@ using SymExpr = std::vector<SymTerm>;  // a sum of terms
 std::optional<int64_t> eval_sym(const SymExpr& e, const std::vector<int64_t>& s);
 // "2*batch + 1", "batch*seq", "768".
 std::string sym_text(const SymExpr& e, const std::vector<DynamicDimSpec>& dims);
+// "batch=3, seq=17": dynamic sizes `values` by their dims' names.
+std::string dims_text(const std::vector<DynamicDimSpec>& dims, const std::vector<int64_t>& values);
 
 // An integer of the graph that depends on the dynamic sizes.
 struct IntSlot {
@@ -99,6 +101,8 @@ struct Program {
   std::shared_ptr<const ProgramInstance> instance(const std::vector<int64_t>& s) const;
 };
 
+// Whether `t` has exactly `v`'s sizes, strides and offset.
+bool has_layout(const Tensor& t, const compiler::ValueInfo& v);
 // `t` laid out as `v` says (sizes, strides, offset), on `v`'s device: `t` itself when it already is
 // contiguous there and `v` is the contiguous layout, else a copy.
 Tensor with_layout(const Tensor& t, const compiler::ValueInfo& v);
@@ -117,8 +121,5 @@ void write_compile_settings(nlohmann::json& j, const std::optional<Mode>& mode,
                             const std::map<std::string, compiler::OptionValue>& options);
 void read_compile_settings(const nlohmann::json& j, std::optional<Mode>& mode,
                            std::map<std::string, compiler::OptionValue>& options, const std::string& path);
-
-// Names of the ISA features the predefined macros `target_macros` use ("avx2 fma avx512f").
-std::string isa_features(const std::string& target_macros);
 
 }  // namespace kiln::detail

@@ -18,19 +18,13 @@ namespace detail {
 namespace {
 
 std::string sizes_text(const Program& p, const std::vector<int64_t>& s) {
-  std::string out;
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + p.dims[i].name + "=" + std::to_string(s[i]);
-  return out.empty() ? "its sizes" : out;
+  return s.empty() ? "its sizes" : dims_text(p.dims, s);
 }
 
 std::string layout_text(IntArrayRef sizes, IntArrayRef strides, int64_t offset) {
   std::string out = "sizes " + shape_str(sizes) + ", strides " + shape_str(strides);
   if (offset) out += ", offset " + std::to_string(offset);
   return out;
-}
-
-bool has_layout(const Tensor& t, const compiler::ValueInfo& v) {
-  return t.sizes() == IntArrayRef(v.sizes) && t.strides() == IntArrayRef(v.strides) && t.storage_offset() == v.storage_offset;
 }
 
 }  // namespace
