@@ -10,9 +10,9 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "compiler/export/repro.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
-#include "compiler/export/repro.h"
 #include "core/tensor_factory.h"
 #include "kiln/autograd.h"
 
@@ -22,7 +22,6 @@ namespace {
 
 std::atomic<int> g_next_frame_id{0};
 thread_local const CompileOptions* t_compiling_options = nullptr;
-
 thread_local int t_disabled_depth = 0;  // inside disable(fn, recursive=true)
 
 using Clock = std::chrono::steady_clock;

@@ -274,7 +274,9 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
     if (!e) e = std::make_shared<Entry>();
     entry = e;
   }
+  bool loaded_now = false;  // this call built or loaded the module (and offered it to the cache)
   std::call_once(entry->once, [&] {
+    loaded_now = true;
     try {
       DeviceGuard guard(device);
       cudaFree(nullptr);  // makes the device's primary context current on this thread
@@ -300,7 +302,7 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
   });
   if (entry->error) std::rethrow_exception(entry->error);
   const auto& cache = kiln::detail::kernel_cache_hooks;
-  if (cache.recording && cache.recording() && cache.load_or_build_blob) {
+  if (!loaded_now && cache.recording && cache.recording() && cache.load_or_build_blob) {
     // A module this process loaded earlier: hand its binary to the cache again (a disk hit, or a
     // rebuild where the cache cannot keep it), so that export_program's recorder sees it.
     const std::string& text = entry->source;
