@@ -180,7 +180,17 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   if (!g.defined()) return {};
   Tensor leaf_t(leaf);
   AutogradMeta& m = meta(leaf_t);
-  std::lock_guard lock(m.mutex);
+  std::vector<std::function<void(const Tensor&)>> post_hooks;
+  {
+    std::lock_guard lock(m.mutex);
+    accumulate_locked(m, leaf_t, g);
+    post_hooks = m.post_accumulate_hooks;
+  }
+  for (auto& hook : post_hooks) hook(leaf_t);  // outside the lock: hooks read .grad()
+  return {};
+}
+
+void AccumulateGrad::accumulate_locked(AutogradMeta& m, const Tensor& leaf_t, const Tensor& g) {
   if (!m.grad.defined()) {
     // Own the memory unless the graph is being kept (create_graph): a later in-place
     // accumulation must not write into a tensor the graph still uses. The gradient takes the
@@ -194,7 +204,14 @@ TensorList AccumulateGrad::apply(TensorList&& grads) {
   } else {
     m.grad.add_(g);
   }
-  return {};
+}
+
+void register_post_accumulate_hook(const Tensor& leaf, std::function<void(const Tensor&)> hook) {
+  KILN_CHECK(leaf.requires_grad() && leaf.is_leaf(), Error,
+             "[kiln::autograd] only a leaf that requires grad accumulates a gradient; hook a parameter.");
+  AutogradMeta& m = meta(leaf);
+  std::lock_guard lock(m.mutex);
+  m.post_accumulate_hooks.push_back(std::move(hook));
 }
 
 // ---- recording ----

@@ -42,6 +42,7 @@ struct AutogradMeta {
   bool retains_grad = false;
   bool is_view_of_grad_tensor = false;  // a view whose base requires grad (in-place on it is refused)
   std::vector<TensorHook> hooks;        // leaves only; non-leaf hooks live on grad_fn
+  std::vector<std::function<void(const Tensor&)>> post_accumulate_hooks;  // leaves only
   std::mutex mutex;                     // guards grad during accumulation
   // Guards grad_accumulator: threads running forwards on one shared leaf create its node at once.
   std::mutex accumulator_mutex;
@@ -134,7 +135,14 @@ struct AccumulateGrad final : Node {
   std::shared_ptr<detail::TensorImpl> leaf;
   std::string name() const override { return "AccumulateGrad"; }
   TensorList apply(TensorList&& grads) override;
+
+ private:
+  static void accumulate_locked(AutogradMeta& m, const Tensor& leaf_t, const Tensor& g);
 };
+
+// Runs `hook(leaf)` after each backward accumulated into leaf's .grad() (PyTorch's
+// register_post_accumulate_grad_hook; DistributedDataParallel starts its all-reduces there).
+void register_post_accumulate_hook(const Tensor& leaf, std::function<void(const Tensor&)> hook);
 
 // The autograd metadata of t, created on first use.
 AutogradMeta& meta(const Tensor& t);

@@ -60,6 +60,7 @@ void Tensor::register_hook(std::function<Tensor(const Tensor&)> hook) const {
   else m.hooks.push_back(std::move(hook));
 }
 
+
 void Tensor::backward(const Tensor& gradient, std::optional<bool> retain_graph, bool create_graph) const {
   autograd::backward({*this}, {gradient}, retain_graph, create_graph);
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "launch.h"
 #include "program_cmd.h"
 #include "example.h"
 #include "kiln/kiln.h"
@@ -52,6 +53,10 @@ commands:
                        shrink a repro package (KILN_REPRO=compile|accuracy writes them) to the
                        smallest graph that still fails; print it, the failing op and the pass
                        that broke it
+  launch --nproc N [--nnodes M --node-rank R --master-addr A --master-port P] PROGRAM [ARGS]
+                       start one process per rank of a distributed job with RANK, WORLD_SIZE,
+                       LOCAL_RANK, MASTER_ADDR, MASTER_PORT set (as torchrun); returns the first
+                       non-zero exit code (`kiln launch --help` for more)
   version              print the version
   help                 show this message
 )";
@@ -128,6 +133,7 @@ int main(int argc, char** argv) {
     if (cmd == "export-info") return kiln::cli::run_export_info(args);
     if (cmd == "run") return kiln::cli::run_program(args);
     if (cmd == "minify") return kiln::cli::run_minify(args);
+    if (cmd == "launch") return kiln::cli::run_launch(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;
