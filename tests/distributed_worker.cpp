@@ -1,5 +1,5 @@
 // One rank of the multi-process tests in tests/test_distributed.cpp, started by `kiln launch`.
-// Usage: kiln_distributed_worker SCENARIO
+// Usage: kiln_distributed_worker SCENARIO [gloo|nccl]   (nccl: CUDA tensors on each rank's GPU)
 //   collectives  every collective, every dtype and reduce op, against results computed locally
 //   mismatch     ranks call all_reduce with different sizes under KILN_DISTRIBUTED_DEBUG=detail
 //   kill-rank-1  rank 1 dies (SIGKILL) after a barrier; rank 0's next all_reduce must fail naming it
@@ -24,6 +24,9 @@ namespace dist = kiln::distributed;
 using namespace kiln;
 
 namespace {
+
+Device g_device = kCPU;  // nccl runs: this rank's GPU
+Tensor on_device(const Tensor& t) { return t.to(g_device); }
 
 [[noreturn]] void fail(const std::string& what) {
   std::cerr << "rank " << dist::get_rank() << ": FAIL " << what << std::endl;
@@ -70,65 +73,65 @@ void collectives() {
     for (dist::ReduceOp op : ops) {
       if (op == dist::ReduceOp::avg && !is_floating_point(dtype)) continue;
       if (dtype == kBool && op == dist::ReduceOp::avg) continue;
-      Tensor t = input_of(rank, dtype);
+      Tensor t = on_device(input_of(rank, dtype));
       dist::all_reduce(t, op);
       Tensor want = dtype == kBool && (op == dist::ReduceOp::sum || op == dist::ReduceOp::max)
                         ? reference(all, dist::ReduceOp::max, dtype)  // logical or
                         : reference(all, op, dtype);
-      expect(equal(t, want), "all_reduce " + std::string(dist::reduce_op_name(op)) + " " + name + ": got " + t.str() +
+      expect(equal(t.cpu(), want), "all_reduce " + std::string(dist::reduce_op_name(op)) + " " + name + ": got " + t.str() +
                                  " want " + want.str());
     }
     // broadcast from every root
     for (int root = 0; root < world; ++root) {
-      Tensor t = input_of(rank, dtype);
+      Tensor t = on_device(input_of(rank, dtype));
       dist::broadcast(t, root);
-      expect(equal(t, all[size_t(root)]), "broadcast " + name);
+      expect(equal(t.cpu(), all[size_t(root)]), "broadcast " + name);
     }
     // all_gather (list and tensor forms)
     std::vector<Tensor> outs;
-    for (int r = 0; r < world; ++r) outs.push_back(empty({11}, dtype));
-    dist::all_gather(outs, input_of(rank, dtype));
-    for (int r = 0; r < world; ++r) expect(equal(outs[size_t(r)], all[size_t(r)]), "all_gather " + name);
-    Tensor gathered = empty({world * 11}, dtype);
-    dist::all_gather_into_tensor(gathered, input_of(rank, dtype));
-    expect(equal(gathered, cat(all, 0)), "all_gather_into_tensor " + name);
+    for (int r = 0; r < world; ++r) outs.push_back(empty({11}, TensorOptions(dtype, g_device)));
+    dist::all_gather(outs, on_device(input_of(rank, dtype)));
+    for (int r = 0; r < world; ++r) expect(equal(outs[size_t(r)].cpu(), all[size_t(r)]), "all_gather " + name);
+    Tensor gathered = empty({world * 11}, TensorOptions(dtype, g_device));
+    dist::all_gather_into_tensor(gathered, on_device(input_of(rank, dtype)));
+    expect(equal(gathered.cpu(), cat(all, 0)), "all_gather_into_tensor " + name);
     // reduce_scatter: rank r gets slice r of the sum of everyone's inputs
     if (dtype != kBool) {
       std::vector<Tensor> pieces;
-      for (int r = 0; r < world; ++r) pieces.push_back(input_of(rank + r, dtype, 4));
-      Tensor out = empty({4}, dtype);
+      for (int r = 0; r < world; ++r) pieces.push_back(on_device(input_of(rank + r, dtype, 4)));
+      Tensor out = empty({4}, TensorOptions(dtype, g_device));
       dist::reduce_scatter(out, pieces, dist::ReduceOp::sum);
       std::vector<Tensor> contributions;
       for (int src = 0; src < world; ++src) contributions.push_back(input_of(src + rank, dtype, 4));
-      expect(equal(out, reference(contributions, dist::ReduceOp::sum, dtype)), "reduce_scatter " + name);
+      expect(equal(out.cpu(), reference(contributions, dist::ReduceOp::sum, dtype)), "reduce_scatter " + name);
     }
   }
   // Strided tensors are staged and written back; the rest of the storage is untouched.
-  Tensor m = full({4, 6}, float(rank + 1));
+  Tensor m = full({4, 6}, float(rank + 1), g_device);
   Tensor column = m.select(1, 2);
   dist::all_reduce(column);
   float total = float(world * (world + 1) / 2);
-  expect(equal(m.select(1, 2), full({4}, total)), "strided all_reduce");
-  expect(equal(m.select(1, 0), full({4}, float(rank + 1))), "strided all_reduce left the rest alone");
+  expect(equal(m.select(1, 2).cpu(), full({4}, total)), "strided all_reduce");
+  expect(equal(m.select(1, 0).cpu(), full({4}, float(rank + 1))), "strided all_reduce left the rest alone");
   // Async work, several in flight, waited out of order.
   std::vector<Tensor> ts;
   std::vector<dist::Work> works;
-  for (int k = 0; k < 8; ++k) ts.push_back(full({1000}, float(k + rank)));
+  for (int k = 0; k < 8; ++k) ts.push_back(full({1000}, float(k + rank), g_device));
   for (auto& t : ts) works.push_back(dist::all_reduce_async(t));
   for (int k = 7; k >= 0; --k) works[size_t(k)].wait();
   for (int k = 0; k < 8; ++k)
-    expect(equal(ts[size_t(k)], full({1000}, float(world * k + world * (world - 1) / 2))), "async all_reduce");
+    expect(equal(ts[size_t(k)].cpu(), full({1000}, float(world * k + world * (world - 1) / 2))), "async all_reduce");
   // A large tensor (several Gloo segments).
-  Tensor big = full({3 << 20}, 1.0f);
+  Tensor big = full({3 << 20}, 1.0f, g_device);
   dist::all_reduce(big);
   expect(big.min().item<float>() == float(world) && big.max().item<float>() == float(world), "large all_reduce");
   // A second group runs beside the default one.
   auto other = dist::new_group();
-  Tensor o = full({3}, 2.0f);
+  Tensor o = full({3}, 2.0f, g_device);
   dist::all_reduce(o, dist::ReduceOp::product, other);
-  expect(equal(o, full({3}, float(1 << world))), "new_group all_reduce");
+  expect(equal(o.cpu(), full({3}, float(1 << world))), "new_group all_reduce");
   // An in-place write bumps the version (autograd's saved-tensor check sees it).
-  Tensor v = ones({2});
+  Tensor v = ones({2}, g_device);
   uint64_t before = v.version();
   dist::all_reduce(v);
   expect(v.version() > before, "version bumped");
@@ -137,7 +140,7 @@ void collectives() {
 
 void mismatch() {
   int rank = dist::get_rank();
-  Tensor t = ones({rank == 0 ? 4 : 5});
+  Tensor t = ones({rank == 0 ? 4 : 5}, g_device);
   try {
     dist::all_reduce(t);
   } catch (const dist::DistributedError& e) {
@@ -157,9 +160,10 @@ void kill_rank(int victim) {
   if (rank == victim) raise(SIGKILL);
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   auto start = std::chrono::steady_clock::now();
-  Tensor t = ones({1 << 16});
+  Tensor t = ones({1 << 16}, g_device);
   try {
     dist::all_reduce(t);
+    dist::barrier();  // nccl: all_reduce only queued the work; the barrier waits on the host
   } catch (const dist::DistributedError& e) {
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::string m = e.what();
@@ -212,6 +216,8 @@ void ddp() {
   auto model = std::make_shared<Net>();
   manual_seed(100);
   auto reference = std::make_shared<Net>();
+  model->to(g_device);
+  reference->to(g_device);
   {
     // Tiny buckets: several all-reduces per backward, launched in order.
     auto ddp_model = std::make_shared<nn::DistributedDataParallel>(
@@ -224,8 +230,8 @@ void ddp() {
     optim::SGD ref_opt(reference->parameters(), {.lr = 0.1, .momentum = 0.9});
     for (int step = 0; step < 5; ++step) {
       manual_seed(1000 + uint64_t(step));
-      Tensor x = randn({per_rank * world, 8});
-      Tensor y = randn({per_rank * world, 4});
+      Tensor x = on_device(randn({per_rank * world, 8}));
+      Tensor y = on_device(randn({per_rank * world, 4}));
       Tensor mine_x = x.narrow(0, rank * per_rank, per_rank), mine_y = y.narrow(0, rank * per_rank, per_rank);
       opt.zero_grad();
       mse_loss(ddp_model->forward(mine_x), mine_y).backward();
@@ -238,7 +244,7 @@ void ddp() {
 
     // Gradient accumulation: a backward inside no_sync() stays local; the next one reduces the sum.
     manual_seed(2000);
-    Tensor x = randn({2 * per_rank * world, 8}), y = randn({2 * per_rank * world, 4});
+    Tensor x = on_device(randn({2 * per_rank * world, 8})), y = on_device(randn({2 * per_rank * world, 4}));
     opt.zero_grad();
     for (int micro = 0; micro < 2; ++micro) {
       Tensor mx = x.narrow(0, (2 * rank + micro) * per_rank, per_rank);
@@ -253,7 +259,7 @@ void ddp() {
     opt.step();
     ref_opt.zero_grad();
     // The same samples in the same per-rank, per-micro-batch grouping.
-    Tensor ref_loss = zeros({});
+    Tensor ref_loss = zeros({}, g_device);
     for (int r = 0; r < world; ++r)
       for (int micro = 0; micro < 2; ++micro) {
         Tensor mx = x.narrow(0, (2 * r + micro) * per_rank, per_rank);
@@ -278,6 +284,8 @@ void ddp() {
   manual_seed(7);
   auto m2 = std::make_shared<Net>();
   auto r2 = std::make_shared<Net>();
+  m2->to(g_device);
+  r2->to(g_device);
   for (size_t i = 0; i < r2->parameters().size(); ++i) {
     NoGradGuard g;
     Tensor p = r2->parameters()[i];
@@ -286,11 +294,11 @@ void ddp() {
   auto d2 = std::make_shared<nn::DistributedDataParallel>(
       m2, nn::DistributedDataParallelOptions{.bucket_cap_mb = 0.0002, .find_unused_parameters = true});
   manual_seed(3000);
-  Tensor x = randn({per_rank * world, 8}), y = randn({per_rank * world, 4});
+  Tensor x = on_device(randn({per_rank * world, 8})), y = on_device(randn({per_rank * world, 4}));
   m2->use_spare = rank == 0;
   mse_loss(d2->forward(x.narrow(0, rank * per_rank, per_rank)), y.narrow(0, rank * per_rank, per_rank)).backward();
   // Reference: the average of both ranks' losses, each with its own branch choice.
-  Tensor ref_loss = zeros({});
+  Tensor ref_loss = zeros({}, g_device);
   for (int r = 0; r < world; ++r) {
     r2->use_spare = r == 0;
     ref_loss = ref_loss + mse_loss(r2->forward(x.narrow(0, r * per_rank, per_rank)), y.narrow(0, r * per_rank, per_rank)) / double(world);
@@ -309,10 +317,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string scenario = argv[1];
+  std::string backend = argc > 2 ? argv[2] : "gloo";
   try {
-    dist::InitOptions options{.backend = "gloo"};
+    dist::InitOptions options{.backend = backend};
     if (scenario.rfind("kill", 0) == 0) options.timeout = std::chrono::seconds(20);
     dist::init_process_group(options);
+    if (backend == "nccl") g_device = dist::default_group()->device();
     if (scenario == "collectives") collectives();
     else if (scenario == "mismatch") mismatch();
     else if (scenario == "ddp") ddp();

@@ -70,9 +70,10 @@ RunResult run(const std::string& command) {
   return r;
 }
 
-std::string launch(int nproc, const std::string& scenario, const std::string& env = "") {
+std::string launch(int nproc, const std::string& scenario, const std::string& env = "",
+                   const std::string& backend = "gloo") {
   return env + " " + KILN_BINARY_DIR + "/bin/kiln launch --nproc " + std::to_string(nproc) + " --exit-grace 30 " +
-         KILN_DISTRIBUTED_WORKER + " " + scenario;
+         KILN_DISTRIBUTED_WORKER + " " + scenario + " " + backend;
 }
 
 size_t count(const std::string& text, const std::string& what) {
@@ -288,4 +289,52 @@ TEST(Launch, DataParallelTrainingMatchesOneProcessOnTheWholeBatch) {
   RunResult r = run(launch(2, "ddp"));
   EXPECT_EQ(r.code, 0) << r.output;
   EXPECT_EQ(count(r.output, "PASS ddp"), 2u) << r.output;
+}
+
+// ---- NCCL: one rank on any GPU; two ranks where two GPUs are visible ----
+
+bool have_nccl_gpus(int n) { return dist::is_nccl_available() && cuda::is_available() && cuda::device_count() >= n; }
+
+TEST(ProcessGroup, NcclOneRankRunsEveryCollectiveOnTheGpu) {
+  if (!have_nccl_gpus(1)) GTEST_SKIP() << "no NCCL or no GPU";
+  dist::init_process_group({.backend = "nccl", .rank = 0, .world_size = 1});
+  auto group = dist::default_group();
+  EXPECT_EQ(group->backend(), "nccl");
+  EXPECT_TRUE(group->device().is_cuda());
+  Tensor t = arange(6, TensorOptions(kFloat32, group->device()));
+  dist::all_reduce(t, dist::ReduceOp::avg);
+  EXPECT_TRUE(equal(t.cpu(), arange(6, kFloat32)));
+  Tensor host = arange(4, kInt64);  // a CPU tensor is staged through the GPU and written back
+  dist::all_reduce(host, dist::ReduceOp::max);
+  EXPECT_TRUE(equal(host, arange(4, kInt64)));
+  Tensor out = empty({6}, TensorOptions(kFloat32, group->device()));
+  dist::all_gather_into_tensor(out, t);
+  EXPECT_TRUE(equal(out.cpu(), t.cpu()));
+  dist::Work w = dist::all_reduce_async(t);
+  w.wait();  // the current stream waits; the host read below synchronizes
+  EXPECT_TRUE(equal(t.cpu(), arange(6, kFloat32)));
+  dist::barrier();
+  dist::destroy_process_group();
+}
+
+TEST(Launch, NcclCollectivesMatchLocalResultsOnTwoGpus) {
+  if (!have_nccl_gpus(2)) GTEST_SKIP() << "fewer than two GPUs";
+  RunResult r = run(launch(2, "collectives", "", "nccl"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "PASS collectives"), 2u) << r.output;
+}
+
+TEST(Launch, NcclDataParallelTrainingMatchesOneProcess) {
+  if (!have_nccl_gpus(2)) GTEST_SKIP() << "fewer than two GPUs";
+  RunResult r = run(launch(2, "ddp", "", "nccl"));
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(count(r.output, "PASS ddp"), 2u) << r.output;
+}
+
+TEST(Launch, NcclAKilledRankIsNamedWithinTheTimeout) {
+  if (!have_nccl_gpus(2)) GTEST_SKIP() << "fewer than two GPUs";
+  RunResult r = run(launch(2, "kill-rank-1", "", "nccl"));
+  EXPECT_EQ(r.code, 128 + SIGKILL) << r.output;
+  EXPECT_EQ(count(r.output, "PASS kill-rank-1 rank 0"), 1u) << r.output;
+  EXPECT_LT(r.seconds, 20) << r.output;
 }

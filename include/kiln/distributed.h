@@ -7,8 +7,10 @@
 //   dist::all_reduce(t);                              // in place, sum by default
 //   dist::destroy_process_group();
 //
-// Backends: "gloo" (Gloo over TCP; CPU tensors, CUDA tensors staged through the host). The NCCL
-// backend for CUDA tensors is not written yet. Ranks meet through a TCP key-value store that rank 0
+// Backends: "gloo" (Gloo over TCP; CPU tensors, CUDA tensors staged through the host) and "nccl"
+// (NCCL, in builds with CUDA: CUDA tensors, one GPU per process, $LOCAL_RANK's by default).
+// NCCL collectives run on a stream of the group's own, ordered after the caller's queued work;
+// Work::wait() makes the caller's current stream wait (the host does not block), as in PyTorch. Ranks meet through a TCP key-value store that rank 0
 // serves (TcpStore). `kiln launch --nproc N program args` starts one process per rank with the
 // environment torchrun sets: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
 // MASTER_PORT (see docs/distributed.md).
@@ -94,7 +96,7 @@ class TcpStore {
 // ---- process groups ----
 
 struct InitOptions {
-  std::string backend;  // "gloo" (empty: gloo)
+  std::string backend;  // "gloo" or "nccl"; empty: nccl when built with it and a GPU is visible, else gloo
   int rank = -1;        // -1: $RANK
   int world_size = -1;  // -1: $WORLD_SIZE
   // "env://" (or empty): $MASTER_ADDR and $MASTER_PORT; "tcp://host:port": that store.
@@ -104,7 +106,9 @@ struct InitOptions {
   std::optional<std::chrono::milliseconds> timeout;
 };
 
-// A finished or pending collective. wait() blocks until it finished and rethrows its error.
+// A finished or pending collective. wait() blocks until it finished and rethrows its error; for
+// NCCL work still running it instead makes the calling thread's current CUDA stream wait for it
+// (errors then surface from later calls, or from the group's watchdog).
 class Work {
  public:
   struct State;
@@ -127,7 +131,7 @@ class ProcessGroup {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual std::chrono::milliseconds timeout() const = 0;
-  virtual Device device() const = 0;  // where its ops run (kCPU for gloo)
+  virtual Device device() const = 0;  // where its ops run: kCPU for gloo, the rank's GPU for nccl
 
   // All asynchronous: the returned Work finishes when the result is in the output tensor(s).
   // Inputs must stay alive and unmodified until then (the Work holds a reference to them).
@@ -137,6 +141,9 @@ class ProcessGroup {
   virtual Work reduce_scatter(Tensor output, Tensor input, ReduceOp op) = 0;  // input: size() * output
   virtual Work barrier() = 0;
 };
+
+// Whether this build has the nccl backend (built with CUDA where NCCL was found); gloo is always there.
+bool is_nccl_available();
 
 // Creates the default group (once per process; DistributedError if one exists).
 void init_process_group(const InitOptions& options = {});

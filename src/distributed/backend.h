@@ -1,5 +1,5 @@
 // What process_group.cpp (the front end: checks, staging, the default group) and the backends
-// (gloo_backend.cpp) share.
+// (gloo_backend.cpp, nccl_backend.cpp) share.
 #pragma once
 
 #include <condition_variable>
@@ -24,6 +24,11 @@ struct Work::State {
   bool then_ran = false;
   std::vector<Tensor> keep_alive;  // the tensors the backend reads or writes until done
   std::shared_ptr<State> inner;    // then_after: the backend's work this one waits for first
+  // GPU work (nccl): while `stream_pending`, wait() makes the caller's current stream wait for the
+  // collective (wait_on_stream) instead of blocking the host, as PyTorch's NCCL work does. The
+  // backend clears stream_pending, under `mutex`, before it retires the event.
+  bool stream_pending = false;
+  std::function<void()> wait_on_stream;
 
   void finish(std::exception_ptr e = nullptr) {
     {
@@ -60,9 +65,18 @@ struct GroupSetup {
 
 // The backends. Each op takes dense tensors on the backend's device (the front end stages others).
 std::shared_ptr<ProcessGroup> make_gloo_group(const GroupSetup& setup);
+#ifdef KILN_WITH_NCCL
+std::shared_ptr<ProcessGroup> make_nccl_group(const GroupSetup& setup);  // nccl_backend.cpp
+#endif
 
 // A failed collective's message: which op on which rank, and which peer ranks the store saw die.
 std::string describe_failure(const GroupSetup& setup, const std::string& op, const std::string& detail);
+
+// Copies src into dst (same dtype and element count, same device): one memcpy (cudaMemcpyAsync on
+// the current stream) when both are dense, else dst.copy_(src) through the dispatcher. Bumps dst's
+// version. DDP moves hundreds of small gradients and buffers in and out of flat buffers per step,
+// where an op dispatch each would cost more than the copies.
+void copy_dense(const Tensor& dst, const Tensor& src);
 
 // Throws ValueError unless `t` is dense (row-major contiguous) on `device` — what backends take.
 void check_backend_tensor(const Tensor& t, Device device, const char* op);

@@ -1,6 +1,7 @@
 // DistributedDataParallel: gradient buckets all-reduced from post-accumulate hooks while the
 // backward runs (the Reducer below), in one bucket order on every rank.
 #include <algorithm>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -23,11 +24,12 @@ struct DistributedDataParallel::Reducer {
     int64_t offset = 0;  // in the bucket's flat buffer, elements
   };
   struct Bucket {
-    Tensor flat;  // the gradients of its parameters, concatenated
+    DType dtype = kFloat32;
+    int64_t numel = 0;
     std::vector<size_t> params;
     size_t pending = 0;
+    Tensor flat;  // this iteration's gradients, concatenated; after the reduction, .grad() views it
     dist::Work work;
-    bool launched = false;
   };
 
   std::mutex mutex;
@@ -64,7 +66,6 @@ struct DistributedDataParallel::Reducer {
     std::fill(used.begin(), used.end(), 1);
     for (Bucket& b : buckets) {
       b.pending = b.params.size();
-      b.launched = false;
       b.work = dist::Work();
     }
     if (!find_unused) return;
@@ -85,9 +86,7 @@ struct DistributedDataParallel::Reducer {
     if (output.defined() && output.is_leaf()) reached.insert(output.unsafe_impl());
     for (size_t i = 0; i < params.size(); ++i) {
       if (reached.count(params[i].tensor.unsafe_impl())) continue;
-      used[i] = 0;
-      Bucket& b = buckets[params[i].bucket];
-      b.flat.narrow(0, params[i].offset, params[i].tensor.numel()).zero_();
+      used[i] = 0;  // its slice of the bucket will be zeros
       mark_ready(i);
     }
     launch_ready_buckets();
@@ -100,11 +99,21 @@ struct DistributedDataParallel::Reducer {
     --buckets[params[i].bucket].pending;
   }
 
+  // Starts every bucket whose gradients are all in, in bucket order: gathers them into a fresh flat
+  // buffer (one memcpy each; zeros for a parameter this rank did not use) and all-reduces it.
   void launch_ready_buckets() {
+    NoGradGuard no_grad;
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       Bucket& b = buckets[next_bucket++];
+      b.flat = empty({b.numel}, TensorOptions(b.dtype, group->device()));
+      for (size_t i : b.params) {
+        const Param& p = params[i];
+        Tensor slice = b.flat.narrow(0, p.offset, p.tensor.numel());
+        Tensor g = used[i] ? p.tensor.grad() : Tensor();
+        if (g.defined()) dist::copy_dense(slice, g);
+        else slice.zero_();
+      }
       b.work = dist::all_reduce_async(b.flat, dist::ReduceOp::avg, group);
-      b.launched = true;
     }
   }
 
@@ -122,15 +131,14 @@ struct DistributedDataParallel::Reducer {
           "then one backward, per iteration.",
           params[i].name));
     }
-    NoGradGuard no_grad;
-    const Param& p = params[i];
-    buckets[p.bucket].flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes()).copy_(p.tensor.grad());
     mark_ready(i);
     launch_ready_buckets();
     if (next_bucket == buckets.size()) finish();
   }
 
-  // Every bucket was launched: wait for them and write the averages into the gradients.
+  // Every bucket was launched: wait for them, and make each .grad() a view of its bucket's
+  // averages (PyTorch's gradient_as_bucket_view: no copy back; a kept reference to an old .grad()
+  // sees the next iteration's values).
   void finish() {
     for (Bucket& b : buckets) b.work.wait();
     std::vector<uint8_t> used_anywhere(params.size(), 1);
@@ -142,16 +150,43 @@ struct DistributedDataParallel::Reducer {
     for (size_t i = 0; i < params.size(); ++i) {
       if (!used_anywhere[i]) continue;  // no rank used it: its gradient stays as it was
       const Param& p = params[i];
-      Tensor avg = buckets[p.bucket].flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes());
-      Tensor g = p.tensor.grad();
-      if (g.defined()) g.copy_(avg);
-      else p.tensor.set_grad(avg.clone(p.tensor.suggest_memory_format()));
+      p.tensor.set_grad(buckets[p.bucket].flat.narrow(0, p.offset, p.tensor.numel()).view(p.tensor.sizes()));
     }
+    for (Bucket& b : buckets) b.work = dist::Work();
     expecting = false;
   }
 };
 
 namespace {
+
+// Copies rank 0's buffers to every rank: one broadcast per dtype over a flat copy (PyTorch's
+// broadcast_coalesced), not one per buffer.
+void broadcast_buffers(nn::Module& module, const std::shared_ptr<dist::ProcessGroup>& group) {
+  NoGradGuard no_grad;
+  std::map<int, std::vector<Tensor>> by_dtype;
+  for (auto& [name, b] : module.named_buffers())
+    if (b.defined() && b.numel() > 0) by_dtype[int(b.dtype())].push_back(b);
+  for (auto& [dtype, buffers] : by_dtype) {
+    int64_t total = 0;
+    for (const Tensor& b : buffers) total += b.numel();
+    Tensor flat = empty({total}, TensorOptions(DType(dtype), group->device()));
+    int64_t at = 0;
+    for (const Tensor& b : buffers) {
+      Tensor slice = flat.narrow(0, at, b.numel());
+      if (b.device() == flat.device()) dist::copy_dense(slice, b);
+      else slice.copy_(b.reshape({-1}));
+      at += b.numel();
+    }
+    dist::broadcast(flat, 0, group);
+    at = 0;
+    for (const Tensor& b : buffers) {
+      Tensor slice = flat.narrow(0, at, b.numel());
+      if (b.device() == flat.device()) dist::copy_dense(b, slice);
+      else Tensor(b).copy_(slice.view(b.sizes()));
+      at += b.numel();
+    }
+  }
+}
 
 // A fingerprint of the parameter shapes: ranks with different models fail at construction, not
 // with garbage gradients.
@@ -206,10 +241,7 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
       Tensor p = t;
       dist::broadcast(p, 0, group_);
     }
-    for (auto& [name, b] : module_->named_buffers()) {
-      Tensor t = b;
-      dist::broadcast(t, 0, group_);
-    }
+    broadcast_buffers(*module_, group_);
   }
 
   reducer_ = std::make_shared<Reducer>();
@@ -244,8 +276,10 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
     bucket_elems[b] += t.numel();
     bucket_bytes[b] += t.nbytes();
   }
-  for (size_t b = 0; b < r.buckets.size(); ++b)
-    r.buckets[b].flat = zeros({bucket_elems[b]}, TensorOptions(bucket_dtype[b], group_->device()));
+  for (size_t b = 0; b < r.buckets.size(); ++b) {
+    r.buckets[b].dtype = bucket_dtype[b];
+    r.buckets[b].numel = bucket_elems[b];
+  }
   r.ready.assign(r.params.size(), 0);
   r.used.assign(r.params.size(), 1);
 
@@ -259,13 +293,7 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
 DistributedDataParallel::~DistributedDataParallel() = default;
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
-  if (options_.broadcast_buffers && group_->size() > 1) {
-    NoGradGuard no_grad;
-    for (auto& [name, b] : module_->named_buffers()) {
-      Tensor t = b;
-      dist::broadcast(t, 0, group_);
-    }
-  }
+  if (options_.broadcast_buffers && group_->size() > 1) broadcast_buffers(*module_, group_);
   Tensor out = module_->forward(input);
   if (is_grad_enabled()) reducer_->prepare(out);
   return out;

@@ -3,6 +3,7 @@
 // on another device), and the KILN_DISTRIBUTED_DEBUG=detail cross-rank check.
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include <fmt/format.h>
@@ -10,6 +11,9 @@
 #include "distributed/backend.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
+#ifdef KILN_WITH_CUDA
+#include "kernels/cuda/cuda_runtime.h"
+#endif
 
 namespace kiln::distributed {
 
@@ -30,8 +34,12 @@ void Work::wait() const {
   if (!state_) return;
   if (state_->inner) Work(state_->inner).wait();
   std::unique_lock lock(state_->mutex);
-  state_->cv.wait(lock, [&] { return state_->done; });
-  if (state_->error) std::rethrow_exception(state_->error);
+  if (!state_->done && state_->stream_pending) {
+    state_->wait_on_stream();  // later GPU work on this thread's stream sees the result
+  } else {
+    state_->cv.wait(lock, [&] { return state_->done; });
+    if (state_->error) std::rethrow_exception(state_->error);
+  }
   if (state_->then && !state_->then_ran) {
     state_->then_ran = true;
     NoGradGuard no_grad;
@@ -75,6 +83,30 @@ std::string describe_failure(const GroupSetup& setup, const std::string& op, con
   return fmt::format("{}: {}. If it timed out, a rank did not issue this collective or is stuck: every rank must "
                      "issue the same collectives in the same order (KILN_DISTRIBUTED_DEBUG=detail checks this).",
                      head, detail);
+}
+
+void copy_dense(const Tensor& dst, const Tensor& src) {
+  KILN_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel() && dst.device() == src.device(), ValueError,
+             "[kiln::distributed] copy_dense needs tensors of one dtype, size and device.");
+  if (dst.numel() == 0) return;
+  if (!dst.is_contiguous() || !src.is_contiguous()) {
+    NoGradGuard no_grad;
+    Tensor d = dst;
+    d.copy_(src.reshape(dst.sizes()));
+    return;
+  }
+  if (dst.is_cuda()) {
+#ifdef KILN_WITH_CUDA
+    const int device = dst.device().index;
+    cuda::detail::DeviceGuard guard(device);
+    cuda::detail::check(cudaMemcpyAsync(dst.impl().data(), src.impl().data(), size_t(dst.nbytes()),
+                                        cudaMemcpyDeviceToDevice, cuda::detail::current_stream(device)),
+                        "distributed: copy");
+#endif
+  } else {
+    std::memcpy(dst.impl().data(), src.impl().data(), size_t(dst.nbytes()));
+  }
+  dst.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
 }
 
 void check_backend_tensor(const Tensor& t, Device device, const char* op) {
@@ -133,9 +165,20 @@ std::chrono::milliseconds default_timeout() {
   return std::chrono::minutes(10);
 }
 
-std::shared_ptr<ProcessGroup> make_group(const std::string& /*backend: gloo, checked*/, const GroupSetup& setup) {
+std::shared_ptr<ProcessGroup> make_group(const std::string& backend, const GroupSetup& setup) {
+#ifdef KILN_WITH_NCCL
+  if (backend == "nccl") return make_nccl_group(setup);
+#endif
+  (void)backend;  // checked by init_process_group
   return make_gloo_group(setup);
 }
+
+constexpr bool kHaveNccl =
+#ifdef KILN_WITH_NCCL
+    true;
+#else
+    false;
+#endif
 
 bool debug_detail() {
   static const bool on = [] {
@@ -151,7 +194,11 @@ std::shared_ptr<ProcessGroup> resolve(std::shared_ptr<ProcessGroup> group) { ret
 // there (`staged`).
 Tensor dense_on(const Tensor& t, Device device, bool& staged) {
   staged = !(t.device() == device && t.is_contiguous());
-  return staged ? t.to(device).contiguous() : t;
+  Tensor dense = staged ? t.to(device).contiguous() : t;
+  // A value still being captured by compile() is computed here, on the calling thread, before a
+  // backend's thread touches its memory.
+  (void)dense.impl().data();
+  return dense;
 }
 
 void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
@@ -192,6 +239,8 @@ Work with_then(Work work, std::function<void()> then) { return Work::State::then
 
 }  // namespace
 
+bool is_nccl_available() { return kHaveNccl; }
+
 void init_process_group(const InitOptions& options) {
   Global& g = global();
   std::lock_guard lock(g.mutex);
@@ -199,12 +248,16 @@ void init_process_group(const InitOptions& options) {
              "[kiln::distributed::init_process_group] the default process group is already initialized. Call "
              "destroy_process_group() first.");
   std::string backend = options.backend;
-  if (backend.empty()) backend = "gloo";
-  KILN_CHECK(backend == "gloo", ValueError,
-             fmt::format("[kiln::distributed::init_process_group] unknown backend '{}'. This build has \"gloo\" "
-                         "(CPU tensors; CUDA tensors are staged through the host); the NCCL backend is not "
-                         "written yet.",
+  if (backend.empty()) backend = kHaveNccl && cuda::is_available() ? "nccl" : "gloo";
+  KILN_CHECK(backend == "gloo" || backend == "nccl", ValueError,
+             fmt::format("[kiln::distributed::init_process_group] unknown backend '{}'. Use \"gloo\" (CPU "
+                         "tensors) or \"nccl\" (CUDA tensors).",
                          backend));
+  KILN_CHECK(backend != "nccl" || kHaveNccl, DeviceError,
+             "[kiln::distributed::init_process_group] this Kiln was built without NCCL (it comes with the CUDA "
+             "toolkit: configure with KILN_CUDA=ON where libnccl is installed), so only \"gloo\" is available.");
+  KILN_CHECK(backend != "nccl" || cuda::is_available(), DeviceError,
+             "[kiln::distributed::init_process_group] the nccl backend needs a GPU, and none is visible. Use \"gloo\".");
   int world = options.world_size >= 0 ? options.world_size : env_int("WORLD_SIZE", "world_size");
   int rank = options.rank >= 0 ? options.rank : env_int("RANK", "rank");
   KILN_CHECK(world >= 1 && rank >= 0 && rank < world, ValueError,

@@ -91,7 +91,7 @@ int64_t to_int(const std::string& option, const std::string& text) {
 
 BenchArgs parse(const std::vector<std::string>& args) {
   BenchArgs a;
-  KILN_CHECK(!args.empty(), ValueError, "[kiln bench] name a model: densenet121, densenet169, resnet18, resnet50, gpt2, batch-sizes, program, or toy.");
+  KILN_CHECK(!args.empty(), ValueError, "[kiln bench] name a model: densenet121, densenet169, resnet18, resnet50, gpt2, batch-sizes, program, ddp, or toy.");
   a.model = args[0];
   for (size_t i = 1; i < args.size(); ++i) {
     const std::string& k = args[i];
@@ -503,6 +503,7 @@ int run_bench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "gpt2") return run_gpt2_bench({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "batch-sizes") return run_batch_sizes_bench({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "program") return run_program_bench({args.begin() + 1, args.end()});
+  if (!args.empty() && args[0] == "ddp") return run_ddp_bench({args.begin() + 1, args.end()});
   BenchArgs a = parse(args);
   if (a.threads > 0) set_num_threads(a.threads);
   manual_seed(0);

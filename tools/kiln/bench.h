@@ -25,4 +25,6 @@ int run_gpt2_bench(const std::vector<std::string>& args);
 int run_batch_sizes_bench(const std::vector<std::string>& args);
 // `kiln bench program` (bench_program.cpp): exported programs vs compile(), and many callers.
 int run_program_bench(const std::vector<std::string>& args);
+// `kiln bench ddp` (bench_ddp.cpp): DistributedDataParallel training throughput and scaling.
+int run_ddp_bench(const std::vector<std::string>& args);
 }

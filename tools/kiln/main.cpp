@@ -43,6 +43,10 @@ commands:
                        compile(model), and calls/s from many threads calling one loaded program.
                        --model mlp|resnet18|densenet121 --device cpu|cuda --batch 8 --size 64
                        --iters 20 --rounds 3 --threads 1,8 --calls 200 --mode default --dynamic --json
+  bench ddp [opts]     DistributedDataParallel training: ms per step alone and in DDP, samples/s,
+                       scaling efficiency (launches its ranks). --model densenet121 --device cpu|cuda
+                       --nproc N --batch 16 (per rank) --size 128 --iters 10 --warmup 3
+                       --modes eager,kiln --bucket-mb 25 --json
   export-info PACKAGE  what an exported program (.kpkg) holds: inputs, outputs, dynamic dims,
                        weights, ops, kernels, where it was built
   run PACKAGE --inputs IN.safetensors --out OUT.safetensors [--device cpu|cuda]

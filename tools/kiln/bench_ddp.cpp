@@ -1,0 +1,209 @@
+// `kiln bench ddp`: data-parallel training throughput and scaling efficiency.
+//
+//   kiln bench ddp --model densenet121 --device cuda --nproc 2 --batch 16 --size 128 --json
+//
+// Started without RANK in the environment it launches itself with `kiln launch --nproc N` (N:
+// the visible GPUs for cuda, 2 for cpu). Each rank trains its replica on its own batch (--batch
+// per rank) with Adam + cross-entropy, the step `kiln bench MODEL --train` times, wrapped in
+// nn::DistributedDataParallel (nccl on GPUs, gloo on CPUs). Per mode:
+//   single:  rank 0 alone, the same step without DDP (the other ranks wait): ms per step
+//   ddp:     every rank at once, DDP: ms per step (the slowest rank's), samples/s in all and per rank
+//   scaling efficiency = ddp samples/s / (world size x single samples/s)
+// Modes: eager; kiln (the module's forward compiled with compile(), its backward compiled when it
+// runs outside the compiled call, DDP around it: gradients are reduced after the compiled backward,
+// so this mode does not overlap communication with the backward yet).
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <iostream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "bench.h"
+#include "launch.h"
+#include "kiln/distributed.h"
+#include "kiln/kiln.h"
+
+namespace kiln::cli {
+namespace {
+
+namespace dist = kiln::distributed;
+
+struct DdpArgs {
+  std::string model = "densenet121";
+  Device device = kCPU;
+  int nproc = 0;  // 0: the visible GPUs (cuda), 2 (cpu)
+  int64_t batch = 16, size = 128, iters = 10, warmup = 3, num_classes = 1000;
+  double bucket_mb = 25;
+  std::vector<std::string> modes = {"eager", "kiln"};
+  bool json = false;
+};
+
+DdpArgs parse_ddp(const std::vector<std::string>& args) {
+  DdpArgs a;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& k = args[i];
+    auto value = [&]() -> std::string {
+      KILN_CHECK(i + 1 < args.size(), ValueError, "[kiln bench ddp] " + k + " needs a value.");
+      return args[++i];
+    };
+    if (k == "--model") a.model = value();
+    else if (k == "--device") a.device = Device(value());
+    else if (k == "--nproc") a.nproc = int(positive_option("ddp", k, value()));
+    else if (k == "--batch") a.batch = positive_option("ddp", k, value());
+    else if (k == "--size") a.size = positive_option("ddp", k, value());
+    else if (k == "--iters") a.iters = positive_option("ddp", k, value());
+    else if (k == "--warmup") a.warmup = positive_option("ddp", k, value());
+    else if (k == "--bucket-mb") a.bucket_mb = double(positive_option("ddp", k, value()));
+    else if (k == "--modes") a.modes = parse_modes("ddp", value(), {"eager", "kiln"});
+    else if (k == "--json") a.json = true;
+    else throw ValueError("[kiln bench ddp] unknown option '" + k + "'. See `kiln help`.");
+  }
+  return a;
+}
+
+std::shared_ptr<nn::Module> make_model(const std::string& name, int64_t classes) {
+  if (name == "densenet121") return models::densenet121({.num_classes = classes});
+  if (name == "resnet18") return models::resnet18({.num_classes = classes});
+  if (name == "resnet50") return models::resnet50({.num_classes = classes});
+  throw ValueError("[kiln bench ddp] unknown model '" + name + "'. Available: densenet121, resnet18, resnet50.");
+}
+
+// A module whose forward is the compiled forward of `inner` (module-style compiled training: the
+// backward runs outside the compiled call and is compiled on its own). DDP wraps it like any module.
+class CompiledForward : public nn::Module {
+ public:
+  explicit CompiledForward(std::shared_ptr<nn::Module> inner) : inner_(register_module("inner", inner)) {
+    compiled_ = [c = compile(inner)](const Tensor& x) mutable -> Tensor { return c(x); };
+  }
+  Tensor forward(const Tensor& x) override { return compiled_(x); }
+
+ private:
+  std::shared_ptr<nn::Module> inner_;
+  std::function<Tensor(const Tensor&)> compiled_;
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Median-free on purpose: `iters` steps back to back, each ending on its loss read on the host,
+// as a training loop runs; ms per step.
+double time_steps(int64_t warmup, int64_t iters, const std::function<Tensor()>& step) {
+  for (int64_t i = 0; i < warmup; ++i) step().item<float>();
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < iters; ++i) step().item<float>();
+  return seconds_since(t0) * 1000.0 / double(iters);
+}
+
+int run_rank(const DdpArgs& a) {
+  dist::init_process_group({.backend = a.device.is_cuda() ? "nccl" : "gloo"});
+  auto group = dist::default_group();
+  const int rank = group->rank(), world = group->size();
+  const Device device = a.device.is_cuda() ? group->device() : kCPU;
+
+  manual_seed(100 + uint64_t(rank));
+  Tensor x = randn({a.batch, 3, a.size, a.size}, TensorOptions(kFloat32, device));
+  Tensor y = randint(0, a.num_classes, {a.batch}, TensorOptions(kInt64, device));
+
+  nlohmann::json result = {{"bench", "ddp"},        {"model", a.model},       {"device", a.device.is_cuda() ? "cuda" : "cpu"},
+                           {"world_size", world},   {"batch_per_rank", a.batch}, {"size", a.size},
+                           {"iters", a.iters},      {"warmup", a.warmup},     {"backend", group->backend()},
+                           {"bucket_cap_mb", a.bucket_mb}, {"threads_per_rank", get_num_threads()}};
+  if (a.device.is_cuda()) result["gpu"] = cuda::get_device_properties(device.index).name;
+
+  for (const std::string& mode : a.modes) {
+    auto build = [&](bool ddp) -> std::pair<std::shared_ptr<nn::Module>, std::shared_ptr<nn::Module>> {
+      manual_seed(0);
+      std::shared_ptr<nn::Module> model = make_model(a.model, a.num_classes);
+      model->to(device);
+      std::shared_ptr<nn::Module> run = mode == "kiln" ? std::make_shared<CompiledForward>(model) : model;
+      if (ddp)
+        run = std::make_shared<nn::DistributedDataParallel>(
+            run, nn::DistributedDataParallelOptions{.bucket_cap_mb = a.bucket_mb});
+      return {model, run};
+    };
+    auto step_of = [&](const std::shared_ptr<nn::Module>& run, optim::Adam& opt) {
+      return [run, &opt, x, y] {
+        opt.zero_grad();
+        Tensor loss = cross_entropy(run->forward(x), y);
+        loss.backward();
+        opt.step();
+        return loss;
+      };
+    };
+    nlohmann::json m;
+    // One process alone, no DDP.
+    if (rank == 0) {
+      auto [model, run] = build(false);
+      optim::Adam opt(model->parameters(), {.lr = 1e-3});
+      auto t0 = std::chrono::steady_clock::now();
+      step_of(run, opt)().item<float>();
+      m["single_first_step_s"] = seconds_since(t0);
+      m["single_step_ms"] = time_steps(a.warmup, a.iters, step_of(run, opt));
+    }
+    dist::barrier();
+    // Every rank, DDP.
+    {
+      auto [model, run] = build(true);
+      optim::Adam opt(run->parameters(), {.lr = 1e-3});
+      auto t0 = std::chrono::steady_clock::now();
+      step_of(run, opt)().item<float>();
+      double first = seconds_since(t0);
+      dist::barrier();
+      Tensor ms = tensor<double>({time_steps(a.warmup, a.iters, step_of(run, opt))});
+      dist::all_reduce(ms, dist::ReduceOp::max);  // the job goes at its slowest rank's pace
+      m["ddp_first_step_s"] = first;
+      m["ddp_step_ms"] = ms.item<double>();
+    }
+    if (rank == 0) {
+      double single = m["single_step_ms"], ddp = m["ddp_step_ms"];
+      m["single_samples_per_s"] = double(a.batch) * 1000.0 / single;
+      m["ddp_samples_per_s"] = double(world * a.batch) * 1000.0 / ddp;
+      m["ddp_samples_per_s_per_rank"] = double(a.batch) * 1000.0 / ddp;
+      m["scaling_efficiency"] = single / ddp;
+      result["modes"][mode] = m;
+    }
+    dist::barrier();
+  }
+  if (rank == 0) {
+    if (a.json) {
+      std::cout << result.dump(2) << "\n";
+    } else {
+      std::cout << fmt::format("{} on {} x {} ({}), batch {} per rank, {}x{}\n", a.model, world,
+                               result.value("gpu", std::string("cpu")), group->backend(), a.batch, a.size, a.size);
+      std::cout << fmt::format("{:<8} {:>14} {:>12} {:>16} {:>16} {:>11}\n", "mode", "single ms/step", "ddp ms/step",
+                               "samples/s (all)", "samples/s/rank", "efficiency");
+      for (auto& [mode, m] : result["modes"].items())
+        std::cout << fmt::format("{:<8} {:>14.1f} {:>12.1f} {:>16.1f} {:>16.1f} {:>11.2f}\n", mode,
+                                 m["single_step_ms"].get<double>(), m["ddp_step_ms"].get<double>(),
+                                 m["ddp_samples_per_s"].get<double>(), m["ddp_samples_per_s_per_rank"].get<double>(),
+                                 m["scaling_efficiency"].get<double>());
+    }
+  }
+  dist::destroy_process_group();
+  return 0;
+}
+
+}  // namespace
+
+int run_ddp_bench(const std::vector<std::string>& args) {
+  DdpArgs a = parse_ddp(args);
+  if (std::getenv("RANK")) return run_rank(a);
+  // Not a rank yet: start the ranks.
+  int nproc = a.nproc;
+  if (nproc == 0) nproc = a.device.is_cuda() ? cuda::device_count() : 2;
+  KILN_CHECK(nproc >= 1, DeviceError, "[kiln bench ddp] no GPU is visible.");
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  KILN_CHECK(n > 0, Error, "[kiln bench ddp] cannot find the kiln executable (/proc/self/exe).");
+  self[n] = '\0';
+  std::vector<std::string> launch = {"--nproc", std::to_string(nproc), self, "bench", "ddp"};
+  launch.insert(launch.end(), args.begin(), args.end());
+  return run_launch(launch);
+}
+
+}  // namespace kiln::cli
