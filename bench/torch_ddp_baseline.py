@@ -8,6 +8,7 @@ Each rank trains a torchvision model on its own batch (--batch per rank) with Ad
 cross-entropy, as `kiln bench ddp` does. Per mode (--modes eager,compile):
   single:  rank 0 alone, the same step without DDP (the other ranks wait): ms per step
   ddp:     every rank, DDP (25 MB buckets): ms per step (the slowest rank's)
+timed in --rounds alternating rounds of --iters steps (medians).
   scaling efficiency = single ms / ddp ms (= ddp samples/s / (world x single samples/s))
 `compile` is torch.compile(model) inside DDP (Dynamo's DDPOptimizer splits the graph at bucket
 boundaries). Rank 0 prints one JSON object; exits 3 when torch or torchvision is missing.
@@ -15,6 +16,7 @@ boundaries). Rank 0 prints one JSON object; exits 3 when torch or torchvision is
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -44,6 +46,7 @@ def main():
     p.add_argument("--size", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--modes", default="eager,compile")
     a = p.parse_args()
@@ -60,7 +63,7 @@ def main():
     x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
     y = torch.randint(0, a.classes, (a.batch,), device=dev)
     result = {"bench": "ddp", "model": a.model, "device": a.device, "world_size": world,
-              "batch_per_rank": a.batch, "size": a.size, "iters": a.iters, "warmup": a.warmup,
+              "batch_per_rank": a.batch, "size": a.size, "iters": a.iters, "warmup": a.warmup, "rounds": a.rounds,
               "torch": torch.__version__, "backend": "nccl" if cuda else "gloo", "modes": {}}
     if cuda:
         result["gpu"] = torch.cuda.get_device_name(dev)
@@ -85,22 +88,31 @@ def main():
 
     for mode in a.modes.split(","):
         m = {}
+        single = None
         if rank == 0:
-            step = build(mode, False)
+            single = build(mode, False)
             t0 = time.perf_counter()
-            step().item()
+            single().item()
             m["single_first_step_s"] = time.perf_counter() - t0
-            m["single_step_ms"] = time_steps(step, a.warmup, a.iters)
-        dist.barrier()
-        step = build(mode, True)
+        ddp = build(mode, True)
         t0 = time.perf_counter()
-        step().item()
+        ddp().item()
         m["ddp_first_step_s"] = time.perf_counter() - t0
-        dist.barrier()
-        ms = torch.tensor([time_steps(step, a.warmup, a.iters)], dtype=torch.float64, device=dev)
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-        m["ddp_step_ms"] = ms.item()
+        single_ms, ddp_ms = [], []
+        for r in range(a.rounds):  # alternating rounds, medians (as kiln bench ddp)
+            warm = a.warmup if r == 0 else 1
+            if rank == 0:
+                single_ms.append(time_steps(single, warm, a.iters))
+            dist.barrier()
+            ms = torch.tensor([time_steps(ddp, warm, a.iters)], dtype=torch.float64, device=dev)
+            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+            ddp_ms.append(ms.item())
+            dist.barrier()
         if rank == 0:
+            m["single_step_ms"] = statistics.median(single_ms)
+            m["ddp_step_ms"] = statistics.median(ddp_ms)
+            m["single_step_ms_rounds"] = single_ms
+            m["ddp_step_ms_rounds"] = ddp_ms
             m["single_samples_per_s"] = a.batch * 1000.0 / m["single_step_ms"]
             m["ddp_samples_per_s"] = world * a.batch * 1000.0 / m["ddp_step_ms"]
             m["ddp_samples_per_s_per_rank"] = a.batch * 1000.0 / m["ddp_step_ms"]

@@ -338,3 +338,12 @@ TEST(Launch, NcclAKilledRankIsNamedWithinTheTimeout) {
   EXPECT_EQ(count(r.output, "PASS kill-rank-1 rank 0"), 1u) << r.output;
   EXPECT_LT(r.seconds, 20) << r.output;
 }
+
+TEST(Launch, TheDdpExampleTrainsIdenticalReplicasOnTwoRanks) {
+  const std::string example = std::string(KILN_BINARY_DIR) + "/examples/example_train_ddp";
+  if (access(example.c_str(), X_OK) != 0) GTEST_SKIP() << "examples not built (KILN_BUILD_EXAMPLES=OFF)";
+  RunResult r = run(std::string(KILN_BINARY_DIR) + "/bin/kiln launch --nproc 2 " + example);
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("over 2 ranks"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("largest weight difference between replicas: 0\n"), std::string::npos) << r.output;
+}

@@ -161,9 +161,15 @@ class NcclGroup : public ProcessGroup {
     auto pending = launch("barrier", {one}, [&] {
       return ncclAllReduce(one.impl().data(), one.impl().data(), 1, ncclFloat32, ncclSum, comm_, stream_);
     });
-    std::unique_lock lock(pending->mutex);
-    pending->cv.wait(lock, [&] { return pending->done; });
-    if (pending->error) std::rethrow_exception(pending->error);
+    // The host waits on the group's stream itself (the watchdog retires work lazily). A peer that
+    // died leaves this waiting until the watchdog aborts the communicator, which ends the wait.
+    cuda::detail::DeviceGuard guard(device_index_);
+    cudaError_t err = cudaStreamSynchronize(stream_);
+    {
+      std::lock_guard lock(mutex_);
+      if (!broken_.empty()) throw DistributedError(broken_);
+    }
+    check(err, "distributed: barrier");
     return Work(pending);
   }
 
@@ -228,7 +234,10 @@ class NcclGroup : public ProcessGroup {
       std::shared_ptr<Pending> head;
       {
         std::unique_lock lock(mutex_);
-        cv_.wait_for(lock, std::chrono::milliseconds(2), [&] { return stopping_ || !queue_.empty(); });
+        // Nothing waits on the watchdog (wait() orders streams; barrier() synchronizes itself): it
+        // wakes when work is queued and polls gently, so that it never competes with the
+        // launching thread for the driver.
+        cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return stopping_ || !queue_.empty(); });
         if (queue_.empty()) {
           if (stopping_) return;
           continue;
@@ -260,7 +269,7 @@ class NcclGroup : public ProcessGroup {
         }
       }
       if (failure.empty()) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
         continue;
       }
       std::string message = describe_failure(setup_, head->op, failure);

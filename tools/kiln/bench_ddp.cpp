@@ -8,12 +8,15 @@
 // nn::DistributedDataParallel (nccl on GPUs, gloo on CPUs). Per mode:
 //   single:  rank 0 alone, the same step without DDP (the other ranks wait): ms per step
 //   ddp:     every rank at once, DDP: ms per step (the slowest rank's), samples/s in all and per rank
+// timed in --rounds alternating rounds of --iters steps (medians), so that the host's slow spells
+// fall on both.
 //   scaling efficiency = ddp samples/s / (world size x single samples/s)
 // Modes: eager; kiln (the module's forward compiled with compile(), its backward compiled when it
 // runs outside the compiled call, DDP around it: gradients are reduced after the compiled backward,
 // so this mode does not overlap communication with the backward yet).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -36,8 +39,9 @@ struct DdpArgs {
   std::string model = "densenet121";
   Device device = kCPU;
   int nproc = 0;  // 0: the visible GPUs (cuda), 2 (cpu)
-  int64_t batch = 16, size = 128, iters = 10, warmup = 3, num_classes = 1000;
+  int64_t batch = 16, size = 128, iters = 10, warmup = 3, rounds = 5, num_classes = 1000;
   double bucket_mb = 25;
+  bool broadcast_buffers = true;
   std::vector<std::string> modes = {"eager", "kiln"};
   bool json = false;
 };
@@ -57,8 +61,10 @@ DdpArgs parse_ddp(const std::vector<std::string>& args) {
     else if (k == "--size") a.size = positive_option("ddp", k, value());
     else if (k == "--iters") a.iters = positive_option("ddp", k, value());
     else if (k == "--warmup") a.warmup = positive_option("ddp", k, value());
+    else if (k == "--rounds") a.rounds = positive_option("ddp", k, value());
     else if (k == "--bucket-mb") a.bucket_mb = double(positive_option("ddp", k, value()));
     else if (k == "--modes") a.modes = parse_modes("ddp", value(), {"eager", "kiln"});
+    else if (k == "--no-broadcast-buffers") a.broadcast_buffers = false;
     else if (k == "--json") a.json = true;
     else throw ValueError("[kiln bench ddp] unknown option '" + k + "'. See `kiln help`.");
   }
@@ -90,8 +96,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Median-free on purpose: `iters` steps back to back, each ending on its loss read on the host,
-// as a training loop runs; ms per step.
+// `iters` steps back to back, each ending on its loss read on the host, as a training loop runs;
+// ms per step.
 double time_steps(int64_t warmup, int64_t iters, const std::function<Tensor()>& step) {
   for (int64_t i = 0; i < warmup; ++i) step().item<float>();
   auto t0 = std::chrono::steady_clock::now();
@@ -111,8 +117,9 @@ int run_rank(const DdpArgs& a) {
 
   nlohmann::json result = {{"bench", "ddp"},        {"model", a.model},       {"device", a.device.is_cuda() ? "cuda" : "cpu"},
                            {"world_size", world},   {"batch_per_rank", a.batch}, {"size", a.size},
-                           {"iters", a.iters},      {"warmup", a.warmup},     {"backend", group->backend()},
-                           {"bucket_cap_mb", a.bucket_mb}, {"threads_per_rank", get_num_threads()}};
+                           {"iters", a.iters},      {"warmup", a.warmup},     {"rounds", a.rounds},     {"backend", group->backend()},
+                           {"bucket_cap_mb", a.bucket_mb}, {"threads_per_rank", get_num_threads()},
+                           {"broadcast_buffers", a.broadcast_buffers}};
   if (a.device.is_cuda()) result["gpu"] = cuda::get_device_properties(device.index).name;
 
   for (const std::string& mode : a.modes) {
@@ -123,10 +130,11 @@ int run_rank(const DdpArgs& a) {
       std::shared_ptr<nn::Module> run = mode == "kiln" ? std::make_shared<CompiledForward>(model) : model;
       if (ddp)
         run = std::make_shared<nn::DistributedDataParallel>(
-            run, nn::DistributedDataParallelOptions{.bucket_cap_mb = a.bucket_mb});
+            run, nn::DistributedDataParallelOptions{.bucket_cap_mb = a.bucket_mb,
+                                                    .broadcast_buffers = a.broadcast_buffers});
       return {model, run};
     };
-    auto step_of = [&](const std::shared_ptr<nn::Module>& run, optim::Adam& opt) {
+    auto step_of = [&](const std::shared_ptr<nn::Module>& run, optim::Adam& opt) -> std::function<Tensor()> {
       return [run, &opt, x, y] {
         opt.zero_grad();
         Tensor loss = cross_entropy(run->forward(x), y);
@@ -136,31 +144,43 @@ int run_rank(const DdpArgs& a) {
       };
     };
     nlohmann::json m;
-    // One process alone, no DDP.
+    // Rank 0 alone without DDP (the other ranks wait), and every rank with DDP, in alternating
+    // rounds so that a slow spell of the host lands on both; medians over the rounds.
+    std::shared_ptr<nn::Module> single_model, single_run;
+    std::shared_ptr<optim::Adam> single_opt;
     if (rank == 0) {
-      auto [model, run] = build(false);
-      optim::Adam opt(model->parameters(), {.lr = 1e-3});
+      std::tie(single_model, single_run) = build(false);
+      single_opt = std::make_shared<optim::Adam>(single_model->parameters(), optim::AdamOptions{.lr = 1e-3});
       auto t0 = std::chrono::steady_clock::now();
-      step_of(run, opt)().item<float>();
+      step_of(single_run, *single_opt)().item<float>();
       m["single_first_step_s"] = seconds_since(t0);
-      m["single_step_ms"] = time_steps(a.warmup, a.iters, step_of(run, opt));
     }
-    dist::barrier();
-    // Every rank, DDP.
+    auto [ddp_model, ddp_run] = build(true);
+    optim::Adam ddp_opt(ddp_run->parameters(), {.lr = 1e-3});
     {
-      auto [model, run] = build(true);
-      optim::Adam opt(run->parameters(), {.lr = 1e-3});
       auto t0 = std::chrono::steady_clock::now();
-      step_of(run, opt)().item<float>();
-      double first = seconds_since(t0);
+      step_of(ddp_run, ddp_opt)().item<float>();
+      m["ddp_first_step_s"] = seconds_since(t0);
+    }
+    std::vector<double> single_ms, ddp_ms;
+    for (int64_t round = 0; round < a.rounds; ++round) {
+      if (rank == 0) single_ms.push_back(time_steps(round == 0 ? a.warmup : 1, a.iters, step_of(single_run, *single_opt)));
       dist::barrier();
-      Tensor ms = tensor<double>({time_steps(a.warmup, a.iters, step_of(run, opt))});
+      Tensor ms = tensor<double>({time_steps(round == 0 ? a.warmup : 1, a.iters, step_of(ddp_run, ddp_opt))});
       dist::all_reduce(ms, dist::ReduceOp::max);  // the job goes at its slowest rank's pace
-      m["ddp_first_step_s"] = first;
-      m["ddp_step_ms"] = ms.item<double>();
+      ddp_ms.push_back(ms.item<double>());
+      dist::barrier();
     }
     if (rank == 0) {
-      double single = m["single_step_ms"], ddp = m["ddp_step_ms"];
+      auto median = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return v[v.size() / 2];
+      };
+      double single = median(single_ms), ddp = median(ddp_ms);
+      m["single_step_ms"] = single;
+      m["ddp_step_ms"] = ddp;
+      m["single_step_ms_rounds"] = single_ms;
+      m["ddp_step_ms_rounds"] = ddp_ms;
       m["single_samples_per_s"] = double(a.batch) * 1000.0 / single;
       m["ddp_samples_per_s"] = double(world * a.batch) * 1000.0 / ddp;
       m["ddp_samples_per_s_per_rank"] = double(a.batch) * 1000.0 / ddp;
