@@ -8,8 +8,10 @@
 #include <fmt/format.h>
 
 #include "autograd/node.h"
+#include "compiler/capture/capture.h"
 #include "distributed/backend.h"
 #include "kiln/autograd.h"
+#include "kiln/compiler.h"
 #include "kiln/ops.h"
 
 namespace kiln::nn {
@@ -104,6 +106,13 @@ struct DistributedDataParallel::Reducer {
   void launch_ready_buckets() {
     NoGradGuard no_grad;
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
+      // Inside a compiled training step the backward is being captured: the graph ends here, so
+      // that this bucket's gradients are computed and its all-reduce overlaps the rest of the
+      // backward, which goes on in the next graph (Dynamo's DDPOptimizer splits at the same points).
+      if (compiler::is_compiling())
+        compiler::graph_break(fmt::format("DistributedDataParallel: gradient bucket {} of {} is all-reduced here",
+                                          next_bucket + 1, buckets.size()));
+      compiler::detail::SuspendCapture eager;  // the gather and the collective run now, not in a graph
       Bucket& b = buckets[next_bucket++];
       b.flat = empty({b.numel}, TensorOptions(b.dtype, group->device()));
       for (size_t i : b.params) {
@@ -140,6 +149,7 @@ struct DistributedDataParallel::Reducer {
   // averages (PyTorch's gradient_as_bucket_view: no copy back; a kept reference to an old .grad()
   // sees the next iteration's values).
   void finish() {
+    compiler::detail::SuspendCapture eager;  // inside a compiled step: real gradients, not graph values
     for (Bucket& b : buckets) b.work.wait();
     std::vector<uint8_t> used_anywhere(params.size(), 1);
     if (find_unused) {
@@ -293,7 +303,12 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
 DistributedDataParallel::~DistributedDataParallel() = default;
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
-  if (options_.broadcast_buffers && group_->size() > 1) broadcast_buffers(*module_, group_);
+  if (options_.broadcast_buffers && group_->size() > 1 && !module_->buffers().empty()) {
+    if (compiler::is_compiling())
+      compiler::graph_break("DistributedDataParallel: rank 0's buffers are broadcast before the forward");
+    compiler::detail::SuspendCapture eager;
+    broadcast_buffers(*module_, group_);
+  }
   Tensor out = module_->forward(input);
   if (is_grad_enabled()) reducer_->prepare(out);
   return out;

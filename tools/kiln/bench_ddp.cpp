@@ -13,7 +13,9 @@
 //   scaling efficiency = ddp samples/s / (world size x single samples/s)
 // Modes: eager; kiln (the module's forward compiled with compile(), its backward compiled when it
 // runs outside the compiled call, DDP around it: gradients are reduced after the compiled backward,
-// so this mode does not overlap communication with the backward yet).
+// so this mode does not overlap communication with the backward); kiln-step (the whole training
+// step compiled around the DDP model: its graphs end at the gradient buckets, so each bucket's
+// all-reduce overlaps the rest of the backward).
 #include <unistd.h>
 
 #include <algorithm>
@@ -63,7 +65,7 @@ DdpArgs parse_ddp(const std::vector<std::string>& args) {
     else if (k == "--warmup") a.warmup = positive_option("ddp", k, value());
     else if (k == "--rounds") a.rounds = positive_option("ddp", k, value());
     else if (k == "--bucket-mb") a.bucket_mb = double(positive_option("ddp", k, value()));
-    else if (k == "--modes") a.modes = parse_modes("ddp", value(), {"eager", "kiln"});
+    else if (k == "--modes") a.modes = parse_modes("ddp", value(), {"eager", "kiln", "kiln-step"});
     else if (k == "--no-broadcast-buffers") a.broadcast_buffers = false;
     else if (k == "--json") a.json = true;
     else throw ValueError("[kiln bench ddp] unknown option '" + k + "'. See `kiln help`.");
@@ -134,39 +136,47 @@ int run_rank(const DdpArgs& a) {
                                                     .broadcast_buffers = a.broadcast_buffers});
       return {model, run};
     };
+    // kiln-step: the whole step (zero_grad, forward, backward, Adam) compiled; under DDP its graphs
+    // end at the gradient buckets, whose all-reduces overlap the rest of the backward.
     auto step_of = [&](const std::shared_ptr<nn::Module>& run, optim::Adam& opt) -> std::function<Tensor()> {
-      return [run, &opt, x, y] {
+      auto body = [run, &opt, y](const Tensor& images) {
         opt.zero_grad();
-        Tensor loss = cross_entropy(run->forward(x), y);
+        Tensor loss = cross_entropy(run->forward(images), y);
         loss.backward();
         opt.step();
         return loss;
       };
+      if (mode != "kiln-step") return [body, x] { return body(x); };
+      auto compiled = std::make_shared<decltype(compile(body))>(compile(body));
+      return [compiled, x] { return (*compiled)(x); };
     };
     nlohmann::json m;
     // Rank 0 alone without DDP (the other ranks wait), and every rank with DDP, in alternating
     // rounds so that a slow spell of the host lands on both; medians over the rounds.
     std::shared_ptr<nn::Module> single_model, single_run;
     std::shared_ptr<optim::Adam> single_opt;
+    std::function<Tensor()> single_step;
     if (rank == 0) {
       std::tie(single_model, single_run) = build(false);
       single_opt = std::make_shared<optim::Adam>(single_model->parameters(), optim::AdamOptions{.lr = 1e-3});
+      single_step = step_of(single_run, *single_opt);
       auto t0 = std::chrono::steady_clock::now();
-      step_of(single_run, *single_opt)().item<float>();
+      single_step().item<float>();
       m["single_first_step_s"] = seconds_since(t0);
     }
     auto [ddp_model, ddp_run] = build(true);
     optim::Adam ddp_opt(ddp_run->parameters(), {.lr = 1e-3});
+    std::function<Tensor()> ddp_step = step_of(ddp_run, ddp_opt);
     {
       auto t0 = std::chrono::steady_clock::now();
-      step_of(ddp_run, ddp_opt)().item<float>();
+      ddp_step().item<float>();
       m["ddp_first_step_s"] = seconds_since(t0);
     }
     std::vector<double> single_ms, ddp_ms;
     for (int64_t round = 0; round < a.rounds; ++round) {
-      if (rank == 0) single_ms.push_back(time_steps(round == 0 ? a.warmup : 1, a.iters, step_of(single_run, *single_opt)));
+      if (rank == 0) single_ms.push_back(time_steps(round == 0 ? a.warmup : 1, a.iters, single_step));
       dist::barrier();
-      Tensor ms = tensor<double>({time_steps(round == 0 ? a.warmup : 1, a.iters, step_of(ddp_run, ddp_opt))});
+      Tensor ms = tensor<double>({time_steps(round == 0 ? a.warmup : 1, a.iters, ddp_step)});
       dist::all_reduce(ms, dist::ReduceOp::max);  // the job goes at its slowest rank's pace
       ddp_ms.push_back(ms.item<double>());
       dist::barrier();

@@ -46,7 +46,7 @@ commands:
   bench ddp [opts]     DistributedDataParallel training: ms per step alone and in DDP, samples/s,
                        scaling efficiency (launches its ranks). --model densenet121 --device cpu|cuda
                        --nproc N --batch 16 (per rank) --size 128 --iters 10 --rounds 5 --warmup 3
-                       --modes eager,kiln --bucket-mb 25 --no-broadcast-buffers --json
+                       --modes eager,kiln,kiln-step --bucket-mb 25 --no-broadcast-buffers --json
   export-info PACKAGE  what an exported program (.kpkg) holds: inputs, outputs, dynamic dims,
                        weights, ops, kernels, where it was built
   run PACKAGE --inputs IN.safetensors --out OUT.safetensors [--device cpu|cuda]
