@@ -6,8 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -132,6 +134,29 @@ TEST(TcpStore, RefusesAClientWithoutTheToken) {
   EXPECT_EQ(recv(fd, &c, 1, 0), 0);  // closed by the server
   close(fd);
   EXPECT_FALSE(server.check({"k"}));
+}
+
+TEST(TcpStore, AStrangerCannotMakeTheServerBufferMuch) {
+  dist::TcpStore server(server_options());
+  int fd = raw_connect(server.port());
+  // 16 MiB of bytes that are not a hello: the server reads a few KiB, hangs up, and the rest
+  // cannot be delivered (more than the kernel's socket buffers hold).
+  std::vector<uint8_t> flood(16 << 20, 'x');
+  flood[0] = 1;
+  uint64_t len = 4000;  // a plausible token length: only the byte limit stops the read
+  std::memcpy(flood.data() + 1, &len, sizeof(len));
+  timeval five_seconds{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &five_seconds, sizeof(five_seconds));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &five_seconds, sizeof(five_seconds));
+  ssize_t sent = send(fd, flood.data(), flood.size(), MSG_NOSIGNAL);
+  EXPECT_LT(sent, ssize_t(flood.size())) << "the server took all 16 MiB from a client without the token";
+  char c;
+  errno = 0;
+  ssize_t r = recv(fd, &c, 1, 0);
+  EXPECT_TRUE(r == 0 || (r < 0 && errno == ECONNRESET)) << "the server kept the connection open";
+  close(fd);
+  server.set("fine", std::string("yes"));
+  EXPECT_EQ(server.get_string("fine"), "yes");
 }
 
 TEST(TcpStore, SurvivesGarbageAndNamesLostRanks) {

@@ -36,6 +36,10 @@ enum class Command : uint8_t { hello = 1, set, get, add, check, wait, erase, los
 constexpr size_t kMaxKeyBytes = 4096;
 constexpr size_t kMaxValueBytes = size_t(64) << 20;
 constexpr uint32_t kMaxKeysPerWait = 4096;
+// Before a client has presented the token it may send only a hello: at most this many bytes are
+// buffered for it, so strangers cannot make the server hold large buffers.
+constexpr size_t kMaxUnauthenticatedBytes = kMaxKeyBytes + 64;
+constexpr size_t kMaxConnections = 4096;
 
 // ---- message building and parsing ----
 
@@ -168,6 +172,10 @@ class StoreServer {
     for (;;) {
       int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) return;
+      if (conns_.size() >= kMaxConnections) {  // a flood of connections: refuse, keep serving
+        ::close(fd);
+        continue;
+      }
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       conns_[fd].authed = !token_.has_value();
@@ -192,6 +200,7 @@ class StoreServer {
         return false;
       }
       c.in.insert(c.in.end(), buf, buf + r);
+      if (!c.authed && c.in.size() > kMaxUnauthenticatedBytes) return false;
       if (c.in.size() > kMaxValueBytes + kMaxKeyBytes + 64) break;  // handle what is there first
     }
     while (!c.waiting) {
