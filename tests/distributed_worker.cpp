@@ -350,6 +350,41 @@ void ddp() {
   for (size_t at = report.find("is all-reduced here"); at != std::string::npos; at = report.find("is all-reduced here", at + 1))
     ++splits;
   expect(splits == d3->buckets().size(), "explain shows one split per bucket:\n" + report);
+  // Module style: the model compiled, the backward outside the compiled call. Its captured
+  // backward breaks at every bucket too (the graph-break counter moves by one per bucket per
+  // step), and it trains exactly as eager DDP does.
+  manual_seed(12);
+  auto m4 = std::make_shared<Net>(), r4 = std::make_shared<Net>();
+  m4->use_spare = r4->use_spare = true;
+  for (size_t i = 0; i < r4->parameters().size(); ++i) {
+    NoGradGuard g;
+    Tensor p = r4->parameters()[i];
+    p.copy_(m4->parameters()[i]);
+  }
+  m4->to(g_device);
+  r4->to(g_device);
+  auto d4 = std::make_shared<nn::DistributedDataParallel>(m4, small);
+  auto e4 = std::make_shared<nn::DistributedDataParallel>(r4, small);
+  optim::SGD o4(d4->parameters(), {.lr = 0.1}), oe4(e4->parameters(), {.lr = 0.1});
+  auto compiled_model = compile(d4);
+  int64_t breaks = 0;
+  for (int s = 0; s < 3; ++s) {
+    manual_seed(6000 + uint64_t(s));
+    Tensor mx = on_device(randn({per_rank, 8})), my = on_device(randn({per_rank, 4}));
+    o4.zero_grad();
+    Tensor loss = mse_loss(compiled_model(mx), my);
+    int64_t before = compiler::counters().graph_breaks;
+    loss.backward();
+    breaks = compiler::counters().graph_breaks - before;
+    o4.step();
+    oe4.zero_grad();
+    mse_loss(e4->forward(mx), my).backward();
+    oe4.step();
+  }
+  same_parameters(*m4, *r4, "compiled DDP module vs eager DDP");
+  expect(breaks >= int64_t(d4->buckets().size()),
+         "the compiled backward splits at each bucket: " + std::to_string(breaks) + " breaks");
+
   size_t at = report.find("Graph Count: ");
   expect(at != std::string::npos && std::stoi(report.substr(at + 13)) >= 2,
          "the step ran as compiled graphs (not eagerly):\n" + report);

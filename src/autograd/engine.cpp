@@ -42,6 +42,19 @@ void check_anomaly(const Node& node, const TensorList& grads) {
 // A leaf's AccumulateGrad node and the gradient it is to accumulate.
 using LeafGradients = std::vector<std::pair<std::shared_ptr<Node>, Tensor>>;
 
+// A leaf with post-accumulate hooks (a DistributedDataParallel parameter) gets its gradient in
+// the captured backward as soon as it is computed, not after the backward: its hook starts the
+// gradient bucket's all-reduce, which breaks the backward graph there so that the rest of the
+// backward overlaps the communication (Dynamo's DDPOptimizer split, for a compiled model whose
+// backward runs outside the compiled call). Such leaves belong to one training loop, so the
+// thread-safety reason for deferring (run_backward below) does not apply to them.
+bool wants_gradient_at_once(const AccumulateGrad& acc) {
+  AutogradMeta* m = meta_if_exists(Tensor(acc.leaf));
+  if (!m) return false;
+  std::lock_guard lock(m->mutex);
+  return !m->post_accumulate_hooks.empty();
+}
+
 // Runs the graph below `roots`. When `capture` is non-empty, gradients arriving at those edges
 // are returned (autograd::grad) instead of being accumulated into leaves. With `leaf_grads`, the
 // leaves' AccumulateGrad nodes do not run: they are handed back with their gradients.
@@ -148,8 +161,9 @@ TensorList run_backward_eager(const TensorList& tensors, const TensorList& grad_
     }
 
     TensorList out;
-    bool is_leaf_acc = dynamic_cast<AccumulateGrad*>(node) != nullptr;
-    if (is_leaf_acc && accumulate_leaves && leaf_grads) {
+    auto* leaf_acc = dynamic_cast<AccumulateGrad*>(node);
+    const bool is_leaf_acc = leaf_acc != nullptr;
+    if (is_leaf_acc && accumulate_leaves && leaf_grads && !wants_gradient_at_once(*leaf_acc)) {
       leaf_grads->emplace_back(keep, std::move(grads[0]));
     } else if (!is_leaf_acc || accumulate_leaves) {
       out = node->apply(std::move(grads));

@@ -12,10 +12,9 @@
 // fall on both.
 //   scaling efficiency = ddp samples/s / (world size x single samples/s)
 // Modes: eager; kiln (the module's forward compiled with compile(), its backward compiled when it
-// runs outside the compiled call, DDP around it: gradients are reduced after the compiled backward,
-// so this mode does not overlap communication with the backward); kiln-step (the whole training
-// step compiled around the DDP model: its graphs end at the gradient buckets, so each bucket's
-// all-reduce overlaps the rest of the backward).
+// runs outside the compiled call, DDP around it); kiln-step (the whole training step compiled
+// around the DDP model). In both compiled modes the backward's graphs end at the gradient buckets,
+// so each bucket's all-reduce overlaps the rest of the backward.
 #include <unistd.h>
 
 #include <algorithm>
