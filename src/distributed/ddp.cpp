@@ -110,8 +110,8 @@ struct DistributedDataParallel::Reducer {
       // that this bucket's gradients are computed and its all-reduce overlaps the rest of the
       // backward, which goes on in the next graph (Dynamo's DDPOptimizer splits at the same points).
       if (compiler::is_compiling())
-        compiler::graph_break(fmt::format("DistributedDataParallel: gradient bucket {} of {} is all-reduced here",
-                                          next_bucket + 1, buckets.size()));
+        compiler::detail::library_graph_break(fmt::format(
+            "DistributedDataParallel: gradient bucket {} of {} is all-reduced here", next_bucket + 1, buckets.size()));
       compiler::detail::SuspendCapture eager;  // the gather and the collective run now, not in a graph
       Bucket& b = buckets[next_bucket++];
       b.flat = empty({b.numel}, TensorOptions(b.dtype, group->device()));
@@ -305,7 +305,7 @@ DistributedDataParallel::~DistributedDataParallel() = default;
 Tensor DistributedDataParallel::forward(const Tensor& input) {
   if (options_.broadcast_buffers && group_->size() > 1 && !module_->buffers().empty()) {
     if (compiler::is_compiling())
-      compiler::graph_break("DistributedDataParallel: rank 0's buffers are broadcast before the forward");
+      compiler::detail::library_graph_break("DistributedDataParallel: rank 0's buffers are broadcast before the forward");
     compiler::detail::SuspendCapture eager;
     broadcast_buffers(*module_, group_);
   }

@@ -77,6 +77,10 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
 // A host read of tensor data while capturing: flushes the pending segment (a graph break).
 // `what` names the read ("Tensor::item()").
 void host_read(std::string_view what);
+// A graph break that library code asks for, reported with `reason` verbatim and the user's call
+// site (DistributedDataParallel's bucket boundaries). A library's own source_location would
+// name its build tree, which an installed Kiln must not.
+void library_graph_break(std::string_view reason);
 
 // Makes a lazy tensor real (data() on a pending value): flushes its segment if this thread owns
 // it, else throws.

@@ -759,6 +759,14 @@ void host_read(std::string_view what) {
   cap->flush(false, "host read: " + std::string(what), site ? &*site : nullptr);
 }
 
+void library_graph_break(std::string_view reason) {
+  CaptureContext* cap = t_capture;
+  if (!cap) return;
+  std::optional<CallSite> site;
+  if (cap->record_stacks) site = user_call_site(capture_stack());
+  cap->flush(false, std::string(reason), site ? &*site : nullptr);
+}
+
 void materialize(const TensorImpl& impl) {
   if (!impl.lazy) return;
   if (impl.lazy->recipe) {

@@ -490,7 +490,10 @@ std::vector<std::string> cpu_lacks(const std::string& target_macros) {
 std::string isa_features(const std::string& target_macros) {
   std::string out;
   for (const IsaFeature& f : kIsaFeatures)
-    if (f.reported && uses(target_macros, f)) out += (out.empty() ? "" : " ") + std::string(f.name);
+    if (f.reported && uses(target_macros, f)) {
+      if (!out.empty()) out += ' ';
+      out += f.name;
+    }
   return out.empty() ? "baseline x86-64" : out;
 }
 
