@@ -197,6 +197,13 @@ struct Net : nn::Module {
   }
 };
 
+// Starts `dst` from `src`'s weights (two replicas of one model).
+void copy_parameters(nn::Module& dst, const nn::Module& src) {
+  NoGradGuard no_grad;
+  TensorList to = dst.parameters(), from = src.parameters();
+  for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+}
+
 bool same_parameters(const nn::Module& x, const nn::Module& y, const std::string& what) {
   auto px = x.named_parameters(), py = y.named_parameters();
   if (px.size() != py.size()) fail(what + ": parameter count");
@@ -286,11 +293,7 @@ void ddp() {
   auto r2 = std::make_shared<Net>();
   m2->to(g_device);
   r2->to(g_device);
-  for (size_t i = 0; i < r2->parameters().size(); ++i) {
-    NoGradGuard g;
-    Tensor p = r2->parameters()[i];
-    p.copy_(m2->parameters()[i]);
-  }
+  copy_parameters(*r2, *m2);
   auto d2 = std::make_shared<nn::DistributedDataParallel>(
       m2, nn::DistributedDataParallelOptions{.bucket_cap_mb = 0.0002, .find_unused_parameters = true});
   manual_seed(3000);
@@ -314,11 +317,7 @@ void ddp() {
   manual_seed(11);
   auto m3 = std::make_shared<Net>(), r3 = std::make_shared<Net>();
   m3->use_spare = r3->use_spare = true;
-  for (size_t i = 0; i < r3->parameters().size(); ++i) {
-    NoGradGuard g;
-    Tensor p = r3->parameters()[i];
-    p.copy_(m3->parameters()[i]);
-  }
+  copy_parameters(*r3, *m3);
   m3->to(g_device);
   r3->to(g_device);
   nn::DistributedDataParallelOptions small{.bucket_cap_mb = 0.0002};
@@ -356,11 +355,7 @@ void ddp() {
   manual_seed(12);
   auto m4 = std::make_shared<Net>(), r4 = std::make_shared<Net>();
   m4->use_spare = r4->use_spare = true;
-  for (size_t i = 0; i < r4->parameters().size(); ++i) {
-    NoGradGuard g;
-    Tensor p = r4->parameters()[i];
-    p.copy_(m4->parameters()[i]);
-  }
+  copy_parameters(*r4, *m4);
   m4->to(g_device);
   r4->to(g_device);
   auto d4 = std::make_shared<nn::DistributedDataParallel>(m4, small);

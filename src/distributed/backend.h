@@ -72,8 +72,8 @@ std::shared_ptr<ProcessGroup> make_nccl_group(const GroupSetup& setup);  // nccl
 // A failed collective's message: which op on which rank, and which peer ranks the store saw die.
 std::string describe_failure(const GroupSetup& setup, const std::string& op, const std::string& detail);
 
-// Copies src into dst (same dtype and element count, same device): one memcpy (cudaMemcpyAsync on
-// the current stream) when both are dense, else dst.copy_(src) through the dispatcher. Bumps dst's
+// Copies src into dst (same dtype and element count): one memcpy (cudaMemcpyAsync on the current
+// stream) when both are dense on one device, else dst.copy_(src) through the dispatcher. Bumps dst's
 // version. DDP moves hundreds of small gradients and buffers in and out of flat buffers per step,
 // where an op dispatch each would cost more than the copies.
 void copy_dense(const Tensor& dst, const Tensor& src);

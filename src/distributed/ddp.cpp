@@ -171,28 +171,24 @@ namespace {
 
 // Copies rank 0's buffers to every rank: one broadcast per dtype over a flat copy (PyTorch's
 // broadcast_coalesced), not one per buffer.
-void broadcast_buffers(nn::Module& module, const std::shared_ptr<dist::ProcessGroup>& group) {
+void broadcast_buffers(const TensorList& buffers, const std::shared_ptr<dist::ProcessGroup>& group) {
   NoGradGuard no_grad;
   std::map<int, std::vector<Tensor>> by_dtype;
-  for (auto& [name, b] : module.named_buffers())
+  for (const Tensor& b : buffers)
     if (b.defined() && b.numel() > 0) by_dtype[int(b.dtype())].push_back(b);
-  for (auto& [dtype, buffers] : by_dtype) {
+  for (auto& [dtype, same_dtype] : by_dtype) {
     int64_t total = 0;
-    for (const Tensor& b : buffers) total += b.numel();
+    for (const Tensor& b : same_dtype) total += b.numel();
     Tensor flat = empty({total}, TensorOptions(DType(dtype), group->device()));
     int64_t at = 0;
-    for (const Tensor& b : buffers) {
-      Tensor slice = flat.narrow(0, at, b.numel());
-      if (b.device() == flat.device()) dist::copy_dense(slice, b);
-      else slice.copy_(b.reshape({-1}));
+    for (const Tensor& b : same_dtype) {
+      dist::copy_dense(flat.narrow(0, at, b.numel()), b);
       at += b.numel();
     }
     dist::broadcast(flat, 0, group);
     at = 0;
-    for (const Tensor& b : buffers) {
-      Tensor slice = flat.narrow(0, at, b.numel());
-      if (b.device() == flat.device()) dist::copy_dense(b, slice);
-      else Tensor(b).copy_(slice.view(b.sizes()));
+    for (const Tensor& b : same_dtype) {
+      dist::copy_dense(b, flat.narrow(0, at, b.numel()));
       at += b.numel();
     }
   }
@@ -251,7 +247,7 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
       Tensor p = t;
       dist::broadcast(p, 0, group_);
     }
-    broadcast_buffers(*module_, group_);
+    broadcast_buffers(module_->buffers(), group_);
   }
 
   reducer_ = std::make_shared<Reducer>();
@@ -263,32 +259,19 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
   const int64_t cap = std::max<int64_t>(1, int64_t(options_.bucket_cap_mb * 1024 * 1024));
   const int64_t first_cap = std::min<int64_t>(cap, 1 << 20);
   std::unordered_map<int, size_t> open;  // dtype -> bucket being filled
-  std::vector<int64_t> bucket_bytes, bucket_elems;
-  std::vector<DType> bucket_dtype;
   for (auto it = named.rbegin(); it != named.rend(); ++it) {
     const Tensor& t = it->second;
-    int key = int(t.dtype());
-    auto found = open.find(key);
+    auto found = open.find(int(t.dtype()));
     if (found == open.end() ||
-        bucket_bytes[found->second] >= (found->second == 0 ? first_cap : cap)) {
-      r.buckets.emplace_back();
-      bucket_bytes.push_back(0);
-      bucket_elems.push_back(0);
-      bucket_dtype.push_back(t.dtype());
-      open[key] = r.buckets.size() - 1;
-      found = open.find(key);
+        r.buckets[found->second].numel * itemsize(t.dtype()) >= (found->second == 0 ? first_cap : cap)) {
+      r.buckets.push_back(Reducer::Bucket{.dtype = t.dtype()});
+      found = open.insert_or_assign(int(t.dtype()), r.buckets.size() - 1).first;
     }
-    size_t b = found->second;
-    Reducer::Param p{it->first, t, b, bucket_elems[b]};
+    Reducer::Bucket& bucket = r.buckets[found->second];
     r.index_of[t.unsafe_impl()] = r.params.size();
-    r.buckets[b].params.push_back(r.params.size());
-    r.params.push_back(std::move(p));
-    bucket_elems[b] += t.numel();
-    bucket_bytes[b] += t.nbytes();
-  }
-  for (size_t b = 0; b < r.buckets.size(); ++b) {
-    r.buckets[b].dtype = bucket_dtype[b];
-    r.buckets[b].numel = bucket_elems[b];
+    bucket.params.push_back(r.params.size());
+    r.params.push_back(Reducer::Param{it->first, t, found->second, bucket.numel});
+    bucket.numel += t.numel();
   }
   r.ready.assign(r.params.size(), 0);
   r.used.assign(r.params.size(), 1);
@@ -303,11 +286,15 @@ DistributedDataParallel::DistributedDataParallel(ModulePtr module, DistributedDa
 DistributedDataParallel::~DistributedDataParallel() = default;
 
 Tensor DistributedDataParallel::forward(const Tensor& input) {
-  if (options_.broadcast_buffers && group_->size() > 1 && !module_->buffers().empty()) {
-    if (compiler::is_compiling())
-      compiler::detail::library_graph_break("DistributedDataParallel: rank 0's buffers are broadcast before the forward");
-    compiler::detail::SuspendCapture eager;
-    broadcast_buffers(*module_, group_);
+  if (options_.broadcast_buffers && group_->size() > 1) {
+    TensorList buffers = module_->buffers();
+    if (!buffers.empty()) {
+      if (compiler::is_compiling())
+        compiler::detail::library_graph_break(
+            "DistributedDataParallel: rank 0's buffers are broadcast before the forward");
+      compiler::detail::SuspendCapture eager;
+      broadcast_buffers(buffers, group_);
+    }
   }
   Tensor out = module_->forward(input);
   if (is_grad_enabled()) reducer_->prepare(out);

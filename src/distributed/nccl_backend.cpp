@@ -62,7 +62,7 @@ ncclRedOp_t nccl_op(ReduceOp op, DType dtype) {
 int rank_device() {
   int count = cuda::device_count();
   KILN_CHECK(count > 0, DeviceError, "[kiln::distributed] the nccl backend needs a GPU; none is visible.");
-  if (const char* lr = std::getenv("LOCAL_RANK"); lr && *lr) return std::atoi(lr) % count;
+  if (const char* lr = std::getenv("LOCAL_RANK"); lr && *lr) return get_local_rank() % count;
   return cuda::current_device();
 }
 
@@ -119,18 +119,18 @@ class NcclGroup : public ProcessGroup {
 
   Work all_reduce(Tensor tensor, ReduceOp op) override {
     check_backend_tensor(tensor, device(), "all_reduce");
-    return Work(launch("all_reduce", {tensor}, [&] {
+    return launch("all_reduce", {tensor}, [&] {
       return ncclAllReduce(tensor.impl().data(), tensor.impl().data(), size_t(tensor.numel()),
                            nccl_type(tensor.dtype()), nccl_op(op, tensor.dtype()), comm_, stream_);
-    }));
+    });
   }
 
   Work broadcast(Tensor tensor, int root) override {
     check_backend_tensor(tensor, device(), "broadcast");
-    return Work(launch("broadcast", {tensor}, [&] {
+    return launch("broadcast", {tensor}, [&] {
       return ncclBroadcast(tensor.impl().data(), tensor.impl().data(), size_t(tensor.numel()),
                            nccl_type(tensor.dtype()), root, comm_, stream_);
-    }));
+    });
   }
 
   Work all_gather(Tensor output, Tensor input) override {
@@ -138,10 +138,10 @@ class NcclGroup : public ProcessGroup {
     check_backend_tensor(input, device(), "all_gather");
     KILN_CHECK(output.nbytes() == input.nbytes() * setup_.size, ShapeError,
                "[kiln::distributed::all_gather] the output must hold world_size times the input.");
-    return Work(launch("all_gather", {output, input}, [&] {
+    return launch("all_gather", {output, input}, [&] {
       return ncclAllGather(input.impl().data(), output.impl().data(), size_t(input.numel()),
                            nccl_type(input.dtype()), comm_, stream_);
-    }));
+    });
   }
 
   Work reduce_scatter(Tensor output, Tensor input, ReduceOp op) override {
@@ -149,16 +149,16 @@ class NcclGroup : public ProcessGroup {
     check_backend_tensor(input, device(), "reduce_scatter");
     KILN_CHECK(input.nbytes() == output.nbytes() * setup_.size, ShapeError,
                "[kiln::distributed::reduce_scatter] the input must hold world_size times the output.");
-    return Work(launch("reduce_scatter", {output, input}, [&] {
+    return launch("reduce_scatter", {output, input}, [&] {
       return ncclReduceScatter(input.impl().data(), output.impl().data(), size_t(output.numel()),
                                nccl_type(output.dtype()), nccl_op(op, output.dtype()), comm_, stream_);
-    }));
+    });
   }
 
   // An all-reduce of one element, then the host waits for it (PyTorch's NCCL barrier does the same).
   Work barrier() override {
     Tensor one = ones({1}, TensorOptions(kFloat32, device()));
-    auto pending = launch("barrier", {one}, [&] {
+    Work work = launch("barrier", {one}, [&] {
       return ncclAllReduce(one.impl().data(), one.impl().data(), 1, ncclFloat32, ncclSum, comm_, stream_);
     });
     // The host waits on the group's stream itself (the watchdog retires work lazily). A peer that
@@ -170,7 +170,7 @@ class NcclGroup : public ProcessGroup {
       if (!broken_.empty()) throw DistributedError(broken_);
     }
     check(err, "distributed: barrier");
-    return Work(pending);
+    return work;
   }
 
  private:
@@ -184,7 +184,7 @@ class NcclGroup : public ProcessGroup {
   // Orders the collective after the caller's queued work, runs it on the group's stream, and hands
   // the watchdog an event to watch.
   template <class F>
-  std::shared_ptr<Work::State> launch(const char* op, std::vector<Tensor> tensors, F&& call) {
+  Work launch(const char* op, std::vector<Tensor> tensors, F&& call) {
     std::lock_guard comm_lock(comm_mutex_);  // the watchdog aborts the communicator under it
     {
       std::lock_guard lock(mutex_);
@@ -219,7 +219,7 @@ class NcclGroup : public ProcessGroup {
       queue_.push_back(pending);
     }
     cv_.notify_one();
-    return pending->state;
+    return Work(pending->state);
   }
 
   void fail_group(const std::string& message) {
@@ -247,7 +247,11 @@ class NcclGroup : public ProcessGroup {
       cudaError_t q = cudaEventQuery(head->done);
       std::string failure;
       if (q == cudaSuccess) {
-        retire(head, nullptr);
+        {
+          std::lock_guard lock(mutex_);
+          queue_.pop_front();
+        }
+        retire(*head, nullptr);
         continue;
       }
       if (q != cudaErrorNotReady) failure = fmt::format("CUDA error: {}", cudaGetErrorString(q));
@@ -284,31 +288,20 @@ class NcclGroup : public ProcessGroup {
         std::lock_guard lock(mutex_);
         all.swap(queue_);
       }
-      for (auto& p : all) retire_after_abort(p, message);
+      for (auto& p : all) retire(*p, std::make_exception_ptr(DistributedError(message)));
     }
   }
 
-  void retire(const std::shared_ptr<Pending>& p, std::exception_ptr error) {
+  // Hands a collective's outcome to its Work: from now on wait() finds it done and nobody uses its
+  // event; the tensors it kept alive go back to the allocator.
+  void retire(Pending& p, std::exception_ptr error) {
     {
-      std::lock_guard lock(mutex_);
-      queue_.pop_front();
+      std::lock_guard lock(p.state->mutex);
+      p.state->stream_pending = false;
     }
-    {
-      std::lock_guard lock(p->state->mutex);
-      p->state->stream_pending = false;  // from now on wait() finds it done; nobody uses the event
-    }
-    p->state->keep_alive.clear();
-    cudaEventDestroy(p->done);
-    p->state->finish(error);
-  }
-
-  void retire_after_abort(const std::shared_ptr<Pending>& p, const std::string& message) {
-    {
-      std::lock_guard lock(p->state->mutex);
-      p->state->stream_pending = false;
-    }
-    p->state->keep_alive.clear();
-    p->state->finish(std::make_exception_ptr(DistributedError(message)));
+    p.state->keep_alive.clear();
+    cudaEventDestroy(p.done);
+    p.state->finish(std::move(error));
   }
 
   GroupSetup setup_;

@@ -85,11 +85,15 @@ std::string describe_failure(const GroupSetup& setup, const std::string& op, con
                      head, detail);
 }
 
+namespace {
+void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
 void copy_dense(const Tensor& dst, const Tensor& src) {
-  KILN_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel() && dst.device() == src.device(), ValueError,
-             "[kiln::distributed] copy_dense needs tensors of one dtype, size and device.");
+  KILN_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ValueError,
+             "[kiln::distributed] copy_dense needs tensors of one dtype and size.");
   if (dst.numel() == 0) return;
-  if (!dst.is_contiguous() || !src.is_contiguous()) {
+  if (!dst.is_contiguous() || !src.is_contiguous() || dst.device() != src.device()) {
     NoGradGuard no_grad;
     Tensor d = dst;
     d.copy_(src.reshape(dst.sizes()));
@@ -106,7 +110,7 @@ void copy_dense(const Tensor& dst, const Tensor& src) {
   } else {
     std::memcpy(dst.impl().data(), src.impl().data(), size_t(dst.nbytes()));
   }
-  dst.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+  bump_version(dst);
 }
 
 void check_backend_tensor(const Tensor& t, Device device, const char* op) {
@@ -201,7 +205,21 @@ Tensor dense_on(const Tensor& t, Device device, bool& staged) {
   return dense;
 }
 
-void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
+// A tensor a collective writes. The backend writes `buffer`: the caller's tensor itself when it
+// is dense on the group's device (its version is bumped now), else a dense copy whose result
+// finish() has the Work write back into the caller's tensor on wait().
+struct Written {
+  Tensor target, buffer;
+  bool staged = false;
+  Written(const Tensor& t, Device device, bool writes = true) : target(t) {
+    buffer = dense_on(t, device, staged);
+    if (writes && !staged) bump_version(t);
+  }
+  Work finish(Work work) const {
+    if (!staged) return work;
+    return Work::State::then_after(work, [target = target, buffer = buffer]() mutable { target.copy_(buffer); });
+  }
+};
 
 // Every rank describes the collective it is about to run; a mismatch is named instead of hanging.
 enum class OpKind : int64_t { all_reduce = 1, broadcast, all_gather, reduce_scatter, barrier };
@@ -233,9 +251,6 @@ void check_same_call(ProcessGroup& group, OpKind kind, const Tensor* t, int64_t 
         group.rank(), text(mine.data()), r, text(o)));
   }
 }
-
-// The Work of an op whose result lands in a staged buffer: the caller's tensor gets it on wait().
-Work with_then(Work work, std::function<void()> then) { return Work::State::then_after(work, std::move(then)); }
 
 }  // namespace
 
@@ -372,6 +387,21 @@ void check_defined(const Tensor& t, const char* op, const char* what) {
   KILN_CHECK(t.defined(), ValueError, fmt::format("[kiln::distributed::{}] {} is undefined.", op, what));
 }
 
+// Each of `list` (one tensor per rank) must be defined, with `like`'s shape and dtype.
+void check_each_like(const std::vector<Tensor>& list, const Tensor& like, int world, const char* op,
+                     const char* each, const char* like_name) {
+  KILN_CHECK(list.size() == size_t(world), ValueError,
+             fmt::format("[kiln::distributed::{}] needs one {} per rank ({}), got {}.", op, each, world, list.size()));
+  for (const Tensor& t : list) {
+    check_defined(t, op, (std::string("an ") + each).c_str());
+    KILN_CHECK(t.dtype() == like.dtype() && t.sizes() == like.sizes(), ShapeError,
+               fmt::format("[kiln::distributed::{}] every {} must have the {}'s shape {} and dtype {}; one has {} and "
+                           "{}.",
+                           op, each, like_name, shape_str(like.sizes()), dtype_name(like.dtype()), shape_str(t.sizes()),
+                           dtype_name(t.dtype())));
+  }
+}
+
 void check_reduce_op(ReduceOp op, DType dtype, const char* name) {
   KILN_CHECK(op != ReduceOp::avg || is_floating_point(dtype), DTypeError,
              fmt::format("[kiln::distributed::{}] avg needs a floating-point tensor, not {}. Sum, then divide.", name,
@@ -386,12 +416,8 @@ Work all_reduce_async(Tensor& tensor, ReduceOp op, std::shared_ptr<ProcessGroup>
   check_reduce_op(op, tensor.dtype(), "all_reduce");
   NoGradGuard no_grad;
   check_same_call(*group, OpKind::all_reduce, &tensor, int64_t(op));
-  bool staged = false;
-  Tensor buf = dense_on(tensor, group->device(), staged);
-  if (!staged) bump_version(tensor);
-  Work w = group->all_reduce(buf, op);
-  if (!staged) return w;
-  return with_then(w, [tensor, buf]() mutable { tensor.copy_(buf); });
+  Written t(tensor, group->device());
+  return t.finish(group->all_reduce(t.buffer, op));
 }
 
 void all_reduce(Tensor& tensor, ReduceOp op, std::shared_ptr<ProcessGroup> group) {
@@ -405,12 +431,10 @@ Work broadcast_async(Tensor& tensor, int root, std::shared_ptr<ProcessGroup> gro
              fmt::format("[kiln::distributed::broadcast] root {} is not a rank of a group of {}.", root, group->size()));
   NoGradGuard no_grad;
   check_same_call(*group, OpKind::broadcast, &tensor, root);
-  bool staged = false;
-  Tensor buf = dense_on(tensor, group->device(), staged);
-  if (!staged && group->rank() != root) bump_version(tensor);
-  Work w = group->broadcast(buf, root);
-  if (!staged || group->rank() == root) return w;
-  return with_then(w, [tensor, buf]() mutable { tensor.copy_(buf); });
+  const bool receives = group->rank() != root;
+  Written t(tensor, group->device(), receives);
+  Work w = group->broadcast(t.buffer, root);
+  return receives ? t.finish(w) : w;
 }
 
 void broadcast(Tensor& tensor, int root, std::shared_ptr<ProcessGroup> group) {
@@ -420,17 +444,7 @@ void broadcast(Tensor& tensor, int root, std::shared_ptr<ProcessGroup> group) {
 Work all_gather_async(std::vector<Tensor>& outputs, const Tensor& input, std::shared_ptr<ProcessGroup> group) {
   group = resolve(std::move(group));
   check_defined(input, "all_gather", "the input");
-  KILN_CHECK(outputs.size() == size_t(group->size()), ValueError,
-             fmt::format("[kiln::distributed::all_gather] needs one output per rank ({}), got {}.", group->size(),
-                         outputs.size()));
-  for (const Tensor& o : outputs) {
-    check_defined(o, "all_gather", "an output");
-    KILN_CHECK(o.dtype() == input.dtype() && o.sizes() == input.sizes(), ShapeError,
-               fmt::format("[kiln::distributed::all_gather] every output must have the input's shape {} and dtype "
-                           "{}; one has {} and {}.",
-                           shape_str(input.sizes()), dtype_name(input.dtype()), shape_str(o.sizes()),
-                           dtype_name(o.dtype())));
-  }
+  check_each_like(outputs, input, group->size(), "all_gather", "output", "input");
   NoGradGuard no_grad;
   check_same_call(*group, OpKind::all_gather, &input, 0);
   bool staged = false;
@@ -439,7 +453,7 @@ Work all_gather_async(std::vector<Tensor>& outputs, const Tensor& input, std::sh
   Work w = group->all_gather(flat, in);
   int64_t n = input.numel();
   std::vector<int64_t> sizes(input.sizes().begin(), input.sizes().end());
-  return with_then(w, [outputs, flat, n, sizes] {
+  return Work::State::then_after(w, [outputs, flat, n, sizes] {
     for (size_t r = 0; r < outputs.size(); ++r) {
       Tensor out = outputs[r];
       out.copy_(flat.narrow(0, int64_t(r) * n, n).view(sizes));
@@ -462,12 +476,10 @@ void all_gather_into_tensor(Tensor& output, const Tensor& input, std::shared_ptr
                          dtype_name(output.dtype())));
   NoGradGuard no_grad;
   check_same_call(*group, OpKind::all_gather, &input, 0);
-  bool in_staged = false, out_staged = false;
+  bool in_staged = false;
   Tensor in = dense_on(input, group->device(), in_staged);
-  Tensor out = dense_on(output, group->device(), out_staged);
-  if (!out_staged) bump_version(output);
-  group->all_gather(out, in).wait();
-  if (out_staged) output.copy_(out.view(output.sizes()));
+  Written out(output, group->device());
+  out.finish(group->all_gather(out.buffer, in)).wait();
 }
 
 Work reduce_scatter_tensor_async(Tensor& output, const Tensor& input, ReduceOp op,
@@ -483,16 +495,10 @@ Work reduce_scatter_tensor_async(Tensor& output, const Tensor& input, ReduceOp o
                          dtype_name(input.dtype())));
   NoGradGuard no_grad;
   check_same_call(*group, OpKind::reduce_scatter, &output, int64_t(op));
-  bool in_staged = false, out_staged = false;
+  bool in_staged = false;
   Tensor in = dense_on(input, group->device(), in_staged);
-  Tensor out = dense_on(output, group->device(), out_staged);
-  if (!out_staged) bump_version(output);
-  Work w = group->reduce_scatter(out, in, op);
-  if (!out_staged) return w;
-  return with_then(w, [output, out] {
-    Tensor o = output;
-    o.copy_(out.view(output.sizes()));
-  });
+  Written out(output, group->device());
+  return out.finish(group->reduce_scatter(out.buffer, in, op));
 }
 
 void reduce_scatter_tensor(Tensor& output, const Tensor& input, ReduceOp op, std::shared_ptr<ProcessGroup> group) {
@@ -503,19 +509,9 @@ void reduce_scatter(Tensor& output, const std::vector<Tensor>& inputs, ReduceOp 
                     std::shared_ptr<ProcessGroup> group) {
   group = resolve(std::move(group));
   check_defined(output, "reduce_scatter", "the output");
-  KILN_CHECK(inputs.size() == size_t(group->size()), ValueError,
-             fmt::format("[kiln::distributed::reduce_scatter] needs one input per rank ({}), got {}.", group->size(),
-                         inputs.size()));
+  check_each_like(inputs, output, group->size(), "reduce_scatter", "input", "output");
   TensorList flat;
-  for (const Tensor& t : inputs) {
-    check_defined(t, "reduce_scatter", "an input");
-    KILN_CHECK(t.dtype() == output.dtype() && t.sizes() == output.sizes(), ShapeError,
-               fmt::format("[kiln::distributed::reduce_scatter] every input must have the output's shape {} and "
-                           "dtype {}; one has {} and {}.",
-                           shape_str(output.sizes()), dtype_name(output.dtype()), shape_str(t.sizes()),
-                           dtype_name(t.dtype())));
-    flat.push_back(t.reshape({-1}));
-  }
+  for (const Tensor& t : inputs) flat.push_back(t.reshape({-1}));
   Tensor joined;
   {
     NoGradGuard no_grad;

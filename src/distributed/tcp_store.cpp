@@ -40,6 +40,7 @@ constexpr uint32_t kMaxKeysPerWait = 4096;
 // buffered for it, so strangers cannot make the server hold large buffers.
 constexpr size_t kMaxUnauthenticatedBytes = kMaxKeyBytes + 64;
 constexpr size_t kMaxConnections = 4096;
+constexpr size_t kMaxMessageBytes = kMaxValueBytes + kMaxKeyBytes + 64;  // a set of the largest value
 
 // ---- message building and parsing ----
 
@@ -201,8 +202,15 @@ class StoreServer {
       }
       c.in.insert(c.in.end(), buf, buf + r);
       if (!c.authed && c.in.size() > kMaxUnauthenticatedBytes) return false;
-      if (c.in.size() > kMaxValueBytes + kMaxKeyBytes + 64) break;  // handle what is there first
+      if (c.in.size() > kMaxMessageBytes) break;  // handle what is there first
     }
+    if (!handle_buffered(c) || c.in.size() > kMaxMessageBytes) return false;
+    return flush(fd, c);
+  }
+
+  // Handles the complete messages buffered for `c`, up to a wait that parks it. False: the
+  // connection must close.
+  bool handle_buffered(Conn& c) {
     while (!c.waiting) {
       Reader rd{c.in.data(), c.in.size()};
       int handled = handle(rd, c);
@@ -210,8 +218,7 @@ class StoreServer {
       if (handled == 0) break;
       c.in.erase(c.in.begin(), c.in.begin() + rd.at);
     }
-    if (c.in.size() > kMaxValueBytes + kMaxKeyBytes + 64) return false;
-    return flush(fd, c);
+    return true;
   }
 
   bool flush(int fd, Conn& c) {
@@ -335,17 +342,7 @@ class StoreServer {
     for (int fd : resumed) {
       auto it = conns_.find(fd);
       if (it == conns_.end()) continue;
-      Conn& c = it->second;
-      bool alive = true;
-      while (alive && !c.waiting) {
-        Reader rd{c.in.data(), c.in.size()};
-        int handled = handle(rd, c);
-        if (handled < 0) alive = false;
-        if (handled <= 0) break;
-        c.in.erase(c.in.begin(), c.in.begin() + rd.at);
-      }
-      if (alive) alive = flush(fd, c);
-      if (!alive) drop(fd);
+      if (!handle_buffered(it->second) || !flush(fd, it->second)) drop(fd);
     }
   }
 

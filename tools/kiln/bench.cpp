@@ -133,15 +133,6 @@ Mode compile_mode(const std::string& mode) {
   return Mode::default_;
 }
 
-std::shared_ptr<nn::Module> make_model(const BenchArgs& a) {
-  if (a.model == "densenet121") return models::densenet121({.num_classes = a.num_classes});
-  if (a.model == "densenet169") return models::densenet169({.num_classes = a.num_classes});
-  if (a.model == "resnet18") return models::resnet18({.num_classes = a.num_classes});
-  if (a.model == "resnet50") return models::resnet50({.num_classes = a.num_classes});
-  throw ValueError("[kiln bench] unknown model '" + a.model +
-                   "'. Available: densenet121, densenet169, resnet18, resnet50.");
-}
-
 // ---- `kiln bench toy`: per-call overhead of compile() ----
 
 struct ToyArgs {
@@ -507,7 +498,7 @@ int run_bench(const std::vector<std::string>& args) {
   BenchArgs a = parse(args);
   if (a.threads > 0) set_num_threads(a.threads);
   manual_seed(0);
-  auto model = make_model(a);
+  auto model = image_model("", a.model, a.num_classes);
   model->to(a.device);
   Tensor x = randn({a.batch, 3, a.size, a.size}, TensorOptions(kFloat32, a.device));
   Tensor y = randint(0, a.num_classes, {a.batch}, TensorOptions(kInt64, a.device));
@@ -607,6 +598,15 @@ int run_bench(const std::vector<std::string>& args) {
                              cold, warm);
   }
   return 0;
+}
+
+std::shared_ptr<nn::Module> image_model(const std::string& bench, const std::string& name, int64_t num_classes) {
+  if (name == "densenet121") return models::densenet121({.num_classes = num_classes});
+  if (name == "densenet169") return models::densenet169({.num_classes = num_classes});
+  if (name == "resnet18") return models::resnet18({.num_classes = num_classes});
+  if (name == "resnet50") return models::resnet50({.num_classes = num_classes});
+  throw ValueError("[kiln bench" + (bench.empty() ? "" : " " + bench) + "] unknown model '" + name +
+                   "'. Available: densenet121, densenet169, resnet18, resnet50.");
 }
 
 int64_t positive_option(const std::string& bench, const std::string& option, const std::string& text) {

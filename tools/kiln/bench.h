@@ -3,13 +3,20 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+namespace kiln::nn {
+class Module;
+}
+
 namespace kiln::cli {
 // Option helpers the model benches share (bench.cpp). `bench` names the bench in messages
 // ("gpt2" -> "[kiln bench gpt2] ...").
+// The image classifiers the model benches time: densenet121, densenet169, resnet18, resnet50.
+std::shared_ptr<nn::Module> image_model(const std::string& bench, const std::string& name, int64_t num_classes);
 // An option's value as a positive integer; anything else is a ValueError naming the option.
 int64_t positive_option(const std::string& bench, const std::string& option, const std::string& text);
 // A comma-separated --modes value, each one of `allowed` (an empty piece is an unknown mode).

@@ -69,20 +69,12 @@ BatchSizesArgs parse_batch_sizes(const std::vector<std::string>& args) {
   return a;
 }
 
-std::shared_ptr<nn::Module> make_image_model(const std::string& name) {
-  if (name == "densenet121") return models::densenet121({});
-  if (name == "resnet18") return models::resnet18({});
-  if (name == "resnet50") return models::resnet50({});
-  throw ValueError("[kiln bench batch-sizes] unknown model '" + name +
-                   "'. Available: densenet121, resnet18, resnet50.");
-}
-
 }  // namespace
 
 int run_batch_sizes_bench(const std::vector<std::string>& args) {
   const BatchSizesArgs a = parse_batch_sizes(args);
   manual_seed(0);
-  std::shared_ptr<nn::Module> model = make_image_model(a.model);
+  std::shared_ptr<nn::Module> model = image_model("batch-sizes", a.model, 1000);
   model->to(a.device);
   model->eval();
   NoGradGuard no_grad;

@@ -72,13 +72,6 @@ DdpArgs parse_ddp(const std::vector<std::string>& args) {
   return a;
 }
 
-std::shared_ptr<nn::Module> make_model(const std::string& name, int64_t classes) {
-  if (name == "densenet121") return models::densenet121({.num_classes = classes});
-  if (name == "resnet18") return models::resnet18({.num_classes = classes});
-  if (name == "resnet50") return models::resnet50({.num_classes = classes});
-  throw ValueError("[kiln bench ddp] unknown model '" + name + "'. Available: densenet121, resnet18, resnet50.");
-}
-
 // A module whose forward is the compiled forward of `inner` (module-style compiled training: the
 // backward runs outside the compiled call and is compiled on its own). DDP wraps it like any module.
 class CompiledForward : public nn::Module {
@@ -126,7 +119,7 @@ int run_rank(const DdpArgs& a) {
   for (const std::string& mode : a.modes) {
     auto build = [&](bool ddp) -> std::pair<std::shared_ptr<nn::Module>, std::shared_ptr<nn::Module>> {
       manual_seed(0);
-      std::shared_ptr<nn::Module> model = make_model(a.model, a.num_classes);
+      std::shared_ptr<nn::Module> model = image_model("ddp", a.model, a.num_classes);
       model->to(device);
       std::shared_ptr<nn::Module> run = mode == "kiln" ? std::make_shared<CompiledForward>(model) : model;
       if (ddp)
