@@ -25,6 +25,7 @@
 // `toy` measures what compile() costs per call on a function too small for kernels to matter:
 // the set_stance recipe's three 5x5 matmuls, eager vs compile(fn) vs compile(fn, {.pure = true})
 // vs pure with mode = reduce_overhead (one CUDA graph launch per call on a GPU).
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -58,6 +59,7 @@ struct BenchArgs {
   bool json = false;
   bool pure = false;  // compiled inference and training step with CompileOptions::pure
   std::string profile;  // "infer" or "train": one more such call per mode inside cuda::profiler_start()/stop()
+  int host_profile = 0;  // > 0: that many more calls per mode with the op profiler (and a preloaded sampler) on
   int warmup = 2;
   int iters = 5;
   int threads = 0;
@@ -107,6 +109,7 @@ BenchArgs parse(const std::vector<std::string>& args) {
     else if (k == "--train") a.train = true;
     else if (k == "--json") a.json = true;
     else if (k == "--profile") a.profile = value();
+    else if (k == "--host-profile") a.host_profile = static_cast<int>(to_int(k, value()));
     else if (k == "--pure") a.pure = true;
     else if (k == "--warmup") a.warmup = static_cast<int>(to_int(k, value()));
     else if (k == "--iters") a.iters = static_cast<int>(to_int(k, value()));
@@ -115,7 +118,7 @@ BenchArgs parse(const std::vector<std::string>& args) {
   }
   KILN_CHECK(a.profile.empty() || a.profile == "infer" || (a.profile == "train" && a.train), ValueError,
              "[kiln bench] --profile takes infer or train (train needs --train).");
-  KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0, ValueError,
+  KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0 && a.host_profile >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
     KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro" || m == "kiln-at", ValueError,
@@ -489,6 +492,37 @@ void profile_once(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, 
   }
 }
 
+// --host-profile N: N more inference calls (and training steps with --train) per mode with the
+// eager op profiler on, whose table goes to stderr; with bench/host_sampler.cpp preloaded, its
+// sampler records the same calls, each mode's inference and step under its own section number. Where host time goes on a machine without perf.
+void host_profile(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
+  using Enable = void (*)(int);
+  const auto sampler = reinterpret_cast<Enable>(dlsym(RTLD_DEFAULT, "kiln_host_sampler_enable"));
+  int section = 0;
+  auto profile = [&](const char* what, std::function<void()> TimedMode::*fn) {
+    for (TimedMode& m : modes) {
+      ++section;
+      if (a.device.is_cuda()) cuda::synchronize(a.device.index);
+      reset_op_profile();
+      set_op_profiling(true);
+      if (sampler) sampler(section);
+      for (int i = 0; i < a.host_profile; ++i) (m.*fn)();
+      if (sampler) sampler(0);
+      set_op_profiling(false);
+      if (a.device.is_cuda()) cuda::synchronize(a.device.index);
+      std::fputs(fmt::format("\n== {} {}, {} calls (sampler section {}) ==\n", m.name, what, a.host_profile, section).c_str(),
+                 stderr);
+      std::fputs(op_profile_report().c_str(), stderr);
+    }
+  };
+  model->eval();
+  profile("inference", &TimedMode::infer);
+  if (a.train) {
+    model->train();
+    profile("training step", &TimedMode::train);
+  }
+}
+
 int run_bench(const std::vector<std::string>& args) {
   if (!args.empty() && args[0] == "toy") return run_toy_bench({args.begin() + 1, args.end()});
   if (!args.empty() && args[0] == "gpt2") return run_gpt2_bench({args.begin() + 1, args.end()});
@@ -555,6 +589,7 @@ int run_bench(const std::vector<std::string>& args) {
   }
   time_interleaved(a, model, timed);
   if (!a.profile.empty()) profile_once(a, model, timed);
+  if (a.host_profile > 0) host_profile(a, model, timed);
   if (a.device.is_cuda()) {
     // Peak memory per mode (weights, optimizer state and caches included, as
     // torch.cuda.max_memory_allocated counts them), measured by time_interleaved.

@@ -26,7 +26,9 @@ commands:
                        --iters 5 --warmup 2 --threads N --json --profile infer|train
                        --pure (models: densenet121, densenet169, resnet18, resnet50; --profile:
                        one more call per mode inside cuda::profiler_start/stop, for ncu;
-                       --pure: compiled inference and step with CompileOptions::pure)
+                       --pure: compiled inference and step with CompileOptions::pure;
+                       --host-profile N: N more calls per mode with the op profiler on, its
+                       table on stderr, and bench/host_sampler.cpp's sampler if preloaded)
   bench toy [opts]     compile()'s overhead per call on three 5x5 matmuls: eager, compiled,
                        compiled pure, pure reduce_overhead (us per call). --iters 2000 (calls per batch) --batches 7
                        --warmup 3 --threads N --device cpu|cuda --json
