@@ -17,6 +17,7 @@
 #ifdef KILN_WITH_CUDA
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/jit.h"
+#include "kernels/fused_optim.h"
 #endif
 
 using namespace kiln;
@@ -132,6 +133,14 @@ extern "C" __global__ void all(float* f, double* d, long long* l, int* i, signed
 )";
   std::string cubin = cuda::detail::compile_cubin(src, 90, "functors_test");
   EXPECT_GT(cubin.size(), 1000u);
+}
+
+// The fused optimizers' kernels (kernels/fused_optim.h), for every floating dtype.
+TEST(CudaJit, FusedAdamKernelsCompileForEveryFloatingDType) {
+  for (DType t : {kFloat32, kFloat64, kFloat16, kBFloat16}) {
+    SCOPED_TRACE(dtype_name(t));
+    EXPECT_GT(cuda::detail::compile_cubin(kiln::detail::fused_adam_source(t), 90, "fused_adam").size(), 1000u);
+  }
 }
 
 TEST(CudaJit, GeneratedElementwiseKernelsCompileForEveryDTypeFamily) {
@@ -432,6 +441,63 @@ TEST(CudaPointwise, TernaryOpsAndInPlaceFormsMatchTheCpu) {
   dx.addcmul_(dx, dx, 0.25);  // reads and writes the same memory
   hx.addcmul_(hx, hx, 0.25);
   EXPECT_TRUE(close(dx.cpu(), hx));
+}
+
+// The fused Adam/AdamW kernels (kernels/fused_optim.h) against the CPU's fused update: parameters
+// of many sizes (empty, one element, several 65536-element chunks, more than one launch's 32
+// tensors and 256 blocks), three steps, every floating dtype; the GPU step runs no per-op update.
+TEST(CudaOptim, FusedAdamOfManyParametersMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int64_t> numels = {0, 1, 200000, 65537, 5, 17000000};
+  for (int i = 0; i < 40; ++i) numels.push_back(7 + 3 * i);
+  for (bool adamw : {false, true}) {
+    for (DType t : {kFloat32, kFloat64, kBFloat16}) {
+      SCOPED_TRACE(std::string(adamw ? "AdamW " : "Adam ") + std::string(dtype_name(t)));
+      manual_seed(3);
+      std::vector<Tensor> cpu_params, gpu_params;
+      for (int64_t n : numels) {
+        Tensor p = randn({n}).to(t);
+        cpu_params.push_back(p.clone().requires_grad_());
+        gpu_params.push_back(p.to(cuda_device()).requires_grad_());
+      }
+      std::unique_ptr<optim::Optimizer> on_cpu, on_gpu;
+      if (adamw) {
+        const optim::AdamWOptions o{.lr = 0.01, .weight_decay = 0.05, .amsgrad = true};
+        on_cpu = std::make_unique<optim::AdamW>(cpu_params, o);
+        on_gpu = std::make_unique<optim::AdamW>(gpu_params, o);
+      } else {
+        const optim::AdamOptions o{.lr = 0.01, .weight_decay = 0.1, .maximize = true};
+        on_cpu = std::make_unique<optim::Adam>(cpu_params, o);
+        on_gpu = std::make_unique<optim::Adam>(gpu_params, o);
+      }
+      for (int k = 0; k < 3; ++k) {
+        for (size_t i = 0; i < numels.size(); ++i) {
+          Tensor g = randn({numels[i]}).to(t);
+          cpu_params[i].set_grad(g);
+          gpu_params[i].set_grad(g.to(cuda_device()));
+        }
+        on_cpu->step();
+        reset_op_profile();
+        set_op_profiling(true);
+        on_gpu->step();
+        set_op_profiling(false);
+        const std::string profile = op_profile_report();
+        EXPECT_EQ(profile.find("addcdiv"), std::string::npos) << profile;
+      }
+      const kiln::testing::Tolerance tol = t == kFloat64   ? kiln::testing::Tolerance{1e-12, 1e-12}
+                                           : t == kFloat32 ? kiln::testing::Tolerance{2e-5, 1e-6}
+                                                           : kiln::testing::Tolerance{2e-2, 1e-2};
+      for (size_t i = 0; i < numels.size(); ++i) {
+        EXPECT_TRUE(kiln::testing::matches(gpu_params[i].detach().cpu(), {numels[i]},
+                                           cpu_params[i].detach().to_vector<double>(), tol))
+            << "parameter " << i;
+        EXPECT_TRUE(kiln::testing::matches(on_gpu->state(gpu_params[i]).at("exp_avg").cpu(), {numels[i]},
+                                           on_cpu->state(cpu_params[i]).at("exp_avg").to_vector<double>(), tol))
+            << "exp_avg " << i;
+        EXPECT_EQ(on_gpu->state(gpu_params[i]).at("step").item<float>(), 3.0f);
+      }
+    }
+  }
 }
 
 TEST(CudaPointwise, PrintingAndItemReadThroughTheHost) {

@@ -276,6 +276,100 @@ TEST(AdamW, MatchesReferenceWithDecoupledWeightDecay) {
         }
 }
 
+// ---------------- the fused update (kernels/fused_optim.h) ----------------
+
+// Whether op_profile_report() has a row for `op` or its in-place form.
+bool profiled(const std::string& profile, const std::string& op) {
+  return profile.find("\n" + op + " ") != std::string::npos || profile.find("\n" + op + "_ ") != std::string::npos;
+}
+
+// One group of many parameters: empty, single elements, several of the fused kernel's chunks
+// (16384 elements on the CPU), more than one CUDA launch holds (32), a strided one (which takes the
+// per-op update) and one without a gradient (left alone). Each follows its float64 reference.
+template <class Optimizer, class Options>
+void check_many_parameters(const Options& o, bool decoupled) {
+  std::vector<int64_t> numels = {0, 1, 70000, 16385, 5, 16384};
+  for (int i = 0; i < 36; ++i) numels.push_back(7 + 3 * i);
+  std::vector<Tensor> params;
+  std::vector<AdamReference> refs;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    params.push_back(make_param(initial_values(static_cast<size_t>(numels[i]), 0.1 * double(i)), {numels[i]}, kFloat32));
+    refs.push_back(AdamReference{values(params.back())});
+  }
+  Tensor base = tensor<double>(initial_values(kNumel, 9.0), {3, 2}).to(kFloat32);
+  Tensor strided = base.t();
+  params.push_back(strided);
+  refs.push_back(AdamReference{values(strided)});
+  Tensor unused = make_param(initial_values(4, 3.0), {4}, kFloat32);
+  params.push_back(unused);
+  const std::vector<double> unused_start = values(unused);
+  Optimizer opt(params, o);
+  for (int k = 0; k < 4; ++k) {
+    for (size_t i = 0; i + 1 < params.size(); ++i)
+      refs[i].step(set_grad_values(params[i], grad_values(k, static_cast<size_t>(params[i].numel()), 0.3 * double(i))), o,
+                   decoupled);
+    opt.step();
+    for (size_t i = 0; i + 1 < params.size(); ++i)
+      ASSERT_TRUE(matches(params[i], params[i].sizes().vec(), refs[i].p, tolerance(kFloat32)))
+          << "parameter " << i << " after step " << k + 1;
+  }
+  EXPECT_TRUE(matches(unused, {4}, unused_start, Tolerance{0, 0}));
+  EXPECT_FALSE(opt.state(unused).count("step"));
+  EXPECT_EQ(opt.state(params[2]).at("step").template item<float>(), 4.0f);
+}
+
+TEST(Adam, FusedUpdateOfManyParametersFollowsTheReference) {
+  check_many_parameters<optim::Adam>(optim::AdamOptions{.lr = 0.01, .weight_decay = 0.1, .amsgrad = true}, false);
+  check_many_parameters<optim::Adam>(optim::AdamOptions{.lr = 0.02, .betas = {0.5, 0.8}, .maximize = true}, false);
+}
+
+TEST(AdamW, FusedUpdateOfManyParametersFollowsTheReference) {
+  check_many_parameters<optim::AdamW>(optim::AdamWOptions{.lr = 0.01, .weight_decay = 0.05}, true);
+  check_many_parameters<optim::AdamW>(optim::AdamWOptions{.lr = 0.01, .amsgrad = true, .maximize = true}, true);
+}
+
+// Dense parameters take the fused kernels, not the per-op update (whose ops the profiler would
+// list); a strided one takes the per-op update.
+TEST(Adam, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {
+  Tensor p = make_param(initial_values(kNumel), kShape, kFloat32);
+  Tensor q = make_param(initial_values(kNumel, 1.0), {3, 2}, kFloat32);
+  optim::Adam opt({p, q}, {.lr = 0.01});
+  auto profile_step = [&] {
+    reset_op_profile();
+    set_op_profiling(true);
+    opt.step();
+    set_op_profiling(false);
+    return op_profile_report();
+  };
+  set_grad_values(p, grad_values(0, kNumel));
+  set_grad_values(q, grad_values(1, kNumel));
+  std::string profile = profile_step();
+  EXPECT_FALSE(profiled(profile, "addcdiv") || profiled(profile, "lerp") || profiled(profile, "addcmul")) << profile;
+  // A strided gradient (a parameter's grad may be any layout) sends that parameter to the per-op update.
+  q.set_grad(tensor<double>(grad_values(2, kNumel), {2, 3}).to(kFloat32).t());
+  profile = profile_step();
+  EXPECT_TRUE(profiled(profile, "addcdiv")) << profile;
+}
+
+// The fused kernels write the parameters in place as the per-op update does: a graph that saved a
+// parameter before the step refuses to run backward after it.
+TEST(Adam, FusedStepCountsAsAnInPlaceWriteOfTheParameters) {
+  Tensor p = make_param(initial_values(kNumel), kShape, kFloat32);
+  optim::Adam opt({p}, {.lr = 0.01});
+  Tensor loss = (p * p).sum();
+  const uint64_t before = p.version();
+  set_grad_values(p, grad_values(0, kNumel));
+  opt.step();
+  EXPECT_GT(p.version(), before);
+  EXPECT_GT(opt.state(p).at("exp_avg").version(), 0u);
+  try {
+    loss.backward();
+    ADD_FAILURE() << "backward ran on a parameter the step changed";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("modified by an in-place operation"));
+  }
+}
+
 TEST(AdamW, DefaultsMatchPyTorch) {
   Tensor p = make_param({1.0}, {1}, kFloat32);
   optim::AdamW opt({p});

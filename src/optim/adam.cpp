@@ -1,6 +1,14 @@
-// torch.optim.Adam and AdamW: the update of _single_tensor_adam, in Kiln's in-place ops, with
-// the bias corrections computed as tensors from the step tensor (no host read, so the step can
-// be captured into a graph).
+// torch.optim.Adam and AdamW. Eagerly, the parameters whose tensors are dense take the fused
+// update (kernels/fused_optim.h: a few kernels for all of them, like PyTorch's fused=True);
+// under compile() and for the rest, the update of _single_tensor_adam in Kiln's in-place ops,
+// with the bias corrections computed as tensors from the step tensor (no host read, so the step
+// can be captured into a graph, whose backend fuses the update itself).
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "core/layer_hooks.h"
+#include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
 #include "kiln/optim.h"
@@ -55,14 +63,20 @@ Tensor zeros_of(const Tensor& param) {
   return zeros(param.sizes(), TensorOptions(param.dtype(), param.device()));
 }
 
-// One Adam update of `param`. Full-size temporaries: sqrt(v), plus one for maximize or L2 weight
-// decay; everything else is in place or 0-dim.
-void adam_update(Tensor param, const Tensor& grad, ParamState& state, const AdamConfig& c) {
+// The state of a parameter's first step: zeros, and a float32 step counter on its device.
+void init_adam_state(const Tensor& param, ParamState& state, bool amsgrad) {
   if (state.empty()) {
     state.emplace("step", zeros({}, TensorOptions(kFloat32, param.device())));
     state.emplace("exp_avg", zeros_of(param));
     state.emplace("exp_avg_sq", zeros_of(param));
   }
+  if (amsgrad && !state.count("max_exp_avg_sq")) state.emplace("max_exp_avg_sq", zeros_of(param));
+}
+
+// One Adam update of `param`. Full-size temporaries: sqrt(v), plus one for maximize or L2 weight
+// decay; everything else is in place or 0-dim.
+void adam_update(Tensor param, const Tensor& grad, ParamState& state, const AdamConfig& c) {
+  init_adam_state(param, state, c.amsgrad);
   Tensor step = state.at("step");
   Tensor exp_avg = state.at("exp_avg");
   Tensor exp_avg_sq = state.at("exp_avg_sq");
@@ -87,9 +101,7 @@ void adam_update(Tensor param, const Tensor& grad, ParamState& state, const Adam
 
   Tensor v = exp_avg_sq;
   if (c.amsgrad) {
-    auto it = state.find("max_exp_avg_sq");
-    if (it == state.end()) it = state.emplace("max_exp_avg_sq", zeros_of(param)).first;
-    v = it->second;
+    v = state.at("max_exp_avg_sq");
     v.maximum_(exp_avg_sq);
   }
 
@@ -107,16 +119,86 @@ void adam_update(Tensor param, const Tensor& grad, ParamState& state, const Adam
   param.addcdiv_(exp_avg, denom, -c.lr);
 }
 
+// Whether step() may take the fused kernels: not while compile() captures the step (the graph
+// records the per-op update), and not with KILN_FUSED_OPTIM=0 (the per-op update everywhere).
+bool fused_allowed() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_FUSED_OPTIM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return enabled && !kiln::detail::active_capture_hook();
+}
+
+// The parameters of one group that take the fused update, in lists per device and dtype.
+class FusedAdam {
+ public:
+  // Adds `param` when it and its grad and state are dense tensors of one floating dtype on a
+  // device with a fused kernel, with a float32 step counter there; false leaves it to adam_update.
+  bool add(const Tensor& param, const Tensor& grad, const ParamState& state, bool amsgrad) {
+    const DType t = param.dtype();
+    if (t != kFloat32 && t != kFloat64 && t != kFloat16 && t != kBFloat16) return false;
+#ifdef KILN_WITH_CUDA
+    if (!param.device().is_cpu() && !param.device().is_cuda()) return false;
+#else
+    if (!param.device().is_cpu()) return false;
+#endif
+    auto like_param = [&](const Tensor& x) {
+      return x.defined() && x.is_contiguous() && x.dtype() == t && x.device() == param.device() &&
+             x.sizes() == param.sizes();
+    };
+    const Tensor& step = state.at("step");
+    if (!like_param(param) || !like_param(grad) || !like_param(state.at("exp_avg")) ||
+        !like_param(state.at("exp_avg_sq")) || (amsgrad && !like_param(state.at("max_exp_avg_sq"))) ||
+        step.dim() != 0 || step.dtype() != kFloat32 || step.device() != param.device())
+      return false;
+    kiln::detail::AdamLists& l = lists_for(param);
+    l.params.push_back(param);
+    l.grads.push_back(grad);
+    l.exp_avgs.push_back(state.at("exp_avg"));
+    l.exp_avg_sqs.push_back(state.at("exp_avg_sq"));
+    if (amsgrad) l.max_exp_avg_sqs.push_back(state.at("max_exp_avg_sq"));
+    l.steps.push_back(step);
+    return true;
+  }
+
+  // Runs the fused kernels, and counts their writes as the in-place ops of the per-op form would.
+  void run(const AdamConfig& c) {
+    const kiln::detail::AdamHyper h{c.lr,      c.beta1,    c.beta2, c.eps, c.weight_decay,
+                                    c.amsgrad, c.maximize, c.decoupled_weight_decay};
+    for (auto& [key, l] : lists_) {
+      if (key.first.is_cpu()) kiln::detail::fused_adam_cpu(l, h);
+#ifdef KILN_WITH_CUDA
+      else kiln::detail::fused_adam_cuda(l, h);
+#endif
+      for (const auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs, &l.max_exp_avg_sqs, &l.steps})
+        for (const Tensor& x : *list) x.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+ private:
+  kiln::detail::AdamLists& lists_for(const Tensor& param) {
+    for (auto& [key, l] : lists_)
+      if (key.first == param.device() && key.second == param.dtype()) return l;
+    return lists_.emplace_back(std::make_pair(param.device(), param.dtype()), kiln::detail::AdamLists{}).second;
+  }
+  std::vector<std::pair<std::pair<Device, DType>, kiln::detail::AdamLists>> lists_;
+};
+
 template <class Options, class StateOf>
 void adam_step(std::vector<ParamGroup<Options>>& groups, bool decoupled, StateOf&& state_of) {
   NoGradGuard no_grad;
+  const bool fused = fused_allowed();
   for (auto& group : groups) {
     const AdamConfig c = config_of(group.options, decoupled);
+    FusedAdam batch;
     for (const Tensor& param : group.params) {
       const Tensor grad = param.grad();
       if (!grad.defined()) continue;
-      adam_update(param, grad, state_of(param), c);
+      ParamState& state = state_of(param);
+      init_adam_state(param, state, c.amsgrad);
+      if (!fused || !batch.add(param, grad, state, c.amsgrad)) adam_update(param, grad, state, c);
     }
+    batch.run(c);
   }
 }
 

@@ -1,0 +1,43 @@
+// The element update of the fused optimizers (kiln::optim's Adam, AdamW and SGD over many
+// parameters in a few kernels), shared by the CPU kernel and the CUDA source NVRTC builds.
+//
+// Each step is written with the functors of the per-op form of the same optimizer (lerp_,
+// mul_, addcmul_, sqrt, addcdiv_ in src/optim), in the same order, so that the fused and the
+// per-op updates agree to rounding (exactly, where the two compilers contract the same
+// multiply-adds). Values are opmath: float for float16/bfloat16 storage.
+#pragma once
+
+#include "kiln/math/functors.h"
+
+namespace kiln::math {
+
+// Adam and AdamW. scale and eps_term carry the bias corrections of this parameter's step:
+// scale = bc1 / sqrt(bc2), eps_term = eps * bc1 (bc_i = 1 - beta_i^step), so that
+//   param -= lr * exp_avg / (sqrt(v) * scale + eps_term)
+// equals PyTorch's  param -= lr / bc1 * exp_avg / (sqrt(v) / sqrt(bc2) + eps).
+template <class T>
+struct AdamUpdate {
+  T lr, one_minus_beta1, beta2, one_minus_beta2, weight_decay;
+  T decay;  // AdamW: 1 - lr * weight_decay
+  T scale, eps_term;
+  bool maximize, decoupled, amsgrad;
+
+  KILN_HD KILN_MATH_INLINE void operator()(T& param, T grad, T& exp_avg, T& exp_avg_sq, T& max_exp_avg_sq) const {
+    T g = maximize ? -grad : grad;
+    if (weight_decay != T(0)) {
+      if (decoupled) param = Mul{}(param, decay);
+      else g = AddScaled<T>{weight_decay}(g, param);
+    }
+    exp_avg = Lerp{}(exp_avg, g, one_minus_beta1);
+    exp_avg_sq = Addcmul<T>{one_minus_beta2}(Mul{}(exp_avg_sq, beta2), g, g);
+    T v = exp_avg_sq;
+    if (amsgrad) {
+      max_exp_avg_sq = Maximum{}(max_exp_avg_sq, exp_avg_sq);
+      v = max_exp_avg_sq;
+    }
+    const T denom = Add{}(Mul{}(Sqrt{}(v), scale), eps_term);
+    param = Addcdiv<T>{-lr}(param, exp_avg, denom);
+  }
+};
+
+}  // namespace kiln::math
