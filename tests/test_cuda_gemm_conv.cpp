@@ -24,6 +24,7 @@
 #ifdef KILN_WITH_CUDA
 #include "kernels/cuda/gemm_kernels.h"
 #ifdef KILN_WITH_CUDNN
+#include "kernels/cuda/conv_graph.h"
 #include "kernels/cuda/conv_kernels.h"
 #endif
 #include "kernels/cuda/jit.h"
@@ -618,6 +619,35 @@ TEST(CudaConv, ConvolutionBackwardGivesEveryMaskedGradient) {
     }
   }
 }
+
+#ifdef KILN_WITH_CUDNN
+// Convolutions run on execution plans of cuDNN's graph API (conv_graph.h), built once per
+// configuration: a second pass over the same shapes builds none, and the results stay the first
+// pass's bits.
+TEST(CudaConv, ConvolutionsRunOnCachedGraphApiPlans) {
+  SKIP_WITHOUT_CUDNN();
+  PrecisionGuard exact(kHighest, false);
+  const ConvCase& c = kConvCases[0];
+  ConvOperands ops = conv_operands(c, kFloat32, 50);
+  auto pass = [&](ConvLayout l) {
+    Tensor x = arrange_input(l, ops.x.cuda()), w = arrange_weight(l, ops.w.cuda());
+    Tensor y = conv2d(x, w, ops.b.cuda(), c.stride, c.padding, c.dilation, c.groups);
+    const std::vector<Attr> attrs{c.stride, c.padding, c.dilation, c.groups, std::vector<int64_t>{1, 1, 0}};
+    auto grads = call_op(op("convolution_backward"), {y, x, w}, attrs);
+    return std::vector<Tensor>{y.cpu(), grads[0].cpu(), grads[1].cpu()};
+  };
+  for (ConvLayout l : {ConvLayout::nchw, ConvLayout::input_channels_last}) {
+    SCOPED_TRACE(int(l));
+    const int64_t before = cuda::detail::conv_graph_plans_built();
+    const std::vector<Tensor> first = pass(l);
+    const int64_t built = cuda::detail::conv_graph_plans_built();
+    EXPECT_GE(built - before, 3) << "forward, backward data and backward filter";
+    const std::vector<Tensor> second = pass(l);
+    EXPECT_EQ(cuda::detail::conv_graph_plans_built(), built);
+    for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(same(second[i], first[i])) << i;
+  }
+}
+#endif  // KILN_WITH_CUDNN
 
 TEST(CudaConv, EmptyBatchesAndZeroChannelInputs) {
   SKIP_WITHOUT_CUDNN();

@@ -448,13 +448,21 @@ TEST(CudaShape, CatMatchesTheCpuForEveryLayout) {
     EXPECT_TRUE(same(cat({dev(a), dev(zeros({0}, t))}, 0).cpu(), cat({a, zeros({0}, t)}, 0)));
     EXPECT_TRUE(same(cat({dev(a), dev(b.to(kFloat64))}, 1).cpu(), cat({a, b.to(kFloat64)}, 1)));
   }
-  // Many inputs.
+  // Many inputs: more than one launch holds (120), in rows of 8 to 24 bytes (2-byte and 4-byte
+  // units), and DenseNet's case: channels-last feature maps whose rows take 16-byte units, one
+  // of them large enough for its blocks to stride.
   std::vector<Tensor> parts, dparts;
-  for (int i = 0; i < 40; ++i) {
-    parts.push_back(sample({3, i % 4, 2}, kFloat32, i));
+  for (int i = 0; i < 130; ++i) {
+    parts.push_back(sample({3, i % 4, 2}, i % 3 == 0 ? kFloat16 : kFloat32, i).to(kFloat32));
     dparts.push_back(dev(parts.back()));
   }
   EXPECT_TRUE(same(cat(dparts, 1).cpu(), cat(parts, 1)));
+  std::vector<Tensor> maps, dmaps;
+  for (int64_t c : {64, 32, 4, 12}) {
+    maps.push_back(sample({16, c, 32, 32}, kFloat32, static_cast<int>(c)).contiguous(MemoryFormat::channels_last));
+    dmaps.push_back(dev(maps.back()));
+  }
+  EXPECT_TRUE(same(cat(dmaps, 1).cpu(), cat(maps, 1)));
 }
 
 TEST(CudaShape, ConstantPadMatchesTheCpu) {

@@ -15,9 +15,12 @@
 //     output_mask asks for; the bias gradient is an NVRTC reduction of grad_output that sums in
 //     float32 (float64 for float64) and rounds once, as on the CPU.
 //
-// Plans (descriptors and the algorithm cudnnGet*Algorithm_v7 ranks first among those cuDNN
+// Each call first tries a cached execution plan of cuDNN's graph API (conv_graph.h: cuDNN's legacy
+// calls rebuild a plan inside every call, most of an eager step's host time). The legacy plans
+// (descriptors and the algorithm cudnnGet*Algorithm_v7 ranks first among those cuDNN
 // supports for the configuration and precision setting; the next one when cuDNN refuses it at
-// run time) are cached per configuration, layout and direction. Under compile()'s max_autotune
+// run time) are cached per configuration, layout and direction: they choose the layout, and run
+// what the graph API has no plan for. Under compile()'s max_autotune
 // (an AutotuneScope, kernels/autotune_scope.h; not under KILN_CONV_AUTOTUNE=0) a configuration's
 // first plan is chosen by timing instead: every algorithm the heuristics offer runs on scratch
 // operands and the fastest is cached as its own plan (never while a CUDA graph records:
@@ -43,6 +46,7 @@
 #include "kernels/autotune_scope.h"
 #include "kernels/cuda/autotune.h"
 #include "kernels/fold_batch_norm.h"
+#include "kernels/cuda/conv_graph.h"
 #include "kernels/cuda/conv_kernels.h"
 #include "kernels/cuda/cuda_runtime.h"
 #include "kernels/cuda/elementwise.h"
@@ -68,16 +72,8 @@ void check_cudnn(cudnnStatus_t status, const std::string& op) {
   throw DeviceError(msg);
 }
 
-enum class Direction { forward, backward_data, backward_filter };
-
-// One convolution configuration: sizes (NCHW order), parameters, dtype, layout, device.
-struct ConvParams {
-  int64_t n, c, h, w, o, kh, kw, oh, ow;
-  int64_t stride[2], pad[2], dilation[2], groups;
-  DType dtype;
-  bool channels_last;
-  int device;
-};
+using Direction = ConvDirection;
+using ConvParams = ConvShape;  // one configuration: sizes (NCHW order), parameters, dtype, layout, device
 
 ConvParams conv_params(const Tensor& input, const Tensor& weight, IntArrayRef out_sizes,
                        const AttrAccess& a) {
@@ -488,6 +484,13 @@ void run_plan(const ConvParams& p, Direction direction, const std::string& op, C
   }
 }
 
+// Runs one direction through a cached graph-API plan (conv_graph.h), unless max_autotune times
+// the legacy algorithms for this call; false: the caller takes the legacy API.
+bool graph_ran(const ConvParams& p, Direction d, bool accumulate, void* x, void* w, void* y) {
+  if (kiln::kernels::convolutions_autotuned()) return false;
+  return run_conv_graph(p, d, accumulate, p.dtype == DType::float32 && cudnn_allow_tf32(), x, w, y);
+}
+
 MemoryFormat format_of(bool channels_last) {
   return channels_last ? kiln::channels_last : contiguous_format;
 }
@@ -566,14 +569,16 @@ void conv2d_impl(const OpCall& call, Tensor& out, bool relu) {
     y.copy_(bias.view({1, bias.numel(), 1, 1}));
     beta = &kOne;
   }
-  run_plan(p, Direction::forward, op, [&](const ConvPlan& plan) {
-    Tensor ws = workspace(static_cast<int64_t>(plan.workspace), out.device());
-    return cudnnConvolutionForward(cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(),
-                                   plan.w.d, w.impl().data(), plan.conv.d,
-                                   static_cast<cudnnConvolutionFwdAlgo_t>(plan.algorithm),
-                                   ws.defined() ? ws.impl().data() : nullptr, plan.workspace,
-                                   beta->of(t), plan.y.d, y.impl().data());
-  });
+  if (!graph_ran(p, Direction::forward, bias.defined(), x.impl().data(), w.impl().data(),
+                 y.impl().data()))
+    run_plan(p, Direction::forward, op, [&](const ConvPlan& plan) {
+      Tensor ws = workspace(static_cast<int64_t>(plan.workspace), out.device());
+      return cudnnConvolutionForward(cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(),
+                                     plan.w.d, w.impl().data(), plan.conv.d,
+                                     static_cast<cudnnConvolutionFwdAlgo_t>(plan.algorithm),
+                                     ws.defined() ? ws.impl().data() : nullptr, plan.workspace,
+                                     beta->of(t), plan.y.d, y.impl().data());
+    });
   if (relu) y.relu_();
   if (!y.same(out)) out.copy_(y);
 }
@@ -684,27 +689,33 @@ void convolution_backward_kernel(const OpCall& call, std::span<Tensor> outs) {
   if (need_dx) {
     const Tensor w = weight.contiguous(format);
     Tensor dx = dense_buffer(outs[0], format);
-    run_plan(p, Direction::backward_data, op, [&](const ConvPlan& plan) {
-      Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
-      return cudnnConvolutionBackwardData(
-          cudnn_handle(p.device), kOne.of(t), plan.w.d, w.impl().data(), plan.y.d, dy.impl().data(),
-          plan.conv.d, static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algorithm),
-          ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.x.d,
-          dx.impl().data());
-    });
+    if (!graph_ran(p, Direction::backward_data, false, dx.impl().data(), w.impl().data(),
+                   dy.impl().data()))
+      run_plan(p, Direction::backward_data, op, [&](const ConvPlan& plan) {
+        Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
+        return cudnnConvolutionBackwardData(
+            cudnn_handle(p.device), kOne.of(t), plan.w.d, w.impl().data(), plan.y.d,
+            dy.impl().data(), plan.conv.d,
+            static_cast<cudnnConvolutionBwdDataAlgo_t>(plan.algorithm),
+            ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.x.d,
+            dx.impl().data());
+      });
     if (!dx.same(outs[0])) outs[0].copy_(dx);
   }
   if (need_dw) {
     const Tensor x = input.contiguous(format);
     Tensor dw = dense_buffer(outs[1], format);
-    run_plan(p, Direction::backward_filter, op, [&](const ConvPlan& plan) {
-      Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
-      return cudnnConvolutionBackwardFilter(
-          cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(), plan.y.d, dy.impl().data(),
-          plan.conv.d, static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algorithm),
-          ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.w.d,
-          dw.impl().data());
-    });
+    if (!graph_ran(p, Direction::backward_filter, false, x.impl().data(), dw.impl().data(),
+                   dy.impl().data()))
+      run_plan(p, Direction::backward_filter, op, [&](const ConvPlan& plan) {
+        Tensor ws = workspace(static_cast<int64_t>(plan.workspace), grad.device());
+        return cudnnConvolutionBackwardFilter(
+            cudnn_handle(p.device), kOne.of(t), plan.x.d, x.impl().data(), plan.y.d,
+            dy.impl().data(), plan.conv.d,
+            static_cast<cudnnConvolutionBwdFilterAlgo_t>(plan.algorithm),
+            ws.defined() ? ws.impl().data() : nullptr, plan.workspace, kZero.of(t), plan.w.d,
+            dw.impl().data());
+      });
     if (!dw.same(outs[1])) outs[1].copy_(dw);
   }
   if (need_db) bias_grad(grad, outs[2]);  // reads any strides

@@ -318,6 +318,13 @@ void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes,
                "launch");
 }
 
+void launch_grid(JitFunction f, unsigned grid_x, unsigned grid_y, unsigned block, unsigned shared_bytes,
+                 cudaStream_t stream, void** args) {
+  check_driver(driver().launch_kernel(static_cast<CUfunction>(f), grid_x, grid_y, 1, block, 1, 1, shared_bytes,
+                                      static_cast<CUstream>(stream), args, nullptr),
+               "launch");
+}
+
 void set_max_dynamic_shared(JitFunction f, int bytes) {
   check_driver(driver().func_set_attribute(static_cast<CUfunction>(f), CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes),
                "set_max_dynamic_shared");

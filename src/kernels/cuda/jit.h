@@ -34,6 +34,9 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
 // Launches `f` on `stream` with one by-value parameter block: `args` points at each parameter.
 void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes, cudaStream_t stream,
             void** args);
+// launch with a grid of grid_x * grid_y blocks.
+void launch_grid(JitFunction f, unsigned grid_x, unsigned grid_y, unsigned block, unsigned shared_bytes,
+                 cudaStream_t stream, void** args);
 // Lets `f` use more than 48 KB of dynamic shared memory.
 void set_max_dynamic_shared(JitFunction f, int bytes);
 

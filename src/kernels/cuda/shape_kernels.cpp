@@ -5,7 +5,9 @@
 //
 // cat copies each input into its slice of the output: when the output and an input are dense in
 // the same dim order and share a dtype, the slice is one block of bytes per outer row, and one
-// cudaMemcpy2DAsync moves all of an input's rows; other inputs go through the strided, converting
+// launch of kiln_cat moves the rows of up to kCatInputs such inputs (a DenseNet layer's
+// concatenation of a dozen feature maps is one launch, not a dozen cudaMemcpy2DAsync calls, each
+// of which costs more host time than a launch); other inputs go through the strided, converting
 // device copy (out.narrow(dim, offset, len).copy_(input)). The output's layout (channels-last or
 // not) is the meta's.
 #include <algorithm>
@@ -189,6 +191,74 @@ void eye_kernel(const OpCall&, std::span<Tensor> outs) {
 
 // ---------------- cat / constant_pad_nd ----------------
 
+constexpr int kCatInputs = 120;  // per launch: the parameter block stays under 4 KB
+
+struct CatParams {
+  char* dst;
+  long long out_row_units, outer;
+  const char* src[kCatInputs];
+  long long row_units[kCatInputs];  // units per outer row of input i
+  long long dst_offset[kCatInputs];  // units from a row's start to input i's slice
+};
+static_assert(sizeof(CatParams) <= 4096, "a kernel's parameters must fit 4 KB");
+
+// Moves `Unit`s (16 bytes when every address and row length allows, else the element size):
+// blockIdx.y picks the input, the x blocks stride over its outer * row_units units.
+std::string cat_source(int unit) {
+  const char* type = unit == 16 ? "uint4" : unit == 8 ? "unsigned long long" : unit == 4 ? "unsigned" : unit == 2 ? "unsigned short" : "unsigned char";
+  return fmt::format(R"(typedef {0} Unit;
+struct Params {{ char* dst; long long out_row_units, outer; const char* src[{1}]; long long row_units[{1}]; long long dst_offset[{1}]; }};
+extern "C" __global__ void __launch_bounds__(256) kiln_cat(Params p) {{
+  const int i = blockIdx.y;
+  const long long row = p.row_units[i], total = row * p.outer;
+  const Unit* src = reinterpret_cast<const Unit*>(p.src[i]);
+  Unit* dst = reinterpret_cast<Unit*>(p.dst) + p.dst_offset[i];
+  for (long long u = blockIdx.x * 256ll + threadIdx.x; u < total; u += gridDim.x * 256ll) {{
+    const long long r = u / row;
+    dst[r * p.out_row_units + (u - r * row)] = src[u];
+  }}
+}}
+)",
+                     type, kCatInputs);
+}
+
+// One launch per kCatInputs row inputs: input k of `inputs` copies rows of row_bytes[k] bytes from
+// its data to out_base + offset_bytes[k] in every one of `outer` rows of out_row_bytes.
+void launch_cat(int device, char* out_base, int64_t out_row_bytes, int64_t outer, const std::vector<const char*>& srcs,
+                const std::vector<int64_t>& row_bytes, const std::vector<int64_t>& offset_bytes) {
+  if (srcs.empty()) return;
+  int unit = 16;
+  auto fits = [&](int64_t v) { return v % unit == 0; };
+  auto aligned = [&](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(unit) == 0; };
+  auto all_fit = [&] {
+    if (!aligned(out_base) || !fits(out_row_bytes)) return false;
+    for (size_t k = 0; k < srcs.size(); ++k)
+      if (!aligned(srcs[k]) || !fits(row_bytes[k]) || !fits(offset_bytes[k])) return false;
+    return true;
+  };
+  while (unit > 1 && !all_fit()) unit /= 2;
+  JitFunction f = jit_function(device, "cat|" + std::to_string(unit), "kiln_cat", [&] { return cat_source(unit); });
+  DeviceGuard guard(device);
+  const int64_t max_blocks = int64_t{properties(device).multiProcessorCount} * 8;
+  for (size_t first = 0; first < srcs.size(); first += kCatInputs) {
+    CatParams p{};
+    p.dst = out_base;
+    p.out_row_units = out_row_bytes / unit;
+    p.outer = outer;
+    const size_t n = std::min<size_t>(kCatInputs, srcs.size() - first);
+    int64_t most = 0;
+    for (size_t k = 0; k < n; ++k) {
+      p.src[k] = srcs[first + k];
+      p.row_units[k] = row_bytes[first + k] / unit;
+      p.dst_offset[k] = offset_bytes[first + k] / unit;
+      most = std::max<int64_t>(most, p.row_units[k] * outer);
+    }
+    const int64_t blocks = std::clamp<int64_t>((most + 255) / 256, 1, std::max<int64_t>(1, max_blocks / static_cast<int64_t>(n)));
+    void* args[] = {&p};
+    launch_grid(f, static_cast<unsigned>(blocks), static_cast<unsigned>(n), 256, 0, current_stream(device), args);
+  }
+}
+
 void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   Tensor& out = outs[0];
   // Rows: the dims outside `dim` in out's memory order; each row holds every input's slice.
@@ -200,34 +270,25 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   const int64_t outer = rows->outer, inner = rows->inner, out_row_bytes = rows->out_row_bytes;
   char* out_base = static_cast<char*>(out.impl().data());
   const int device = out.device().index;
-  const int64_t max_pitch = static_cast<int64_t>(properties(device).memPitch);
 
+  std::vector<const char*> srcs;
+  std::vector<int64_t> row_bytes, offset_bytes;
   int64_t offset = 0;
   for (const Tensor& t : call.inputs) {
     if (t.numel() == 0) continue;  // contributes no elements (legacy empty or size 0 along dim)
     const int64_t len = t.sizes()[dim];
-    const int64_t row_bytes = len * inner * isz;
     const bool rows = out_dense && t.dtype() == out.dtype() && t.device() == out.device() &&
-                      kiln::detail::dense_in(t.sizes(), t.strides(), order) &&
-                      (outer == 1 || out_row_bytes <= max_pitch);
+                      kiln::detail::dense_in(t.sizes(), t.strides(), order);
     if (rows) {
-      DeviceGuard guard(device);
-      char* dst = out_base + offset * inner * isz;
-      const char* src = static_cast<const char*>(t.impl().data());
-      if (outer == 1) {
-        check(cudaMemcpyAsync(dst, src, static_cast<size_t>(row_bytes), cudaMemcpyDeviceToDevice, current_stream(device)),
-              "cat");
-      } else {
-        check(cudaMemcpy2DAsync(dst, static_cast<size_t>(out_row_bytes), src, static_cast<size_t>(row_bytes),
-                                static_cast<size_t>(row_bytes), static_cast<size_t>(outer), cudaMemcpyDeviceToDevice,
-                                current_stream(device)),
-              "cat");
-      }
+      srcs.push_back(static_cast<const char*>(t.impl().data()));
+      row_bytes.push_back(len * inner * isz);
+      offset_bytes.push_back(offset * inner * isz);
     } else {
       out.narrow(dim, offset, len).copy_(t);
     }
     offset += len;
   }
+  launch_cat(device, out_base, out_row_bytes, outer, srcs, row_bytes, offset_bytes);
 }
 
 // constant_pad_nd: fill with the value, then copy the (possibly cropped) input into its window.
@@ -273,6 +334,7 @@ std::vector<std::pair<std::string, std::string>> shape_sources_for_test() {
   }
   for (DType t : {kBool, DType::uint8, DType::int8, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kFloat64})
     out.emplace_back(std::string("eye_") + cuda_type(t), range_source(Range::eye, t));
+  for (int unit : {1, 2, 4, 8, 16}) out.emplace_back("cat_" + std::to_string(unit), cat_source(unit));
   return out;
 }
 
