@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -429,6 +430,33 @@ TEST(CudaCodegen, SinPlusCosTimesTwo) {
   auto c = compiler::counters();
   EXPECT_GE(c.kernel_runs, 3);
   EXPECT_EQ(c.dispatched_nodes, 0);
+}
+
+// Default mode on a GPU says when a graph launches many steps from the host (reduce_overhead would
+// replay them as one CUDA graph); reduce_overhead itself, and a short graph, say nothing.
+TEST(CudaCodegen, PerfHintsSuggestReduceOverheadForALaunchBoundGraph) {
+  SKIP_WITHOUT_GPU();
+  auto chain = [](int links) {
+    return [links](const Tensor& x, const Tensor& w) {
+      Tensor y = x;
+      for (int i = 0; i < links; ++i) y = relu(y.mm(w)) * 0.5;  // a GEMM and a fused kernel per link
+      return y;
+    };
+  };
+  Tensor x = gpu_randn({16, 16}), w = gpu_randn({16, 16});
+  auto hints = [&](int links, const CompileOptions& options) {
+    compiler::reset();
+    std::ostringstream os;
+    compiler::set_logs({.perf_hints = true});
+    compiler::set_log_stream(&os);
+    compile(chain(links), options)(x, w);
+    compiler::set_log_stream(nullptr);
+    compiler::set_logs({});
+    return os.str();
+  };
+  EXPECT_NE(hints(40, kKiln).find("reduce_overhead replays"), std::string::npos);
+  EXPECT_EQ(hints(4, kKiln).find("reduce_overhead replays"), std::string::npos);
+  EXPECT_EQ(hints(40, kReduceOverhead).find("reduce_overhead replays"), std::string::npos);
 }
 
 // The op table on the GPU: every op with a pointwise or reduction lowering that has a CUDA kernel,

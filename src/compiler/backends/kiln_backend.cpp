@@ -26,6 +26,10 @@ namespace kiln::compiler {
 
 namespace {
 
+// Steps per call from which a GPU graph without CUDA graphs is likely launch-bound (at a few
+// microseconds of host time per launch, a few hundred microseconds a call).
+constexpr size_t kLaunchBoundSteps = 64;
+
 // KILN_COMPILE_DEBUG=1: a folder per compiled graph with the graph, the loop IR and the sources.
 void write_debug(const Graph& before, const lower::Program& p, const lower::MemoryPlan& plan,
                  const std::vector<std::string>& sources, const std::vector<codegen::CudaKernelSource>& cuda_sources) {
@@ -142,6 +146,14 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
                                                              std::move(written_inputs));
     return [runner](const Arguments& args) { return (*runner)(args); };
   }
+  // Without CUDA graphs, a call on a GPU launches each step from the host; with many steps the
+  // host bounds the call, which reduce_overhead's single graph launch removes. Say so, as torch's
+  // perf_hints suggests cudagraphs.
+  if (detail::log_options().perf_hints && ex->program.steps.size() >= kLaunchBoundSteps &&
+      runtime::CudaGraphRunner::applies(g))
+    detail::log_stream() << "[kiln.perf_hints] this graph launches " << ex->program.steps.size()
+                         << " kernels and library calls from the host on every call; on a GPU that is host-bound "
+                            "work, which mode = reduce_overhead replays as one CUDA graph\n";
   return [ex](const Arguments& args) { return runtime::run(*ex, args); };
 }
 
