@@ -641,7 +641,9 @@ TEST(CudaConv, ConvolutionsRunOnCachedGraphApiPlans) {
     const int64_t before = cuda::detail::conv_graph_plans_built();
     const std::vector<Tensor> first = pass(l);
     const int64_t built = cuda::detail::conv_graph_plans_built();
-    EXPECT_GE(built - before, 3) << "forward, backward data and backward filter";
+    // NCHW float32 has a graph plan for every direction; channels-last ones may leave a direction
+    // to the legacy API (a cached "none" that builds nothing again either).
+    EXPECT_GE(built - before, l == ConvLayout::nchw ? 3 : 1) << "forward, backward data and backward filter";
     const std::vector<Tensor> second = pass(l);
     EXPECT_EQ(cuda::detail::conv_graph_plans_built(), built);
     for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(same(second[i], first[i])) << i;

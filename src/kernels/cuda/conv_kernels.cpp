@@ -32,6 +32,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -485,9 +486,14 @@ void run_plan(const ConvParams& p, Direction direction, const std::string& op, C
 }
 
 // Runs one direction through a cached graph-API plan (conv_graph.h), unless max_autotune times
-// the legacy algorithms for this call; false: the caller takes the legacy API.
+// the legacy algorithms for this call or KILN_CUDNN_GRAPH=0; false: the caller takes the legacy
+// API.
 bool graph_ran(const ConvParams& p, Direction d, bool accumulate, void* x, void* w, void* y) {
-  if (kiln::kernels::convolutions_autotuned()) return false;
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_CUDNN_GRAPH");
+    return !(v && std::string(v) == "0");
+  }();
+  if (!enabled || kiln::kernels::convolutions_autotuned()) return false;
   return run_conv_graph(p, d, accumulate, p.dtype == DType::float32 && cudnn_allow_tf32(), x, w, y);
 }
 
