@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "compiler/runtime/cache_admin.h"
 #include "compiler/runtime/kernel_cache.h"
 #include "kiln/error.h"
 
@@ -747,6 +748,134 @@ TEST_F(KernelCache, AReadOnlyCacheServesItsEntries) {
       << message;
   ASSERT_EQ(chmod(cache_.c_str(), 0700), 0);
   ASSERT_EQ(chmod(version_dir().c_str(), 0700), 0);
+}
+
+// ---- kiln cache info / verify / clear (cache_admin.h) ----
+
+// Three CUDA-style blob entries of a kind of their own (no compiler needed), one of them made old.
+class KernelCacheAdmin : public KernelCache {
+ protected:
+  fs::path blob_dir() { return cache_ / (std::string("testkind-v") + rt::cache_info().version); }
+  fs::path entry_of(const std::string& label) {
+    std::string bytes = rt::load_or_build_blob({"testkind", {{"label", label}}, label}, [&] { return "bytes of " + label; });
+    EXPECT_EQ(bytes, "bytes of " + label);
+    for (const auto& e : fs::directory_iterator(blob_dir())) {
+      if (e.path().extension() != ".bin") continue;
+      std::ifstream in(e.path(), std::ios::binary);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      if (text == "bytes of " + label) return e.path();
+    }
+    ADD_FAILURE() << "no entry holds " << label;
+    return {};
+  }
+  const rt::CacheKindInfo* kind(const rt::CacheInfo& info) {
+    for (const rt::CacheKindInfo& k : info.kinds)
+      if (k.kind == "testkind") return &k;
+    return nullptr;
+  }
+};
+
+TEST_F(KernelCacheAdmin, InfoCountsEntriesByKindWithTheirSizeAndAge) {
+  entry_of("a");
+  fs::path b = entry_of("b");
+  const struct timespec times[2] = {{0, UTIME_OMIT}, {time(nullptr) - 3 * 86400, 0}};
+  ASSERT_EQ(utimensat(AT_FDCWD, b.c_str(), times, AT_SYMLINK_NOFOLLOW), 0);
+  const rt::CacheInfo info = rt::cache_info();
+  EXPECT_EQ(fs::path(info.root), fs::canonical(cache_));
+  const rt::CacheKindInfo* k = kind(info);
+  ASSERT_NE(k, nullptr);
+  EXPECT_TRUE(k->current);
+  EXPECT_EQ(k->entries, 2);
+  EXPECT_EQ(k->locks, 2);
+  EXPECT_NEAR(k->oldest_days, 3.0, 0.01);
+  EXPECT_LT(k->newest_days, 0.01);
+  EXPECT_GE(k->bytes, int64_t(2 * (64 + 10)));  // two checksums of 64 hex digits and two entries
+}
+
+TEST_F(KernelCacheAdmin, VerifyRemovesTamperedForeignAndOrphanedEntriesOnly) {
+  fs::path good = entry_of("good"), tampered = entry_of("tampered"), open_to_all = entry_of("open");
+  fs::path orphan = entry_of("orphan");
+  { std::ofstream(tampered, std::ios::binary | std::ios::app) << "x"; }
+  ASSERT_EQ(chmod(open_to_all.c_str(), 0666), 0);
+  fs::remove(orphan);  // its checksum stays
+  const rt::CacheVerifyReport r = rt::verify_cache();
+  EXPECT_EQ(r.checked, 4);
+  EXPECT_EQ(r.valid, 1);
+  ASSERT_EQ(r.removed.size(), 3u);
+  std::string all;
+  for (const std::string& line : r.removed) all += line + "\n";
+  EXPECT_NE(all.find(tampered.string() + ": its bytes do not match the checksum"), std::string::npos) << all;
+  EXPECT_NE(all.find(open_to_all.string() + ": the entry is writable by others"), std::string::npos) << all;
+  EXPECT_NE(all.find("its checksum has no entry file"), std::string::npos) << all;
+  EXPECT_TRUE(fs::exists(good));
+  for (const fs::path& p : {tampered, open_to_all})
+    EXPECT_FALSE(fs::exists(p) || fs::exists(fs::path(p).replace_extension(".sha256"))) << p;
+  EXPECT_FALSE(fs::exists(fs::path(orphan).replace_extension(".sha256")));
+  const rt::CacheVerifyReport again = rt::verify_cache();
+  EXPECT_EQ(again.checked, 1);
+  EXPECT_TRUE(again.removed.empty());
+}
+
+TEST_F(KernelCacheAdmin, ClearByAgeKeepsNewerEntriesAndClearAllEmptiesTheCache) {
+  fs::path old_entry = entry_of("old"), new_entry = entry_of("new");
+  const struct timespec times[2] = {{0, UTIME_OMIT}, {time(nullptr) - 10 * 86400, 0}};
+  ASSERT_EQ(utimensat(AT_FDCWD, old_entry.c_str(), times, AT_SYMLINK_NOFOLLOW), 0);
+  const int64_t old_size = static_cast<int64_t>(fs::file_size(old_entry));
+  const rt::CacheClearReport by_age = rt::clear_cache(5.0);
+  EXPECT_EQ(by_age.removed_entries, 1);
+  EXPECT_EQ(by_age.removed_bytes, old_size);
+  EXPECT_EQ(by_age.kept_entries, 1);
+  EXPECT_FALSE(fs::exists(old_entry));
+  EXPECT_FALSE(fs::exists(fs::path(old_entry).replace_extension(".lock")));
+  EXPECT_TRUE(fs::exists(new_entry));
+  // A file of another kind the cache does not know stays, and keeps its directory.
+  { std::ofstream(blob_dir() / "notes.txt") << "mine"; }
+  const rt::CacheClearReport all = rt::clear_cache(std::nullopt);
+  EXPECT_EQ(all.removed_entries, 1);
+  EXPECT_EQ(all.kept_entries, 0);
+  EXPECT_FALSE(fs::exists(new_entry));
+  EXPECT_TRUE(fs::exists(blob_dir() / "notes.txt"));
+  const rt::CacheKindInfo* k = kind(rt::cache_info());
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->entries, 0);
+  EXPECT_EQ(k->locks, 0);
+  EXPECT_EQ(k->other, 1);
+  fs::remove(blob_dir() / "notes.txt");
+  rt::clear_cache(std::nullopt);
+  EXPECT_FALSE(fs::exists(blob_dir()));  // an emptied directory goes too
+}
+
+// `kiln cache` prints the reports; verify's exit status says whether anything was bad.
+TEST_F(KernelCacheAdmin, TheKilnCacheCommand) {
+  fs::path tampered = entry_of("tampered");
+  entry_of("fine");
+  { std::ofstream(tampered, std::ios::binary | std::ios::app) << "x"; }
+  auto run = [&](const std::string& args, int& status) {
+    const std::string command = "KILN_CACHE_DIR='" + cache_.string() + "' '" + std::string(KILN_BINARY_DIR) +
+                                "/bin/kiln' cache " + args + " 2>&1";
+    FILE* p = popen(command.c_str(), "r");
+    std::string out;
+    char buf[512];
+    while (p && fgets(buf, sizeof buf, p)) out += buf;
+    status = p ? pclose(p) : -1;
+    return out;
+  };
+  int status = 0;
+  std::string out = run("info", status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << out;
+  EXPECT_NE(out.find("testkind"), std::string::npos) << out;
+  out = run("verify", status);
+  EXPECT_EQ(WEXITSTATUS(status), 1) << out;
+  EXPECT_NE(out.find("bad: " + tampered.string() + ": its bytes do not match the checksum"), std::string::npos) << out;
+  EXPECT_NE(out.find("checked 2 entries: 1 valid, 1 bad"), std::string::npos) << out;
+  out = run("verify", status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << out;
+  out = run("clear --older-than soon", status);
+  EXPECT_EQ(WEXITSTATUS(status), 1) << out;
+  EXPECT_NE(out.find("--older-than needs a number of days"), std::string::npos) << out;
+  out = run("clear", status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << out;
+  EXPECT_NE(out.find("removed 1 entries"), std::string::npos) << out;
 }
 
 }  // namespace

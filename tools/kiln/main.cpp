@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench.h"
+#include "cache_cmd.h"
 #include "launch.h"
 #include "program_cmd.h"
 #include "example.h"
@@ -57,6 +58,10 @@ commands:
                        run an exported program on the named tensors of IN (one per input, by the
                        names export-info lists) and write its outputs to OUT
                        (--no-bundled-binaries: build its kernels here instead)
+  cache info [--json]  the kernel cache: where, entries by kind and Kiln version, size, ages
+  cache verify         re-check every entry's checksum and ownership, remove bad ones (exit 1 if any)
+  cache clear [--older-than DAYS]
+                       remove cached kernels (older than DAYS), compiler records, dead builds
   minify REPRO [--out SMALLEST.kpkg]
                        shrink a repro package (KILN_REPRO=compile|accuracy writes them) to the
                        smallest graph that still fails; print it, the failing op and the pass
@@ -142,6 +147,7 @@ int main(int argc, char** argv) {
     if (cmd == "run") return kiln::cli::run_program(args);
     if (cmd == "minify") return kiln::cli::run_minify(args);
     if (cmd == "launch") return kiln::cli::run_launch(args);
+    if (cmd == "cache") return kiln::cli::run_cache(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;
