@@ -42,6 +42,7 @@
 #include <cstdlib>
 
 #include "compiler/runtime/kernel_cache.h"
+#include "core/progress.h"
 #include "kiln/kiln.h"
 
 namespace kiln::cli {
@@ -462,10 +463,15 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
   };
   auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms,
                     std::vector<double> TimedMode::*host) {
+    // Past 2 s, the rounds show their progress on stderr (KILN_PROGRESS=0: not).
+    kiln::detail::Progress progress("kiln bench " + a.model + ": timing " + (fn == &TimedMode::train ? "training steps" : "inference"),
+                                    "calls");
+    progress.add_total(static_cast<int64_t>(a.warmup + a.iters) * static_cast<int64_t>(modes.size()));
     for (int i = 0; i < a.warmup + a.iters; ++i)
       for (TimedMode& m : modes) {
         double host_ms = 0;
         const double t = time_ms(m.*fn, host_ms);
+        progress.advance();
         if (i < a.warmup) continue;
         (m.*ms).push_back(t);
         (m.*host).push_back(host_ms);

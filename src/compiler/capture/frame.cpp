@@ -10,6 +10,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "core/progress.h"
 #include "compiler/export/repro.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
@@ -926,6 +927,10 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     auto t0 = Clock::now();
     CompilingOptionsScope options_scope(&st.options);
     const exporting::ReproMode repro = exporting::repro_mode();
+    // A compile past 2 s shows itself on stderr (core/progress.h); the kernel builds count into it.
+    kiln::detail::Progress progress("compiling graph " + cg->id + " of " + st.where() + " (" +
+                                        std::to_string(cg->graph.nodes.size()) + " ops)",
+                                    "kernels built");
     try {
       cg->fn = backend(working, example);
     } catch (const std::exception& e) {

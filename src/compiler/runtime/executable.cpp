@@ -1,5 +1,6 @@
 // The executor of the kiln backend's programs (executable.h).
 #include "compiler/runtime/executable.h"
+#include "core/progress.h"
 
 #include "compiler/graph/known_ops.h"
 
@@ -385,6 +386,8 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
     std::vector<std::exception_ptr> errors(batches.size());
     std::atomic<size_t> next{0};
     BundleRecorder* recorder = BundleRecorder::current();  // export_program bundles the cubins
+    kiln::detail::Progress* progress = kiln::detail::Progress::current();  // the compile's line counts modules
+    if (progress) progress->add_total(static_cast<int64_t>(batches.size()));
     auto work = [&] {
       BundleRecorder::Scope record_here(recorder);
       for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
@@ -397,6 +400,7 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
               cuda::detail::jit_functions(device, module.source, module.names, [&] { return module.source; });
           for (size_t m = 0; m < batches[j].size(); ++m)
             for (size_t i : *batches[j][m]) ex.cuda_kernels[i].function = fns[m];
+          if (progress) progress->advance();
         } catch (...) {
           errors[j] = std::current_exception();
         }

@@ -1,4 +1,5 @@
 #include "compiler/codegen/cpp/cxx_driver.h"
+#include "core/progress.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -308,6 +309,10 @@ void build_shared_object(const CxxCompiler& compiler, const CxxBuild& build) {
     return argv;
   };
 
+  // The compile this build belongs to counts its translation units (core/progress.h).
+  kiln::detail::Progress* progress = kiln::detail::Progress::current();
+  if (progress) progress->add_total(static_cast<int64_t>(sources.size()));
+
   // One translation unit: compile and link in one step (one process instead of two).
   if (sources.size() == 1) {
     auto argv = base_argv();
@@ -315,6 +320,7 @@ void build_shared_object(const CxxCompiler& compiler, const CxxBuild& build) {
     std::string log = strip_extension(sources[0]) + ".log";
     int status = run_logged(argv, log);
     if (status != 0) throw_build_failure(build, status, argv, log, sources[0]);
+    if (progress) progress->advance();
     return;
   }
 
@@ -335,6 +341,7 @@ void build_shared_object(const CxxCompiler& compiler, const CxxBuild& build) {
     for (size_t i; (i = next.fetch_add(1)) < n;) {
       try {
         statuses[i] = run_logged(commands[i], logs[i]);
+        if (progress) progress->advance();
       } catch (...) {
         errors[i] = std::current_exception();
       }

@@ -1,0 +1,108 @@
+// Progress of long work on stderr (src/core/progress.h): the line's text and counts, its delay,
+// KILN_PROGRESS=0, nested tasks, and a cold compile counting its kernel builds.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "core/progress.h"
+#include "kiln/kiln.h"
+
+using namespace kiln;
+using kiln::detail::Progress;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Sets an environment variable for the scope.
+struct Env {
+  std::string name;
+  Env(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
+  ~Env() { unsetenv(name.c_str()); }
+};
+
+void wait_ms(int ms) { std::this_thread::sleep_for(std::chrono::milliseconds(ms)); }
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(Progress, ALongTaskShowsItsCountsAndEnds) {
+  Env after("KILN_PROGRESS_AFTER_MS", "0");
+  ::testing::internal::CaptureStderr();
+  {
+    Progress p("test work", "things done");
+    p.add_total(3);
+    p.advance();
+    wait_ms(400);
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(has(err, "[kiln] test work: 1 of 3 things done, ")) << err;
+  EXPECT_TRUE(has(err, " (done)\n")) << err;
+}
+
+TEST(Progress, QuickWorkAndKilnProgressZeroStaySilent) {
+  ::testing::internal::CaptureStderr();
+  {
+    Progress quick("quick work", "things");  // the default delay is 2 s
+    wait_ms(600);
+  }
+  {
+    Env after("KILN_PROGRESS_AFTER_MS", "0");
+    Env off("KILN_PROGRESS", "0");
+    Progress p("silenced work", "things");
+    p.add_total(1);
+    wait_ms(600);
+    EXPECT_EQ(Progress::current(), &p);
+  }
+  EXPECT_EQ(Progress::current(), nullptr);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+TEST(Progress, TheNewestTaskPastItsDelayHasTheLine) {
+  Env after("KILN_PROGRESS_AFTER_MS", "0");
+  ::testing::internal::CaptureStderr();
+  {
+    Progress outer("outer work", "rounds");
+    wait_ms(600);
+    {
+      Progress inner("inner work", "kernels");
+      EXPECT_EQ(Progress::current(), &inner);
+      Progress::current()->add_total(2);
+      wait_ms(600);
+    }
+    EXPECT_EQ(Progress::current(), &outer);
+    wait_ms(600);
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  const size_t outer_line = err.find("[kiln] outer work"), inner_line = err.find("[kiln] inner work: 0 of 2 kernels");
+  ASSERT_NE(outer_line, std::string::npos) << err;
+  ASSERT_NE(inner_line, std::string::npos) << err;
+  EXPECT_LT(outer_line, inner_line) << err;
+  EXPECT_TRUE(has(err, "inner work: 0 of 2 kernels, ")) << err;
+  EXPECT_TRUE(has(err.substr(inner_line), "[kiln] outer work")) << "the outer task gets the line back\n" << err;
+}
+
+// A cold compile (an empty kernel cache) shows the graph it compiles and counts its kernel builds.
+TEST(Progress, AColdCompileCountsItsKernelBuilds) {
+  std::string dir = "/tmp/kiln-progress-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  Env cache("KILN_CACHE_DIR", dir.c_str());
+  Env after("KILN_PROGRESS_AFTER_MS", "0");
+  compiler::reset();
+  auto f = compile([](const Tensor& x) { return (x.sin() * 2 + 1).relu().sum(1); }, {.backend = std::string("kiln")});
+  Tensor x = randn({8, 33});
+  ::testing::internal::CaptureStderr();
+  Tensor y = f(x);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(allclose(y, (x.sin() * 2 + 1).relu().sum(1), 1e-5, 1e-5));
+  EXPECT_GT(compiler::counters().kernel_runs, 0) << "the compiled graph ran";
+  EXPECT_TRUE(has(err, "[kiln] compiling graph ")) << err;
+  EXPECT_TRUE(has(err, ": 1 of 1 kernels built, ") && has(err, "(done)")) << err;
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+}  // namespace
