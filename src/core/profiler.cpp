@@ -8,6 +8,12 @@
 #include <sstream>
 #include <vector>
 
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "kiln/error.h"
 #include "kiln/threading.h"
 
 namespace kiln {
@@ -28,9 +34,89 @@ bool env_enabled() {
   const char* v = std::getenv("KILN_PROFILE");
   return v && std::string(v) == "1";
 }
+// KILN_PROFILE=<path>.json: the timeline's path.
+std::string env_trace_path() {
+  const char* v = std::getenv("KILN_PROFILE");
+  const std::string s = v ? v : "";
+  return s.size() > 5 && s.compare(s.size() - 5, 5, ".json") == 0 ? s : "";
+}
+
+struct TraceEvent {
+  std::string name;
+  const char* category;
+  double start_us, duration_us;
+  int tid;
+};
+struct Trace {
+  std::mutex mutex;
+  std::string path;
+  std::vector<TraceEvent> events;
+  std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
+};
+Trace& trace() {
+  static auto* t = new Trace;  // leaked: written by a static destructor
+  return *t;
+}
+std::atomic<int> g_next_tid{1};
+int thread_number() {
+  thread_local const int n = g_next_tid.fetch_add(1);
+  return n;
+}
 }  // namespace
 
+std::atomic<bool> g_tracing{false};
 std::atomic<bool> g_op_profiling{env_enabled()};
+
+void record_trace(const std::string& name, const char* category, std::chrono::steady_clock::time_point start,
+                  double seconds) {
+  Trace& t = trace();
+  const int tid = thread_number();
+  std::lock_guard lock(t.mutex);
+  if (!g_tracing.load(std::memory_order_relaxed)) return;
+  t.events.push_back({name, category, std::chrono::duration<double, std::micro>(start - t.origin).count(), seconds * 1e6, tid});
+}
+
+void start_trace(const std::string& path) {
+  Trace& t = trace();
+  {
+    std::lock_guard lock(t.mutex);
+    t.path = path;
+    t.events.clear();
+    t.origin = std::chrono::steady_clock::now();
+  }
+  g_tracing.store(true);
+  g_op_profiling.store(true);  // OpTimer times ops only while profiling
+}
+
+void write_trace() {
+  Trace& t = trace();
+  std::lock_guard lock(t.mutex);
+  if (!g_tracing.exchange(false)) return;
+  g_op_profiling.store(env_enabled());
+  const int pid = static_cast<int>(::getpid());
+  nlohmann::json events = nlohmann::json::array();
+  std::vector<int> tids;
+  for (const TraceEvent& e : t.events) {
+    events.push_back({{"name", e.name}, {"cat", e.category}, {"ph", "X"}, {"ts", e.start_us}, {"dur", e.duration_us},
+                      {"pid", pid}, {"tid", e.tid}});
+    if (std::find(tids.begin(), tids.end(), e.tid) == tids.end()) tids.push_back(e.tid);
+  }
+  for (int tid : tids)
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid},
+                      {"args", {{"name", tid == 1 ? std::string("kiln: first thread") : "kiln: thread " + std::to_string(tid)}}}});
+  nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  std::ofstream out(t.path);
+  out << doc.dump() << "\n";
+  if (!out) std::fprintf(stderr, "[kiln] cannot write the trace to %s\n", t.path.c_str());
+  t.events.clear();
+}
+
+namespace {
+[[maybe_unused]] const bool g_trace_from_env = [] {
+  if (const std::string path = env_trace_path(); !path.empty()) start_trace(path);
+  return true;
+}();
+}  // namespace
 
 void record_op_time(const std::string& op, double seconds) {
   std::lock_guard lock(g_mutex);
@@ -44,6 +130,7 @@ namespace {
 struct ReportAtExit {
   ~ReportAtExit() {
     if (env_enabled()) std::fputs(op_profile_report().c_str(), stderr);
+    write_trace();
   }
 } g_report_at_exit;
 }  // namespace

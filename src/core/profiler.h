@@ -1,6 +1,11 @@
 // The eager op profiler: KILN_PROFILE=1 (or kiln::set_op_profiling(true)) accumulates per-op
 // call counts and wall time in the dispatcher, and prints a table at exit (or on demand with
 // kiln::op_profile_report()). Disabled, it costs one relaxed atomic load per op call.
+//
+// The timeline: KILN_PROFILE=<path>.json writes a Chrome trace (the Trace Event Format that
+// ui.perfetto.dev and chrome://tracing load) at exit: one complete event per eager op (cat "op"),
+// generated kernel run ("kernel"), packed GEMM ("extern"), compiled graph run ("graph") and
+// compile phase ("compile", the phases of compiler::compile_times()), per thread.
 #pragma once
 
 #include <atomic>
@@ -10,8 +15,38 @@
 namespace kiln::detail {
 
 extern std::atomic<bool> g_op_profiling;
+extern std::atomic<bool> g_tracing;
 
 void record_op_time(const std::string& op, double seconds);
+
+// Adds one complete event to the timeline (when tracing): `name` ran from `start` for `seconds`.
+void record_trace(const std::string& name, const char* category, std::chrono::steady_clock::time_point start,
+                  double seconds);
+// Starts recording a timeline to be written to `path` (tests; KILN_PROFILE=<path>.json does this at
+// start-up), and writes what was recorded and stops (also at exit).
+void start_trace(const std::string& path);
+void write_trace();
+
+// Times a scope into the timeline only (a compiled graph's run).
+class TraceSpan {
+ public:
+  TraceSpan(const char* category, std::string name)
+      : category_(g_tracing.load(std::memory_order_relaxed) ? category : nullptr), name_(std::move(name)) {
+    if (category_) start_ = std::chrono::steady_clock::now();
+  }
+  ~TraceSpan() {
+    if (category_)
+      record_trace(name_, category_, start_,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  TraceSpan(const TraceSpan&) = delete;
+  TraceSpan& operator=(const TraceSpan&) = delete;
+
+ private:
+  const char* category_;
+  std::string name_;
+  std::chrono::steady_clock::time_point start_;
+};
 
 // Times a scope when profiling is on.
 class OpTimer {
@@ -24,7 +59,11 @@ class OpTimer {
   ~OpTimer() {
     if (!op_) return;
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
-    record_op_time(inplace_ ? *op_ + "_" : *op_, s);
+    const std::string name = inplace_ ? *op_ + "_" : *op_;
+    record_op_time(name, s);
+    if (g_tracing.load(std::memory_order_relaxed))
+      record_trace(name, name.rfind("kernel[", 0) == 0 ? "kernel" : name.find("(packed") != std::string::npos ? "extern" : "op",
+                   start_, s);
   }
   OpTimer(const OpTimer&) = delete;
   OpTimer& operator=(const OpTimer&) = delete;

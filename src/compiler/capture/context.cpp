@@ -7,6 +7,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "core/profiler.h"
 #include "compiler/capture/segment.h"
 #include "core/dispatch.h"
 #include "core/layer_hooks.h"
@@ -677,6 +678,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     {
       NoGradGuard no_grad;
       kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
+      kiln::detail::TraceSpan span("graph", "graph " + compiled->id);
       results = compiled->fn(args);
     }
     counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);

@@ -10,6 +10,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "core/profiler.h"
 #include "core/progress.h"
 #include "compiler/export/repro.h"
 #include "compiler/graph/passes.h"
@@ -466,6 +467,7 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   {
     SuspendCapture suspend;
     NoGradGuard no_grad;
+    kiln::detail::TraceSpan span("graph", "graph " + plan->graph->id + " (replay)");
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
   for (size_t k = 0; k < plan->inputs.size(); ++k)

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "compiler/capture/runtime.h"
+#include "core/profiler.h"
 #include "compiler/graph/format.h"
 #include "core/layer_hooks.h"
 
@@ -124,6 +125,13 @@ namespace {
 }  // namespace
 
 void record_phase(const std::string& phase, double seconds) {
+  // The timeline (KILN_PROFILE=<path>.json) shows the phase where it ran: it ends now.
+  if (kiln::detail::g_tracing.load(std::memory_order_relaxed))
+    kiln::detail::record_trace(phase, "compile",
+                               std::chrono::steady_clock::now() -
+                                   std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                       std::chrono::duration<double>(seconds)),
+                               seconds);
   Observe& o = observe();
   std::lock_guard lock(o.mutex);
   for (auto& p : o.phases) {

@@ -1,0 +1,108 @@
+// The timeline (KILN_PROFILE=<path>.json, src/core/profiler.h): a Chrome trace of eager ops,
+// generated kernels, compiled graph runs and compile phases, checked against the Trace Event
+// Format's rules for complete ("X") and metadata ("M") events and against compile_times().
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+
+#include "core/profiler.h"
+#include "kiln/kiln.h"
+
+using namespace kiln;
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// The Trace Event Format's required fields, per event type (what ui.perfetto.dev and
+// chrome://tracing read): a complete event has a name, a category, ts and dur in microseconds
+// (dur >= 0), pid and tid; a thread_name metadata event names its tid.
+::testing::AssertionResult valid_trace(const nlohmann::json& doc) {
+  if (!doc.is_object() || !doc.contains("traceEvents") || !doc["traceEvents"].is_array())
+    return ::testing::AssertionFailure() << "no traceEvents array";
+  if (doc.value("displayTimeUnit", "") != "ms" && doc.value("displayTimeUnit", "") != "ns")
+    return ::testing::AssertionFailure() << "displayTimeUnit must be ms or ns";
+  std::set<int> tids, named;
+  for (const nlohmann::json& e : doc["traceEvents"]) {
+    if (!e.is_object() || !e.contains("ph") || !e["ph"].is_string() || !e.contains("name") || !e["name"].is_string() ||
+        !e.contains("pid") || !e["pid"].is_number_integer() || !e.contains("tid") || !e["tid"].is_number_integer())
+      return ::testing::AssertionFailure() << "an event lacks ph, name, pid or tid: " << e.dump();
+    const std::string ph = e["ph"];
+    if (ph == "X") {
+      if (!e.contains("ts") || !e["ts"].is_number() || !e.contains("dur") || !e["dur"].is_number() ||
+          e["dur"].get<double>() < 0 || !e.contains("cat") || !e["cat"].is_string())
+        return ::testing::AssertionFailure() << "a complete event needs ts, dur >= 0 and cat: " << e.dump();
+      tids.insert(e["tid"].get<int>());
+    } else if (ph == "M") {
+      if (e["name"] != "thread_name" || !e.contains("args") || !e["args"].contains("name"))
+        return ::testing::AssertionFailure() << "a metadata event must name a thread: " << e.dump();
+      named.insert(e["tid"].get<int>());
+    } else {
+      return ::testing::AssertionFailure() << "unexpected event type " << ph;
+    }
+  }
+  if (tids != named) return ::testing::AssertionFailure() << "every thread with events is named once";
+  return ::testing::AssertionSuccess();
+}
+
+TEST(Trace, ACompiledModelsTimelineHoldsGraphRunsKernelsOpsAndCompilePhases) {
+  std::string dir = "/tmp/kiln-trace-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/trace.json";
+  compiler::reset();
+  manual_seed(0);
+  auto model = std::make_shared<nn::Sequential>();
+  model->push_back(std::make_shared<nn::Conv2d>(nn::Conv2dOptions{.in_channels = 3, .out_channels = 8, .kernel_size = 3, .padding = 1}));
+  model->push_back(std::make_shared<nn::ReLU>());
+  model->push_back(std::make_shared<nn::Conv2d>(nn::Conv2dOptions{.in_channels = 8, .out_channels = 4, .kernel_size = 3, .padding = 1}));
+  model->eval();
+  auto compiled = compile(model, {.backend = std::string("kiln")});
+  Tensor x = randn({2, 3, 16, 16});
+  kiln::detail::start_trace(path);
+  Tensor eager = relu(x).sum();  // eager ops are on the timeline too
+  const auto before = compiler::counters();
+  {
+    NoGradGuard no_grad;
+    for (int i = 0; i < 3; ++i) compiled(x);
+  }
+  const int64_t runs = compiler::counters().graph_runs - before.graph_runs;
+  kiln::detail::write_trace();
+  std::ifstream in(path);
+  ASSERT_TRUE(in.good());
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  ASSERT_TRUE(valid_trace(doc));
+
+  std::map<std::string, int> by_category;
+  std::map<std::string, double> compile_us;
+  for (const nlohmann::json& e : doc["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    by_category[e["cat"]]++;
+    if (e["cat"] == "compile") compile_us[e["name"]] += e["dur"].get<double>();
+  }
+  EXPECT_EQ(by_category["graph"], runs);
+  EXPECT_GT(runs, 0);
+  EXPECT_GE(by_category["kernel"], runs) << "the generated kernels of each run";
+  EXPECT_GE(by_category["op"], 2) << "relu and sum, eagerly";
+  // Every compile phase compile_times() reports is on the timeline with the same total.
+  const std::vector<compiler::PhaseTimes> table = compiler::compile_time_table();
+  ASSERT_FALSE(table.empty());
+  for (const compiler::PhaseTimes& row : table) {
+    double seconds = 0;
+    for (double s : row.seconds) seconds += s;
+    EXPECT_NEAR(compile_us[row.phase] * 1e-6, seconds, 1e-5) << row.phase;
+  }
+  EXPECT_EQ(compile_us.size(), table.size());
+  // Writing stops the timeline: nothing more is recorded.
+  EXPECT_FALSE(kiln::detail::g_tracing.load());
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
+}  // namespace
