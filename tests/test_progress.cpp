@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/progress.h"
+#include "kernels/autotune_scope.h"
 #include "kiln/kiln.h"
 
 using namespace kiln;
@@ -83,6 +84,23 @@ TEST(Progress, TheNewestTaskPastItsDelayHasTheLine) {
   EXPECT_LT(outer_line, inner_line) << err;
   EXPECT_TRUE(has(err, "inner work: 0 of 2 kernels, ")) << err;
   EXPECT_TRUE(has(err.substr(inner_line), "[kiln] outer work")) << "the outer task gets the line back\n" << err;
+}
+
+// Autotuning counts the configurations it times into its scope's line, without becoming the
+// thread's current task.
+TEST(Progress, AutotuningCountsTheConfigurationsItTimes) {
+  Env after("KILN_PROGRESS_AFTER_MS", "0");
+  ::testing::internal::CaptureStderr();
+  kiln::kernels::note_autotuned();  // outside a scope: nothing
+  {
+    kiln::kernels::AutotuneScope scope;
+    for (int i = 0; i < 3; ++i) kiln::kernels::note_autotuned();
+    EXPECT_EQ(Progress::current(), nullptr);
+    wait_ms(600);
+  }
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(has(err, "[kiln] autotuning (max_autotune): 3 configurations timed, ")) << err;
+  EXPECT_TRUE(has(err, "(done)")) << err;
 }
 
 // A cold compile (an empty kernel cache) shows the graph it compiles and counts its kernel builds.

@@ -53,6 +53,7 @@ std::string line_of(const Progress::State& s) {
   const int64_t done = s.done.load(std::memory_order_relaxed), total = s.total.load(std::memory_order_relaxed);
   std::string counts;
   if (total > 0) counts = fmt::format(": {} of {} {}", std::min(done, total), total, s.unit);
+  else if (done > 0) counts = fmt::format(": {} {}", done, s.unit);
   return fmt::format("[kiln] {}{}, {:.1f} s", s.what, counts, seconds);
 }
 
@@ -120,8 +121,9 @@ class Printer {
 
 }  // namespace
 
-Progress::Progress(std::string what, std::string unit) : outer_(t_current) {
-  t_current = this;
+Progress::Progress(std::string what, std::string unit, bool make_current)
+    : outer_(make_current ? t_current : nullptr), current_(make_current) {
+  if (current_) t_current = this;
   if (!enabled()) return;
   state_ = std::make_shared<State>();
   state_->what = std::move(what);
@@ -131,7 +133,7 @@ Progress::Progress(std::string what, std::string unit) : outer_(t_current) {
 }
 
 Progress::~Progress() {
-  t_current = outer_;
+  if (current_) t_current = outer_;
   if (state_) Printer::instance().remove(state_);
 }
 

@@ -17,8 +17,10 @@ namespace kiln::detail {
 
 class Progress {
  public:
-  // `what` names the work; `unit` the things it counts ("kernels built").
-  Progress(std::string what, std::string unit);
+  // `what` names the work; `unit` the things it counts ("kernels built"). `make_current`: whether
+  // it becomes current() on this thread until destroyed (tasks that start and end out of order
+  // with others on the thread, such as autotuning inside a graph run, should not).
+  Progress(std::string what, std::string unit, bool make_current = true);
   ~Progress();
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;
@@ -36,6 +38,7 @@ class Progress {
  private:
   std::shared_ptr<State> state_;
   Progress* outer_ = nullptr;
+  bool current_ = true;
 };
 
 }  // namespace kiln::detail

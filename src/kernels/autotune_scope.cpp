@@ -3,10 +3,13 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "core/progress.h"
+
 namespace kiln::kernels {
 namespace {
 
 thread_local int t_depth = 0;
+thread_local AutotuneScope* t_scope = nullptr;
 thread_local ConvAutotuneMode t_conv_mode = ConvAutotuneMode::off;
 
 ConvAutotuneMode conv_mode_from_environment() {
@@ -21,14 +24,26 @@ ConvAutotuneMode conv_mode_from_environment() {
 
 }  // namespace
 
-AutotuneScope::AutotuneScope() : outer_conv_mode_(t_conv_mode) {
+AutotuneScope::AutotuneScope() : outer_conv_mode_(t_conv_mode), outer_scope_(t_scope) {
   ++t_depth;
   t_conv_mode = conv_mode_from_environment();
+  t_scope = this;
 }
 
 AutotuneScope::~AutotuneScope() {
   --t_depth;
   t_conv_mode = outer_conv_mode_;
+  t_scope = outer_scope_;
+}
+
+void note_autotuned() {
+  AutotuneScope* scope = t_scope;
+  if (!scope) return;
+  // Not the thread's current task: it starts deep inside a graph run and ends with the scope.
+  if (!scope->progress_)
+    scope->progress_ = std::make_unique<kiln::detail::Progress>("autotuning (max_autotune)", "configurations timed",
+                                                                /*make_current=*/false);
+  scope->progress_->advance();
 }
 
 bool autotune_active() { return t_depth > 0; }

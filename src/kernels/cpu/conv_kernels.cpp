@@ -805,6 +805,7 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
     if (timed) {
       algorithms.insert(algorithms.begin(), ConvAlgorithm::direct);
       const std::vector<double> ms = time_algorithms(algorithms, run);
+      kernels::note_autotuned();  // the progress line of long autotuning
       double best = std::numeric_limits<double>::infinity();
       for (size_t k = 0; k < algorithms.size(); ++k) {
         switch (algorithms[k]) {

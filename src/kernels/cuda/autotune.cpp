@@ -1,5 +1,6 @@
 // Timing for max_autotune on a GPU (see autotune.h).
 #include "kernels/cuda/autotune.h"
+#include "kernels/autotune_scope.h"
 
 #include <fmt/format.h>
 
@@ -77,6 +78,7 @@ bool autotune_log() {
 
 void log_autotune(const std::string& what, const std::vector<std::string>& labels, const std::vector<float>& ms,
                   int winner) {
+  kiln::kernels::note_autotuned();  // the progress line of long autotuning
   if (!autotune_log()) return;
   std::string line = "[kiln.cuda autotune] " + what + ":";
   for (size_t i = 0; i < labels.size() && i < ms.size(); ++i) line += fmt::format(" {}={:.4f}ms", labels[i], ms[i]);
