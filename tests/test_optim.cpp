@@ -345,6 +345,7 @@ TEST(Adam, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {
   set_grad_values(q, grad_values(1, kNumel));
   std::string profile = profile_step();
   EXPECT_FALSE(profiled(profile, "addcdiv") || profiled(profile, "lerp") || profiled(profile, "addcmul")) << profile;
+  EXPECT_NE(profile.find("\nadam (fused) "), std::string::npos) << profile;
   // A strided gradient (a parameter's grad may be any layout) sends that parameter to the per-op update.
   q.set_grad(tensor<double>(grad_values(2, kNumel), {2, 3}).to(kFloat32).t());
   profile = profile_step();

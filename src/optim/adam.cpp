@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "core/layer_hooks.h"
+#include "core/profiler.h"
 #include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
@@ -165,7 +166,9 @@ class FusedAdam {
   void run(const AdamConfig& c) {
     const kiln::detail::AdamHyper h{c.lr,      c.beta1,    c.beta2, c.eps, c.weight_decay,
                                     c.amsgrad, c.maximize, c.decoupled_weight_decay};
+    static const std::string kProfileName = "adam (fused)";  // the op profiler's and timeline's row
     for (auto& [key, l] : lists_) {
+      kiln::detail::OpTimer timer(kProfileName);
       if (key.first.is_cpu()) kiln::detail::fused_adam_cpu(l, h);
 #ifdef KILN_WITH_CUDA
       else kiln::detail::fused_adam_cuda(l, h);
