@@ -768,11 +768,13 @@ class KernelCacheAdmin : public KernelCache {
     ADD_FAILURE() << "no entry holds " << label;
     return {};
   }
+  // The testkind row of `info` (which must outlive the pointer), or nullptr.
   const rt::CacheKindInfo* kind(const rt::CacheInfo& info) {
     for (const rt::CacheKindInfo& k : info.kinds)
       if (k.kind == "testkind") return &k;
     return nullptr;
   }
+  const rt::CacheKindInfo* kind(rt::CacheInfo&&) = delete;
 };
 
 TEST_F(KernelCacheAdmin, InfoCountsEntriesByKindWithTheirSizeAndAge) {
@@ -835,7 +837,8 @@ TEST_F(KernelCacheAdmin, ClearByAgeKeepsNewerEntriesAndClearAllEmptiesTheCache) 
   EXPECT_EQ(all.kept_entries, 0);
   EXPECT_FALSE(fs::exists(new_entry));
   EXPECT_TRUE(fs::exists(blob_dir() / "notes.txt"));
-  const rt::CacheKindInfo* k = kind(rt::cache_info());
+  const rt::CacheInfo after = rt::cache_info();
+  const rt::CacheKindInfo* k = kind(after);
   ASSERT_NE(k, nullptr);
   EXPECT_EQ(k->entries, 0);
   EXPECT_EQ(k->locks, 0);
