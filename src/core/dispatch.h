@@ -4,9 +4,15 @@
 #include <span>
 #include <vector>
 
+#include "kiln/detail/tensor_impl.h"
 #include "kiln/op_table.h"
 
 namespace kiln::detail {
+
+// Counts one write of t's memory, as an in-place op's does: for code that writes tensors without
+// the dispatcher (fused optimizer kernels, collectives, pure replays). The dispatcher's own count
+// also honours WritesAlreadyCounted.
+inline void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
 
 // The checks an in-place/out= call makes on its targets: the result must have their sizes, be
 // castable to their dtype, and live on their device. Throws the eager error messages.

@@ -188,9 +188,9 @@ bool same_layout(const Tensor& a, const Tensor& b) {
 
 thread_local bool t_writes_counted = false;  // inside detail::WritesAlreadyCounted
 
-void bump_version(const Tensor& t) {
-  if (t_writes_counted) return;
-  t.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+// A write through the dispatcher, unless a WritesAlreadyCounted scope counted it already.
+void count_write(const Tensor& t) {
+  if (!t_writes_counted) detail::bump_version(t);
 }
 
 }  // namespace
@@ -246,7 +246,7 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
     run_kernel(kernel, call, outputs);
     if (op.mutates(call))
       for (int i : op.mutated_inputs)
-        if (inputs[i].defined()) bump_version(inputs[i]);
+        if (inputs[i].defined()) count_write(inputs[i]);
   }
   const detail::AutogradHooks& autograd = detail::autograd_hooks;
   if (autograd.recording && autograd.recording(inputs)) autograd.record(op, inputs, attrs, outputs);
@@ -302,10 +302,10 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
     detail::WritesAlreadyCounted counted;  // nor a write of its own: the op counts it below
     for (size_t i = 0; i < outputs.size(); ++i) outputs[i].copy_(temps[i]);
   }
-  for (Tensor& out : outputs) bump_version(out);
+  for (Tensor& out : outputs) count_write(out);
   if (op.mutates(call))
     for (int i : op.mutated_inputs)
-      if (inputs[i].defined()) bump_version(inputs[i]);
+      if (inputs[i].defined()) count_write(inputs[i]);
   if (recording) autograd.finish_inplace(recording, op, attrs, outputs);
 }
 

@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dispatch.h"
 #include "distributed/backend.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
@@ -85,10 +86,6 @@ std::string describe_failure(const GroupSetup& setup, const std::string& op, con
                      head, detail);
 }
 
-namespace {
-void bump_version(const Tensor& t) { t.impl().storage->version.fetch_add(1, std::memory_order_relaxed); }
-}  // namespace
-
 void copy_dense(const Tensor& dst, const Tensor& src) {
   KILN_CHECK(dst.dtype() == src.dtype() && dst.numel() == src.numel(), ValueError,
              "[kiln::distributed] copy_dense needs tensors of one dtype and size.");
@@ -110,7 +107,7 @@ void copy_dense(const Tensor& dst, const Tensor& src) {
   } else {
     std::memcpy(dst.impl().data(), src.impl().data(), size_t(dst.nbytes()));
   }
-  bump_version(dst);
+  kiln::detail::bump_version(dst);
 }
 
 void check_backend_tensor(const Tensor& t, Device device, const char* op) {
@@ -213,7 +210,7 @@ struct Written {
   bool staged = false;
   Written(const Tensor& t, Device device, bool writes = true) : target(t) {
     buffer = dense_on(t, device, staged);
-    if (writes && !staged) bump_version(t);
+    if (writes && !staged) kiln::detail::bump_version(t);
   }
   Work finish(Work work) const {
     if (!staged) return work;

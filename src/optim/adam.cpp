@@ -7,6 +7,7 @@
 #include <cstring>
 #include <utility>
 
+#include "core/dispatch.h"
 #include "core/layer_hooks.h"
 #include "core/profiler.h"
 #include "kernels/fused_optim.h"
@@ -174,7 +175,7 @@ class FusedAdam {
       else kiln::detail::fused_adam_cuda(l, h);
 #endif
       for (const auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs, &l.max_exp_avg_sqs, &l.steps})
-        for (const Tensor& x : *list) x.impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+        for (const Tensor& x : *list) kiln::detail::bump_version(x);
     }
   }
 

@@ -10,6 +10,7 @@
 
 #include "autograd/node.h"
 #include "compiler/capture/runtime.h"
+#include "core/dispatch.h"
 #include "core/profiler.h"
 #include "core/progress.h"
 #include "compiler/export/repro.h"
@@ -471,7 +472,7 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
   for (size_t k = 0; k < plan->inputs.size(); ++k)
-    if (plan->inputs[k].written) inputs[k].impl().storage->version.fetch_add(1, std::memory_order_relaxed);
+    if (plan->inputs[k].written) kiln::detail::bump_version(inputs[k]);
   for (size_t k = 0; k < plan->inputs.size(); ++k) {
     if (const auto& history = plan->inputs[k].history) {
       inputs[k].impl().requires_grad = true;
