@@ -22,6 +22,30 @@ struct AdamUpdate {
   T scale, eps_term;
   bool maximize, decoupled, amsgrad;
 
+  // The update of a parameter whose step counter reads `step` (after this step's increment): the
+  // bias corrections in float64 from it, as the per-op form computes them.
+  KILN_HD static AdamUpdate at_step(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                    double step, bool maximize, bool decoupled, bool amsgrad) {
+    const double bc1 = 1.0 - std::pow(beta1, step);
+    const double sqrt_bc2 = std::sqrt(1.0 - std::pow(beta2, step));
+    return {T(lr),           T(1.0 - beta1),           T(beta2),          T(1.0 - beta2),
+            T(weight_decay), T(1.0 - lr * weight_decay), T(bc1 / sqrt_bc2), T(bc1 * eps),
+            maximize,        decoupled,                amsgrad};
+  }
+
+  // Element k of arrays stored as S (T is S's opmath type): loads, updates, stores back.
+  template <class S>
+  KILN_HD KILN_MATH_INLINE void update(S* param, const S* grad, S* exp_avg, S* exp_avg_sq, S* max_exp_avg_sq,
+                                       long long k) const {
+    T p = static_cast<T>(param[k]), m = static_cast<T>(exp_avg[k]), v = static_cast<T>(exp_avg_sq[k]);
+    T vmax = max_exp_avg_sq ? static_cast<T>(max_exp_avg_sq[k]) : T(0);
+    (*this)(p, static_cast<T>(grad[k]), m, v, vmax);
+    param[k] = static_cast<S>(p);
+    exp_avg[k] = static_cast<S>(m);
+    exp_avg_sq[k] = static_cast<S>(v);
+    if (max_exp_avg_sq) max_exp_avg_sq[k] = static_cast<S>(vmax);
+  }
+
   KILN_HD KILN_MATH_INLINE void operator()(T& param, T grad, T& exp_avg, T& exp_avg_sq, T& max_exp_avg_sq) const {
     T g = maximize ? -grad : grad;
     if (weight_decay != T(0)) {

@@ -1,7 +1,6 @@
 // The fused Adam/AdamW update on the CPU (kernels/fused_optim.h): every parameter's elements in
 // one parallel loop over fixed-size chunks, so that small tensors share threads and each array
 // is read and written once.
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -28,21 +27,8 @@ void fused_adam_typed(const AdamLists& l, const AdamHyper& h) {
   for (size_t i = 0; i < n; ++i) {
     float& step = *static_cast<float*>(l.steps[i].impl().data());
     step += 1.0f;
-    // The bias corrections in float64 from the float32 counter, as the per-op form computes them.
-    const double s = step;
-    const double bc1 = 1.0 - std::pow(h.beta1, s);
-    const double sqrt_bc2 = std::sqrt(1.0 - std::pow(h.beta2, s));
-    updates[i] = {static_cast<O>(h.lr),
-                  static_cast<O>(1.0 - h.beta1),
-                  static_cast<O>(h.beta2),
-                  static_cast<O>(1.0 - h.beta2),
-                  static_cast<O>(h.weight_decay),
-                  static_cast<O>(1.0 - h.lr * h.weight_decay),
-                  static_cast<O>(bc1 / sqrt_bc2),
-                  static_cast<O>(bc1 * h.eps),
-                  h.maximize,
-                  h.decoupled,
-                  h.amsgrad};
+    updates[i] = math::AdamUpdate<O>::at_step(h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, step, h.maximize,
+                                              h.decoupled, h.amsgrad);
     const int64_t numel = l.params[i].numel();
     for (int64_t b = 0; b < numel; b += kChunk) chunks.push_back({i, b, std::min(numel, b + kChunk)});
   }
@@ -53,15 +39,7 @@ void fused_adam_typed(const AdamLists& l, const AdamHyper& h) {
     T* v = static_cast<T*>(l.exp_avg_sqs[c.tensor].impl().data());
     T* vmax = h.amsgrad ? static_cast<T*>(l.max_exp_avg_sqs[c.tensor].impl().data()) : nullptr;
     const math::AdamUpdate<O> f = updates[c.tensor];
-    for (int64_t k = c.begin; k < c.end; ++k) {
-      O pv = static_cast<O>(p[k]), mv = static_cast<O>(m[k]), vv = static_cast<O>(v[k]);
-      O vm = vmax ? static_cast<O>(vmax[k]) : O(0);
-      f(pv, static_cast<O>(g[k]), mv, vv, vm);
-      p[k] = static_cast<T>(pv);
-      m[k] = static_cast<T>(mv);
-      v[k] = static_cast<T>(vv);
-      if (vmax) vmax[k] = static_cast<T>(vm);
-    }
+    for (int64_t k = c.begin; k < c.end; ++k) f.update(p, g, m, v, vmax, k);
   };
   // One chunk is about kChunk elements of work: a grain of a few chunks per thread.
   cpu::parallel_for(static_cast<int64_t>(chunks.size()), std::max<int64_t>(1, cpu::kGrainSize / kChunk),

@@ -312,17 +312,15 @@ std::vector<JitFunction> jit_functions(int device, const std::string& key, const
   return entry->functions;
 }
 
-void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes, cudaStream_t stream, void** args) {
-  check_driver(driver().launch_kernel(static_cast<CUfunction>(f), grid, 1, 1, block, 1, 1, shared_bytes,
-                                      static_cast<CUstream>(stream), args, nullptr),
-               "launch");
-}
-
 void launch_grid(JitFunction f, unsigned grid_x, unsigned grid_y, unsigned block, unsigned shared_bytes,
                  cudaStream_t stream, void** args) {
   check_driver(driver().launch_kernel(static_cast<CUfunction>(f), grid_x, grid_y, 1, block, 1, 1, shared_bytes,
                                       static_cast<CUstream>(stream), args, nullptr),
                "launch");
+}
+
+void launch(JitFunction f, unsigned grid, unsigned block, unsigned shared_bytes, cudaStream_t stream, void** args) {
+  launch_grid(f, grid, 1, block, shared_bytes, stream, args);
 }
 
 void set_max_dynamic_shared(JitFunction f, int bytes) {

@@ -72,22 +72,10 @@ extern "C" __global__ void __launch_bounds__(256) kiln_fused_adam(AdamParams p) 
   const int t = p.block_tensor[blockIdx.x];
   const long long begin = (long long)p.block_chunk[blockIdx.x] * kChunk;
   const long long end = min(begin + kChunk, p.numel[t]);
-  // The bias corrections in float64 from the float32 counter, as the per-op form computes them.
-  const double s = *p.step[t];
-  const double bc1 = 1.0 - pow(p.beta1, s);
-  const double sqrt_bc2 = sqrt(1.0 - pow(p.beta2, s));
-  const kiln::math::AdamUpdate<O> f{(O)p.lr, (O)(1.0 - p.beta1), (O)p.beta2, (O)(1.0 - p.beta2), (O)p.weight_decay,
-                                    (O)(1.0 - p.lr * p.weight_decay), (O)(bc1 / sqrt_bc2), (O)(bc1 * p.eps),
-                                    p.maximize != 0, p.decoupled != 0, p.amsgrad != 0};
-  T* param = p.param[t]; const T* grad = p.grad[t]; T* m = p.exp_avg[t]; T* v = p.exp_avg_sq[t];
-  T* vmax = p.max_exp_avg_sq[t];
-  for (long long k = begin + threadIdx.x; k < end; k += blockDim.x) {
-    O pv = (O)param[k], mv = (O)m[k], vv = (O)v[k];
-    O vm = vmax ? (O)vmax[k] : O(0);
-    f(pv, (O)grad[k], mv, vv, vm);
-    param[k] = (T)pv; m[k] = (T)mv; v[k] = (T)vv;
-    if (vmax) vmax[k] = (T)vm;
-  }
+  const kiln::math::AdamUpdate<O> f = kiln::math::AdamUpdate<O>::at_step(
+      p.lr, p.beta1, p.beta2, p.eps, p.weight_decay, *p.step[t], p.maximize != 0, p.decoupled != 0, p.amsgrad != 0);
+  for (long long k = begin + threadIdx.x; k < end; k += blockDim.x)
+    f.update(p.param[t], p.grad[t], p.exp_avg[t], p.exp_avg_sq[t], p.max_exp_avg_sq[t], k);
 }
 )";
   return src;
