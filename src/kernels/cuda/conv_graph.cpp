@@ -145,38 +145,35 @@ std::shared_ptr<GraphPlan> build(cudnnHandle_t handle, const ConvShape& s, ConvD
   const cudnnBackendAttributeType_t scale_type = f64 ? CUDNN_TYPE_DOUBLE : CUDNN_TYPE_FLOAT;
   const void* alpha = f64 ? static_cast<const void*>(&alpha64) : &alpha32;
   const void* beta = f64 ? static_cast<const void*>(&beta64) : &beta32;
-  switch (d) {
-    case ConvDirection::forward:
-      g->op = make(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
-      if (!g->op) return nullptr;
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, g->x);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, g->w);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, g->y);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, g->conv);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, scale_type, 1, alpha);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, scale_type, 1, beta);
-      break;
-    case ConvDirection::backward_data:
-      g->op = make(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
-      if (!g->op) return nullptr;
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, g->x);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, g->w);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, g->y);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, g->conv);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, scale_type, 1, alpha);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, scale_type, 1, beta);
-      break;
-    case ConvDirection::backward_filter:
-      g->op = make(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
-      if (!g->op) return nullptr;
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, g->x);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, g->w);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, g->y);
-      b.set_desc(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, g->conv);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, scale_type, 1, alpha);
-      b.set(g->op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, scale_type, 1, beta);
-      break;
-  }
+  // The operation's descriptor and attribute names for x, w, y (the data gradient dx, the filter
+  // gradient dw and dy in the backward directions), the convolution and the scales.
+  struct OperationAttributes {
+    cudnnBackendDescriptorType_t type;
+    cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
+  };
+  static constexpr OperationAttributes kOperations[] = {
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA},
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA},
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA},
+  };
+  const OperationAttributes& a = kOperations[static_cast<int>(d)];
+  g->op = make(a.type);
+  if (!g->op) return nullptr;
+  b.set_desc(g->op, a.x, g->x);
+  b.set_desc(g->op, a.w, g->w);
+  b.set_desc(g->op, a.y, g->y);
+  b.set_desc(g->op, a.conv, g->conv);
+  b.set(g->op, a.alpha, scale_type, 1, alpha);
+  b.set(g->op, a.beta, scale_type, 1, beta);
   b.finalize(g->op);
   if (!b.ok(g->op)) return nullptr;
 
@@ -242,19 +239,13 @@ int64_t alignment_of(std::initializer_list<const void*> ptrs) {
   return a;
 }
 
-using Key = std::array<int64_t, 27>;
-struct KeyHash {
-  size_t operator()(const Key& k) const {
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t x : k) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
-};
+// The configuration's fields, then handle, direction, accumulate, TF32 and alignment.
+using Key = std::array<int64_t, kConvShapeFields + 5>;
 
 std::mutex g_mutex;
 // Plans by configuration and handle; nullptr where the graph API has none (the legacy API runs).
-std::unordered_map<Key, std::shared_ptr<const GraphPlan>, KeyHash>& cache() {
-  static auto* plans = new std::unordered_map<Key, std::shared_ptr<const GraphPlan>, KeyHash>;  // outlives handles
+std::unordered_map<Key, std::shared_ptr<const GraphPlan>, PlanKeyHash>& cache() {
+  static auto* plans = new std::unordered_map<Key, std::shared_ptr<const GraphPlan>, PlanKeyHash>;  // outlives handles
   return *plans;
 }
 
@@ -263,33 +254,8 @@ std::unordered_map<Key, std::shared_ptr<const GraphPlan>, KeyHash>& cache() {
 bool run_conv_graph(const ConvShape& s, ConvDirection d, bool accumulate, bool allow_tf32, void* x, void* w, void* y) {
   cudnnHandle_t handle = cudnn_handle(s.device);
   const int64_t alignment = alignment_of({x, w, y});
-  const Key key = {static_cast<int64_t>(reinterpret_cast<uintptr_t>(handle)),
-                   s.device,
-                   static_cast<int64_t>(s.dtype),
-                   s.n,
-                   s.c,
-                   s.h,
-                   s.w,
-                   s.o,
-                   s.kh,
-                   s.kw,
-                   s.oh,
-                   s.ow,
-                   s.stride[0],
-                   s.stride[1],
-                   s.pad[0],
-                   s.pad[1],
-                   s.dilation[0],
-                   s.dilation[1],
-                   s.groups,
-                   s.channels_last,
-                   static_cast<int64_t>(d),
-                   accumulate,
-                   allow_tf32,
-                   alignment,
-                   0,
-                   0,
-                   0};
+  const Key key = conv_plan_key<5>(s, {static_cast<int64_t>(reinterpret_cast<uintptr_t>(handle)),
+                                         static_cast<int64_t>(d), accumulate, allow_tf32, alignment});
   std::shared_ptr<const GraphPlan> plan;
   bool cached = false;
   {

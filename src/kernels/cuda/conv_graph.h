@@ -9,6 +9,8 @@
 
 #ifdef KILN_WITH_CUDNN
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 
 #include "kiln/dtype.h"
@@ -25,6 +27,28 @@ struct ConvShape {
   DType dtype;
   bool channels_last;
   int device;
+};
+
+// A plan cache's key: the shape's fields (device, dtype, sizes, parameters, layout) followed by
+// the cache's own `extra` fields (direction, precision settings, ...).
+constexpr size_t kConvShapeFields = 19;
+template <size_t Extra>
+std::array<int64_t, kConvShapeFields + Extra> conv_plan_key(const ConvShape& s, const std::array<int64_t, Extra>& extra) {
+  std::array<int64_t, kConvShapeFields + Extra> k = {
+      s.device,   static_cast<int64_t>(s.dtype), s.n,         s.c,         s.h,           s.w,           s.o,
+      s.kh,       s.kw,                          s.oh,        s.ow,        s.stride[0],   s.stride[1],   s.pad[0],
+      s.pad[1],   s.dilation[0],                 s.dilation[1], s.groups,  s.channels_last};
+  for (size_t i = 0; i < Extra; ++i) k[kConvShapeFields + i] = extra[i];
+  return k;
+}
+// FNV-1a over a plan key.
+struct PlanKeyHash {
+  template <size_t N>
+  size_t operator()(const std::array<int64_t, N>& k) const {
+    uint64_t h = 1469598103934665603ull;
+    for (int64_t x : k) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
+    return static_cast<size_t>(h);
+  }
 };
 
 // Runs one direction on dense operands in the shape's layout: forward reads x and w and writes y

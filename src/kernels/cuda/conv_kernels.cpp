@@ -403,17 +403,9 @@ std::shared_ptr<const ConvPlan> build_plan(const ConvParams& p, Direction direct
 
 [[noreturn]] void throw_no_algorithm(const std::string& op, const ConvParams& p);
 
-struct PlanKey {
-  std::array<int64_t, 22> v{};
-  bool operator==(const PlanKey&) const = default;
-};
-struct PlanKeyHash {
-  size_t operator()(const PlanKey& k) const {
-    uint64_t h = 1469598103934665603ull;
-    for (int64_t x : k.v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
-    return static_cast<size_t>(h);
-  }
-};
+// The configuration's fields, then direction, TF32 and whether the algorithm was timed.
+using PlanKey = std::array<int64_t, kConvShapeFields + 3>;
+constexpr size_t kTimedField = kConvShapeFields + 2;
 
 // The cached plan of `p` for `direction` (nullptr: cuDNN has none). With `failed`, replaces the
 // cached plan by one that no longer uses failed's algorithm (nor those it had excluded). The
@@ -424,29 +416,7 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
   // max_autotune times the algorithms (choose_timed). A CUDA graph recording cannot time (timing
   // synchronizes): it takes the plan its warm-up run timed, else the heuristics' plan.
   bool timed = kiln::kernels::convolutions_autotuned();
-  PlanKey key;
-  key.v = {p.device,
-           static_cast<int64_t>(p.dtype),
-           p.n,
-           p.c,
-           p.h,
-           p.w,
-           p.o,
-           p.kh,
-           p.kw,
-           p.oh,
-           p.ow,
-           p.stride[0],
-           p.stride[1],
-           p.pad[0],
-           p.pad[1],
-           p.dilation[0],
-           p.dilation[1],
-           p.groups,
-           p.channels_last,
-           static_cast<int64_t>(direction),
-           allow_tf32,
-           timed};
+  PlanKey key = conv_plan_key<3>(p, {static_cast<int64_t>(direction), allow_tf32, timed});
   static std::mutex mutex;
   static auto* cache =
       new std::unordered_map<PlanKey, std::shared_ptr<const ConvPlan>, PlanKeyHash>;
@@ -456,7 +426,7 @@ std::shared_ptr<const ConvPlan> find_plan(const ConvParams& p, Direction directi
   }
   if (timed && capturing(p.device)) {
     timed = false;
-    key.v[21] = 0;
+    key[kTimedField] = 0;
     std::lock_guard lock(mutex);
     if (auto it = cache->find(key); !failed && it != cache->end()) return it->second;
   }
