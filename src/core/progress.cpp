@@ -80,14 +80,19 @@ class Printer {
     tasks_.erase(std::remove(tasks_.begin(), tasks_.end(), s), tasks_.end());
     // A task that outlived its delay ends with a line even if the printer had no turn yet.
     if (!s->shown && Clock::now() - s->start < s->after) return;
-    const std::string line = line_of(*s) + " (done)";
-    if (tty_) std::fprintf(stderr, "\r\033[K%s\n", line.c_str());
-    else std::fprintf(stderr, "%s\n", line.c_str());
-    std::fflush(stderr);
+    print(line_of(*s) + " (done)", /*last=*/true);
   }
 
  private:
   Printer() : tty_(::isatty(STDERR_FILENO) == 1) {}
+
+  // On a terminal the line is rewritten in place and ended by the task's last line; elsewhere
+  // every line stands on its own.
+  void print(const std::string& line, bool last) {
+    if (tty_) std::fprintf(stderr, last ? "\r\033[K%s\n" : "\r\033[K%s", line.c_str());
+    else std::fprintf(stderr, "%s\n", line.c_str());
+    std::fflush(stderr);
+  }
 
   void loop() {
     std::unique_lock lock(mutex_);
@@ -105,10 +110,7 @@ class Printer {
       if (s.shown && now - s.last_print < every) continue;
       s.shown = true;
       s.last_print = now;
-      const std::string line = line_of(s);
-      if (tty_) std::fprintf(stderr, "\r\033[K%s", line.c_str());
-      else std::fprintf(stderr, "%s\n", line.c_str());
-      std::fflush(stderr);
+      print(line_of(s), /*last=*/false);
     }
   }
 

@@ -331,6 +331,16 @@ auto module_step(std::function<Tensor(const Tensor&)> forward, optim::Adam& opt,
   };
 }
 
+// The training step a compiled mode times: the whole step compiled, or (kiln-module) the model
+// compiled and the loss, backward and Adam around it.
+std::function<Tensor(const Tensor&)> compiled_training_step(const std::shared_ptr<nn::Module>& model, optim::Adam& opt,
+                                                            const Tensor& labels, const CompileOptions& options,
+                                                            bool module_style) {
+  if (!module_style) return compile(adam_step(model, opt, labels), options);
+  auto compiled_model = compile(model, options);
+  return module_step([compiled_model](const Tensor& images) mutable { return compiled_model(images); }, opt, labels);
+}
+
 nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, const Tensor& x,
                               const Tensor& y, Mode mode, bool module_style) {
   namespace fs = std::filesystem;
@@ -387,13 +397,7 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
     model->train();
     optim::Adam opt(model->parameters(), {.lr = 1e-3});
     compiler::reset();
-    std::function<Tensor(const Tensor&)> step;
-    if (module_style) {
-      auto compiled_model = compile(model, options);
-      step = module_step([compiled_model](const Tensor& images) mutable { return compiled_model(images); }, opt, y);
-    } else {
-      step = compile(adam_step(model, opt, y), options);
-    }
+    auto step = compiled_training_step(model, opt, y, options, module_style);
     auto t1 = std::chrono::steady_clock::now();
     step(x).item<float>();
     m["train_compile_cold_s"] = since(t1);
@@ -520,7 +524,8 @@ void profile_once(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, 
 
 // --host-profile N: N more inference calls (and training steps with --train) per mode with the
 // eager op profiler on, whose table goes to stderr; with bench/host_sampler.cpp preloaded, its
-// sampler records the same calls, each mode's inference and step under its own section number. Where host time goes on a machine without perf.
+// sampler records the same calls, each mode's inference and step under its own section number:
+// where host time goes on a machine without perf.
 void host_profile(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, std::vector<TimedMode>& modes) {
   using Enable = void (*)(int);
   const auto sampler = reinterpret_cast<Enable>(dlsym(RTLD_DEFAULT, "kiln_host_sampler_enable"));
@@ -600,13 +605,7 @@ int run_bench(const std::vector<std::string>& args) {
       CompileOptions pure_options = options;
       pure_options.pure = a.pure;
       auto infer = compile(forward, pure_options);
-      std::function<Tensor(const Tensor&)> train;
-      if (mode == "kiln-module") {
-        auto compiled_model = compile(model, pure_options);
-        train = module_step([compiled_model](const Tensor& images) mutable { return compiled_model(images); }, *t.opt, y);
-      } else {
-        train = compile(step, pure_options);
-      }
+      auto train = compiled_training_step(model, *t.opt, y, pure_options, mode == "kiln-module");
       t.infer = [infer, x, sync]() mutable {
         NoGradGuard ng;
         Tensor out = infer(x);

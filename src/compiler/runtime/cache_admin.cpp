@@ -83,7 +83,15 @@ std::map<std::string, std::string> entries_of(const std::string& dir) {
   return entries;
 }
 
-std::string suffix_of_kind(const std::string& kind) { return kind == "cpp" ? ".so" : ".bin"; }
+// The files of one entry of a kind directory; `found_suffix` as entries_of gives it.
+struct EntryPaths {
+  std::string entry, sum, lock;
+};
+EntryPaths paths_of(const KindDir& d, const std::string& key, const std::string& found_suffix) {
+  const std::string suffix = !found_suffix.empty() ? found_suffix : d.kind == "cpp" ? ".so" : ".bin";
+  const std::string base = d.path + "/" + key;
+  return {base + suffix, base + ".sha256", base + ".lock"};
+}
 
 // Why an entry that failed verification is bad, for the report.
 std::string why_bad(const std::string& entry, const std::string& sum) {
@@ -148,9 +156,8 @@ CacheVerifyReport verify_cache() {
   CacheVerifyReport report;
   for (const KindDir& d : kind_dirs(files::resolve_root())) {
     for (const auto& [key, found_suffix] : entries_of(d.path)) {
-      const std::string suffix = found_suffix.empty() ? suffix_of_kind(d.kind) : found_suffix;
-      const std::string entry = d.path + "/" + key + suffix, sum = d.path + "/" + key + ".sha256";
-      EntryLock lock(d.path + "/" + key + ".lock", "kiln cache verify");
+      const auto [entry, sum, lock_path] = paths_of(d, key, found_suffix);
+      EntryLock lock(lock_path, "kiln cache verify");
       ++report.checked;
       files::VerifiedEntry v = files::verify_entry(entry, sum, /*keep_bytes=*/false);
       if (v.state == files::VerifiedEntry::State::valid) {
@@ -174,9 +181,7 @@ CacheClearReport clear_cache(std::optional<double> older_than_days) {
   CacheClearReport report;
   for (const KindDir& d : kind_dirs(files::resolve_root())) {
     for (const auto& [key, found_suffix] : entries_of(d.path)) {
-      const std::string suffix = found_suffix.empty() ? suffix_of_kind(d.kind) : found_suffix;
-      const std::string entry = d.path + "/" + key + suffix, sum = d.path + "/" + key + ".sha256";
-      const std::string lock_path = d.path + "/" + key + ".lock";
+      const auto [entry, sum, lock_path] = paths_of(d, key, found_suffix);
       struct stat st{};
       const bool has_entry = lstat_of(entry, st);
       if (older_than_days && has_entry && age_days(st) < *older_than_days) {
