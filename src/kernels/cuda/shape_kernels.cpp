@@ -222,35 +222,42 @@ extern "C" __global__ void __launch_bounds__(256) kiln_cat(Params p) {{
                      type, kCatInputs);
 }
 
-// One launch per kCatInputs row inputs: input k of `inputs` copies rows of row_bytes[k] bytes from
-// its data to out_base + offset_bytes[k] in every one of `outer` rows of out_row_bytes.
-void launch_cat(int device, char* out_base, int64_t out_row_bytes, int64_t outer, const std::vector<const char*>& srcs,
-                const std::vector<int64_t>& row_bytes, const std::vector<int64_t>& offset_bytes) {
-  if (srcs.empty()) return;
+// An input whose rows move as blocks of bytes: row_bytes from src to offset_bytes into each
+// output row.
+struct CatRowInput {
+  const char* src;
+  int64_t row_bytes, offset_bytes;
+};
+
+// One launch per kCatInputs inputs, each copying its rows into every one of `outer` rows of
+// out_row_bytes at out_base.
+void launch_cat(int device, char* out_base, int64_t out_row_bytes, int64_t outer, const std::vector<CatRowInput>& inputs) {
+  if (inputs.empty()) return;
   int unit = 16;
   auto fits = [&](int64_t v) { return v % unit == 0; };
   auto aligned = [&](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % static_cast<uintptr_t>(unit) == 0; };
   auto all_fit = [&] {
     if (!aligned(out_base) || !fits(out_row_bytes)) return false;
-    for (size_t k = 0; k < srcs.size(); ++k)
-      if (!aligned(srcs[k]) || !fits(row_bytes[k]) || !fits(offset_bytes[k])) return false;
+    for (const CatRowInput& in : inputs)
+      if (!aligned(in.src) || !fits(in.row_bytes) || !fits(in.offset_bytes)) return false;
     return true;
   };
   while (unit > 1 && !all_fit()) unit /= 2;
   JitFunction f = jit_function(device, "cat|" + std::to_string(unit), "kiln_cat", [&] { return cat_source(unit); });
   DeviceGuard guard(device);
   const int64_t max_blocks = int64_t{properties(device).multiProcessorCount} * 8;
-  for (size_t first = 0; first < srcs.size(); first += kCatInputs) {
+  for (size_t first = 0; first < inputs.size(); first += kCatInputs) {
     CatParams p{};
     p.dst = out_base;
     p.out_row_units = out_row_bytes / unit;
     p.outer = outer;
-    const size_t n = std::min<size_t>(kCatInputs, srcs.size() - first);
+    const size_t n = std::min<size_t>(kCatInputs, inputs.size() - first);
     int64_t most = 0;
     for (size_t k = 0; k < n; ++k) {
-      p.src[k] = srcs[first + k];
-      p.row_units[k] = row_bytes[first + k] / unit;
-      p.dst_offset[k] = offset_bytes[first + k] / unit;
+      const CatRowInput& in = inputs[first + k];
+      p.src[k] = in.src;
+      p.row_units[k] = in.row_bytes / unit;
+      p.dst_offset[k] = in.offset_bytes / unit;
       most = std::max<int64_t>(most, p.row_units[k] * outer);
     }
     const int64_t blocks = std::clamp<int64_t>((most + 255) / 256, 1, std::max<int64_t>(1, max_blocks / static_cast<int64_t>(n)));
@@ -271,8 +278,7 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
   char* out_base = static_cast<char*>(out.impl().data());
   const int device = out.device().index;
 
-  std::vector<const char*> srcs;
-  std::vector<int64_t> row_bytes, offset_bytes;
+  std::vector<CatRowInput> row_inputs;
   int64_t offset = 0;
   for (const Tensor& t : call.inputs) {
     if (t.numel() == 0) continue;  // contributes no elements (legacy empty or size 0 along dim)
@@ -280,15 +286,13 @@ void cat_kernel(const OpCall& call, std::span<Tensor> outs) {
     const bool rows = out_dense && t.dtype() == out.dtype() && t.device() == out.device() &&
                       kiln::detail::dense_in(t.sizes(), t.strides(), order);
     if (rows) {
-      srcs.push_back(static_cast<const char*>(t.impl().data()));
-      row_bytes.push_back(len * inner * isz);
-      offset_bytes.push_back(offset * inner * isz);
+      row_inputs.push_back({static_cast<const char*>(t.impl().data()), len * inner * isz, offset * inner * isz});
     } else {
       out.narrow(dim, offset, len).copy_(t);
     }
     offset += len;
   }
-  launch_cat(device, out_base, out_row_bytes, outer, srcs, row_bytes, offset_bytes);
+  launch_cat(device, out_base, out_row_bytes, outer, row_inputs);
 }
 
 // constant_pad_nd: fill with the value, then copy the (possibly cropped) input into its window.
