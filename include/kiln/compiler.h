@@ -289,6 +289,17 @@ LogOptions logs();
 // Where logs and warnings go (default std::cerr). Not owned; nullptr restores std::cerr.
 void set_log_stream(std::ostream* os);
 
+// The structured compile trace (docs/compile-trace.md): compile events (frames, graphs with each
+// op's file:line, breaks, guards, recompiles, passes, generated sources, kernel-cache hits and
+// builds, CUDA graph records) appended as JSON lines to a new file in `dir`, which `kiln report`
+// turns into an HTML page. `dir` is created (mode 0700) when missing; the file is created 0600
+// and never follows a symlink. Returns the file's path; throws kiln::Error when it cannot be
+// created. An empty `dir` ends the trace. KILN_TRACE_DIR=dir at start-up does the same.
+// While a trace is on, every captured op costs a stack walk (a few microseconds).
+std::string set_trace_dir(const std::string& dir);
+// The file the trace is being written to, "" when no trace is on.
+std::string trace_file();
+
 // Compile-time statistics by phase, Dynamo's compile_times(): "Kiln compilation metrics:" then
 // a table of phase | runtimes (s).
 std::string compile_times();

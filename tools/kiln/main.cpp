@@ -10,6 +10,7 @@
 
 #include "bench.h"
 #include "cache_cmd.h"
+#include "report_cmd.h"
 #include "launch.h"
 #include "program_cmd.h"
 #include "example.h"
@@ -62,6 +63,9 @@ commands:
   cache verify         re-check every entry's checksum and ownership, remove bad ones (exit 1 if any)
   cache clear [--older-than DAYS]
                        remove cached kernels (older than DAYS), compiler records, dead builds
+  report TRACE -o REPORT.html [--no-graphviz] [--max-draw-nodes N]
+                       the compile trace of a run (KILN_TRACE_DIR=TRACE) as one HTML page: summary,
+                       functions, graphs (drawn with Graphviz), breaks, recompiles, guards, code
   minify REPRO [--out SMALLEST.kpkg]
                        shrink a repro package (KILN_REPRO=compile|accuracy writes them) to the
                        smallest graph that still fails; print it, the failing op and the pass
@@ -148,6 +152,7 @@ int main(int argc, char** argv) {
     if (cmd == "minify") return kiln::cli::run_minify(args);
     if (cmd == "launch") return kiln::cli::run_launch(args);
     if (cmd == "cache") return kiln::cli::run_cache(args);
+    if (cmd == "report") return kiln::cli::run_report(args);
     if (cmd == "version") {
       std::cout << "kiln " << KILN_CLI_VERSION << "\n";
       return 0;

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/codegen/cpp/cpp_codegen.h"
 #include "compiler/codegen/cuda/cuda_codegen.h"
@@ -121,6 +122,9 @@ CompiledFn kiln_backend(Graph& graph, const Arguments&) {
   if (detail::log_options().output_code) {
     for (const auto& s : sources) detail::log_stream() << "[kiln.compile] output code:\n" << s;
   }
+  if (detail::compile_trace_on())
+    for (size_t i = 0; i < sources.size(); ++i)
+      detail::trace_event("source", {{"language", "c++"}, {"unit", i}, {"text", sources[i]}});
   runtime::prepare_cuda_kernels(*ex, cuda_sources);  // NVRTC, in batches: a call only launches
   if (!sources.empty()) {
     auto t0 = std::chrono::steady_clock::now();

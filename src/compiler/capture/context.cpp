@@ -2,10 +2,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <thread>
 #include <utility>
 
 #include "autograd/node.h"
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "core/profiler.h"
 #include "compiler/capture/segment.h"
@@ -494,6 +496,7 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
   }
   if (seg.guide && !follow_guide(seg, op, in_ids, attrs, outputs)) derail(seg);
   const int node = seg.guide ? -1 : append_node(seg, op, in_ids, attrs, /*inplace=*/false);
+  if (cap.trace_ops) seg.record_stack(seg.guide ? seg.guided.nodes - 1 : static_cast<size_t>(node));
   for (Tensor& out : outputs) {
     const int storage = view ? -1 : seg.next_group++;
     int id;
@@ -538,6 +541,7 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
   std::vector<int> out_ids = value_ids(seg, outputs);
   int node = append_node(seg, op, std::move(in_ids), attrs, /*inplace=*/true);
   seg.graph.nodes[node].outputs = std::move(out_ids);
+  if (cap.trace_ops) seg.record_stack(static_cast<size_t>(node));
   if (!op.runtime_attrs.empty()) cap.random = true;
 
   for (Tensor& out : outputs) bump_version(out);
@@ -628,6 +632,16 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
       std::lock_guard lock(explain->mutex);
       explain->out.break_reasons.push_back(br);
     }
+    if (compile_trace_on()) {
+      nlohmann::json event = site ? call_site_json(*site) : nlohmann::json::object();
+      event["frame"] = fn->frame_id;
+      event["function"] = fn->name;
+      event["function_file"] = fn->file;
+      event["function_line"] = fn->line;
+      if (entry) event["entry"] = entry->id;
+      event["reason"] = br.reason;
+      trace_event("graph_break", std::move(event));
+    }
   }
   if (!segment || segment->empty()) return;
 
@@ -672,13 +686,15 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     // Backends and compiled graphs run ordinary ops; none of them belongs to the user's capture.
     SuspendCapture suspend;
     if (!compiled) {
-      compiled = find_or_compile(*this, graph, structure_hash(graph), args);
+      compiled = find_or_compile(*this, graph, structure_hash(graph), args, &seg->node_stacks);
       remember_guide(compiled);
     }
     {
       NoGradGuard no_grad;
       kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
       kiln::detail::TraceSpan span("graph", "graph " + compiled->id);
+      std::optional<TraceGraphScope> traced;  // events of the run (a CUDA graph's recording) name it
+      if (compile_trace_on()) traced.emplace(compiled->id);
       results = compiled->fn(args);
     }
     counter_set().graph_runs.fetch_add(1, std::memory_order_relaxed);

@@ -5,15 +5,18 @@
 #include <bit>
 #include <chrono>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <unordered_map>
 
 #include "autograd/node.h"
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "core/dispatch.h"
 #include "core/profiler.h"
 #include "core/progress.h"
 #include "compiler/export/repro.h"
+#include "compiler/graph/format.h"
 #include "compiler/graph/passes.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -531,6 +534,13 @@ void capture_body(CaptureContext& ctx, const std::function<void()>& body) {
 
 }  // namespace
 
+namespace {
+// What every compile trace event about a compiled function says of it.
+nlohmann::json function_json(const FunctionState& st) {
+  return {{"frame", st.frame_id}, {"function", st.name}, {"function_file", st.file}, {"function_line", st.line}};
+}
+}  // namespace
+
 std::string FunctionState::where() const { return "'" + name + "' (" + file + ":" + std::to_string(line) + ")"; }
 int FunctionState::limit() const { return options.recompile_limit.value_or(recompile_limit()); }
 
@@ -659,6 +669,9 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
           throw RecompileError("[kiln::compile] recompile_limit reached with fullgraph=true. " + msg);
         }
         notify_recompile(st, reasons);
+        if (compile_trace_on())
+          trace_event("recompile_limit", {{"frame", st.frame_id}, {"function", st.name}, {"limit", st.limit()},
+                                          {"reasons", reasons}});
         if (!st.limit_warned) {
           st.limit_warned = true;
           lock.unlock();
@@ -695,6 +708,15 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
         std::lock_guard elock(ex->mutex);
         for (auto& gtext : describe_guards(entry->guards, names)) ex->out.out_guards.push_back(std::move(gtext));
       }
+      if (compile_trace_on()) {
+        nlohmann::json event = function_json(st);
+        event["entry"] = entry->id;
+        event["backend"] = backend;
+        event["dynamic"] = entry->dynamic;
+        event["recompile_reasons"] = reasons;
+        event["guards"] = describe_guards(entry->guards, names);
+        trace_event("frame_entry", std::move(event));
+      }
     }
   }
 
@@ -708,7 +730,8 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
   ctx.leaves = &leaves;
   ctx.leaf_names = hooks.leaf_names;
   ctx.explain = active_explain();
-  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks || st.options.fullgraph;
+  ctx.trace_ops = compile_trace_on();
+  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks || st.options.fullgraph || ctx.trace_ops;
   capture_body(ctx, hooks.body);
   if (st.options.pure) analyze_for_replay(ctx, *entry, leaves, hooks);
 }
@@ -729,6 +752,13 @@ void run_captured_backward(const std::shared_ptr<void>& owner, const std::functi
       st->backward_entry = std::make_shared<FrameEntry>();
       st->backward_entry->backward = true;
       st->backward_entry->id = -1;
+      if (compile_trace_on()) {
+        nlohmann::json event = function_json(*st);
+        event["entry"] = -1;
+        event["backward"] = true;
+        event["backend"] = st->backend_name;
+        trace_event("frame_entry", std::move(event));
+      }
     }
     entry = st->backward_entry;
   }
@@ -740,7 +770,8 @@ void run_captured_backward(const std::shared_ptr<void>& owner, const std::functi
     ctx.backend = stance.options.force_backend;
   ctx.stance = stance;
   ctx.explain = active_explain();
-  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks;
+  ctx.trace_ops = compile_trace_on();
+  ctx.record_stacks = ctx.explain != nullptr || log_options().graph_breaks || ctx.trace_ops;
   capture_body(ctx, run);
 }
 
@@ -776,6 +807,52 @@ void name_inputs(CaptureContext& ctx, Graph& g, const Arguments& example) {
   }
 }
 
+std::string mode_text(const std::optional<Mode>& mode) {
+  if (!mode) return "default";
+  switch (*mode) {
+    case Mode::default_: return "default";
+    case Mode::reduce_overhead: return "reduce-overhead";
+    case Mode::max_autotune: return "max-autotune";
+    case Mode::max_autotune_no_cudagraphs: return "max-autotune-no-cudagraphs";
+  }
+  return "default";
+}
+
+// The compile trace's "graph" event: the captured graph as print_tabular shows it, each op with
+// the file:line of the user's code that called it.
+nlohmann::json graph_json(const CaptureContext& ctx, const CompiledGraph& cg, bool instance,
+                          const std::vector<RawStack>* node_stacks) {
+  const FunctionState& st = *ctx.fn;
+  nlohmann::json event = function_json(st);
+  if (ctx.entry) event["entry"] = ctx.entry->id;
+  event["graph"] = cg.id;
+  event["backend"] = cg.backend;
+  event["mode"] = mode_text(st.options.mode);
+  event["dynamic"] = cg.graph.dynamic;
+  event["new_size_of_dynamic_graph"] = instance;
+  nlohmann::json rows = nlohmann::json::array();
+  // Stacks through the same calls resolve once (a loop body's ops, a layer called many times).
+  std::map<std::vector<void*>, nlohmann::json> sites;
+  for (detail::TabularRow& r : tabular_rows(cg.graph)) {
+    nlohmann::json row = {{"opcode", r.opcode}, {"name", r.name},     {"target", r.target},
+                          {"args", r.args},     {"kwargs", r.kwargs}, {"type", r.type},
+                          {"inputs", r.inputs}, {"outputs", r.outputs}};
+    if (r.node >= 0 && node_stacks && static_cast<size_t>(r.node) < node_stacks->size()) {
+      const RawStack& stack = (*node_stacks)[r.node];
+      if (stack.size > 0) {
+        std::vector<void*> key(stack.pcs, stack.pcs + stack.size);
+        auto it = sites.find(key);
+        if (it == sites.end()) it = sites.emplace(std::move(key), call_site_json(user_call_site(stack))).first;
+        for (const auto& [k, v] : it->second.items()) row[k] = v;
+      }
+    }
+    rows.push_back(std::move(row));
+  }
+  event["ops"] = static_cast<int64_t>(cg.graph.nodes.size());
+  event["rows"] = std::move(rows);
+  return event;
+}
+
 std::shared_ptr<CompiledGraph> uncached(const Graph& graph) {
   auto cg = std::make_shared<CompiledGraph>();
   cg->graph = graph;
@@ -790,7 +867,7 @@ std::shared_ptr<CompiledGraph> uncached(const Graph& graph) {
 }  // namespace
 
 std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph, uint64_t hash,
-                                               const Arguments& example) {
+                                               const Arguments& example, const std::vector<RawStack>* node_stacks) {
   FunctionState& st = *ctx.fn;
   std::shared_ptr<CompiledGraph> cg;
   std::shared_ptr<GraphFamily> family;  // the dynamic graph `graph` is an instance of
@@ -922,9 +999,14 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     cg->error = error;
     cg->ready_cv.notify_all();
   };
+  std::optional<TraceGraphScope> traced;  // the compile's events (passes, sources, kernels) name the graph
   try {
     name_inputs(ctx, cg->graph, example);
     name_graph(cg->graph);
+    if (compile_trace_on()) {
+      traced.emplace(cg->id);
+      trace_event("graph", graph_json(ctx, *cg, instance, node_stacks));
+    }
     BackendFn backend = ctx.backend == st.backend_name && st.backend_fn ? st.backend_fn : lookup_backend(ctx.backend);
     Graph working = cg->graph;  // the backend may rewrite its copy; the cache compares against cg->graph
     auto t0 = Clock::now();
@@ -983,7 +1065,9 @@ std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph
     if (!instance && log_options().graph) {
       log_stream() << "[kiln.compile] [" << cg->id << "] graph of " << st.where() << ":\n" << cg->graph.tabular();
     }
+    if (compile_trace_on()) trace_event("graph_compiled", {{"seconds", cg->compile_seconds}, {"ok", true}});
   } catch (const std::exception& e) {
+    if (compile_trace_on()) trace_event("graph_compiled", {{"ok", false}, {"error", e.what()}});
     bool fallback = false;
     if (auto it = st.options.options.find("fallback_to_eager"); it != st.options.options.end())
       fallback = std::get<bool>(it->second);

@@ -8,6 +8,7 @@
 #include <mutex>
 #include <sstream>
 
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "core/profiler.h"
 #include "compiler/graph/format.h"
@@ -125,6 +126,7 @@ namespace {
 }  // namespace
 
 void record_phase(const std::string& phase, double seconds) {
+  if (compile_trace_on()) trace_event("phase", {{"name", phase}, {"seconds", seconds}});
   // The timeline (KILN_PROFILE=<path>.json) shows the phase where it ran: it ends now.
   if (kiln::detail::g_tracing.load(std::memory_order_relaxed))
     kiln::detail::record_trace(phase, "compile",

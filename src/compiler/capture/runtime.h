@@ -231,7 +231,8 @@ struct CaptureContext {
   // inside the call (no history left for a backward after it).
   std::vector<std::weak_ptr<autograd::Node>> recorded_nodes;
   bool random = false;    // a random op (fresh counters each call: not replayable)
-  bool record_stacks = false;  // remember where breaks happen (explain, logs, fullgraph)
+  bool record_stacks = false;  // remember where breaks happen (explain, logs, fullgraph, trace)
+  bool trace_ops = false;      // a compile trace is on: remember where each op was called
   ExplainRecorder* explain = nullptr;
   std::shared_ptr<CompiledGraph> last_graph;        // the graph the last flush ran
   std::vector<Tensor> last_inputs;                  // and its inputs (pure replay analysis)
@@ -272,8 +273,10 @@ class CaptureScope {
 
 // Looks up (or compiles) the graph of a flushed segment. Applies the stance to a miss: may
 // return an uncached interpreter (eager_on_recompile, limits) or throw (fail_on_recompile).
+// `node_stacks`: each node's call stack, for the compile trace (may be null or short).
 std::shared_ptr<CompiledGraph> find_or_compile(CaptureContext& ctx, Graph& graph, uint64_t hash,
-                                               const Arguments& example);
+                                               const Arguments& example,
+                                               const std::vector<RawStack>* node_stacks = nullptr);
 
 // Runs a captured backward pass (engine.cpp): the backward of a graph captured by `owner`.
 void run_captured_backward(const std::shared_ptr<void>& owner, const std::function<void()>& run);

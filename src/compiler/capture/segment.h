@@ -55,6 +55,13 @@ struct Segment {
   // recomputed values already replayed into this segment (by recipe).
   std::vector<std::weak_ptr<autograd::Node>> autograd_nodes;
   std::unordered_map<const Recipe*, int> replayed;
+  // While a compile trace is on (compile_trace.h): the call stack of each node's op, by node index
+  // (guided or not), for its file:line in the trace. Nodes a capture adds itself have none.
+  std::vector<RawStack> node_stacks;
+  void record_stack(size_t node) {
+    if (node_stacks.size() <= node) node_stacks.resize(node + 1);
+    node_stacks[node] = capture_stack();
+  }
 
   // The nodes and values of earlier captures, kept for their allocations: a function captured
   // again and again builds the same graph, and new_node / new_value hand out these in the same
@@ -135,6 +142,7 @@ struct Segment {
     lazy.clear();
     autograd_nodes.clear();
     replayed.clear();
+    node_stacks.clear();
     state = State::pending;
     next_group = 0;
   }

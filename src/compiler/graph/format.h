@@ -28,6 +28,16 @@ std::vector<std::string> attr_names(const OpDef& op);
 // interpreter.cpp).
 std::optional<Attr> scalar_in_kind_of(const Attr& example, const Attr& given);
 
+// One row of Graph::print_tabular (placeholders, scalar slots, constants, nodes, the output), with
+// what the compile trace adds: the value's type ("f32[3, 3]"), the names of the values a row reads
+// and defines, and for a node row its index in g.nodes (else -1).
+struct TabularRow {
+  std::string opcode, name, target, args, kwargs, type;
+  std::vector<std::string> inputs, outputs;
+  int node = -1;
+};
+std::vector<TabularRow> tabular_rows(const Graph& g);
+
 // Node names: "index.Tensor" -> "index_Tensor", "mylib::dct" -> "mylib__dct" (identifiers).
 std::string identifier_from(std::string_view op_name);
 // The suffix `name` takes after `base`: 0 for `base` itself, k for "base_k", -1 otherwise.

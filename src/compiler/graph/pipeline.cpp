@@ -8,6 +8,7 @@
 #include <string_view>
 #include <variant>
 
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/graph/passes.h"
 #include "kiln/error.h"
@@ -82,6 +83,7 @@ class PassRunner {
     const bool log = detail::log_options().passes;
     if (std::find(disabled_.begin(), disabled_.end(), name) != disabled_.end()) {
       if (log) detail::log_stream() << "[kiln:passes] " << name << " skipped (KILN_DISABLE_PASSES)\n";
+      if (detail::compile_trace_on()) detail::trace_event("pass", {{"name", name}, {"skipped", true}});
       return;
     }
     const size_t before = graph_.nodes.size();
@@ -96,6 +98,8 @@ class PassRunner {
                            "\nThis is a Kiln bug; KILN_DISABLE_PASSES=" + name + " skips the pass.");
       }
     }
+    if (detail::compile_trace_on())
+      detail::trace_event("pass", {{"name", name}, {"ms", ms}, {"nodes_before", before}, {"nodes_after", graph_.nodes.size()}});
     if (log) {
       char time[32];
       std::snprintf(time, sizeof time, "%.3f", ms);

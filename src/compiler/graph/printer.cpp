@@ -270,32 +270,52 @@ std::string dot_escape(const std::string& s) {
 
 }  // namespace
 
-void Graph::print_tabular(std::ostream& os) const {
-  Names names(*this);
-  std::vector<std::array<std::string, 5>> rows;
-  rows.push_back({"opcode", "name", "target", "args", "kwargs"});
-  for (int v : inputs) rows.push_back({"placeholder", names.value(v), names.value(v), "()", "{}"});
-  for (size_t k = 0; k < scalars.size(); ++k) {
+std::vector<detail::TabularRow> detail::tabular_rows(const Graph& g) {
+  Names names(g);
+  std::vector<TabularRow> rows;
+  auto value_names = [&](const std::vector<int>& ids) {
+    std::vector<std::string> out;
+    for (int v : ids) out.push_back(names.value(v));
+    return out;
+  };
+  auto value_type = [&](int v) {
+    return v >= 0 && static_cast<size_t>(v) < g.values.size() ? detail::type_str(g.values[v]) : std::string("?");
+  };
+  for (int v : g.inputs)
+    rows.push_back({"placeholder", names.value(v), names.value(v), "()", "{}", value_type(v), {}, {names.value(v)}});
+  for (size_t k = 0; k < g.scalars.size(); ++k) {
     std::string s = numbered("s", k);
-    rows.push_back({"placeholder", s, s, "()", "{}"});
+    rows.push_back({"placeholder", s, s, "()", "{}", "scalar", {}, {s}});
   }
-  for (const auto& c : constants)
-    rows.push_back({"get_attr", names.value(c.first), names.value(c.first), "()", "{}"});
-  for (size_t i = 0; i < nodes.size(); ++i) {
-    const Node& n = nodes[i];
+  for (const auto& c : g.constants)
+    rows.push_back({"get_attr", names.value(c.first), names.value(c.first), "()", "{}", value_type(c.first), {},
+                    {names.value(c.first)}});
+  for (size_t i = 0; i < g.nodes.size(); ++i) {
+    const Node& n = g.nodes[i];
     std::string kwargs = "{";
     for (size_t k = 0; k < n.attrs.size(); ++k)
-      kwargs +=
-          (k ? ", " : "") + python_string(names.attr_name(i, k)) + ": " + names.attr(*this, i, k);
+      kwargs += (k ? ", " : "") + python_string(names.attr_name(i, k)) + ": " + names.attr(g, i, k);
     if (n.inplace) {
       kwargs += n.attrs.empty() ? "'out': " : ", 'out': ";
       kwargs += n.outputs.size() == 1 ? names.value(n.outputs[0]) : tuple_repr(n.outputs, names);
     }
     kwargs += "}";
-    rows.push_back({n.inplace ? "call_inplace" : "call_function", n.name, n.op ? n.op->name : "?",
-                    tuple_repr(n.inputs, names), std::move(kwargs)});
+    TabularRow row{n.inplace ? "call_inplace" : "call_function", n.name, n.op ? n.op->name : "?",
+                   tuple_repr(n.inputs, names), std::move(kwargs), node_types(g, n), value_names(n.inputs),
+                   value_names(n.outputs)};
+    row.node = static_cast<int>(i);
+    rows.push_back(std::move(row));
   }
-  rows.push_back({"output", "output", "output", "(" + tuple_repr(outputs, names) + ",)", "{}"});
+  rows.push_back({"output", "output", "output", "(" + tuple_repr(g.outputs, names) + ",)", "{}", "",
+                  value_names(g.outputs), {}});
+  return rows;
+}
+
+void Graph::print_tabular(std::ostream& os) const {
+  std::vector<std::array<std::string, 5>> rows;
+  rows.push_back({"opcode", "name", "target", "args", "kwargs"});
+  for (detail::TabularRow& r : detail::tabular_rows(*this))
+    rows.push_back({std::move(r.opcode), std::move(r.name), std::move(r.target), std::move(r.args), std::move(r.kwargs)});
 
   std::array<size_t, 5> width{};
   for (const auto& r : rows)

@@ -1,11 +1,13 @@
 // CUDA graph capture and replay for the kiln backend (see cuda_graph.h).
 #include "compiler/runtime/cuda_graph.h"
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <string>
 #include <utility>
 
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "core/shape.h"
 #include "core/tensor_factory.h"
@@ -149,6 +151,7 @@ struct CudaGraphRunner::Impl {
   void disable(const std::string& why) {
     disabled = true;
     release();
+    if (detail::compile_trace_on()) detail::trace_event("cuda_graph", {{"action", "disabled"}, {"reason", why}});
     if (detail::log_options().perf_hints)
       detail::log_stream() << "[kiln.perf_hints] reduce_overhead: this graph runs without a CUDA graph: " << why << "\n";
   }
@@ -228,6 +231,15 @@ struct CudaGraphRunner::Impl {
     for (const OutputCopy& c : output_copies)
       if (c.buffer.defined()) cu::stop_counting(c.buffer.impl().storage->free_context);
     detail::counter_set().cuda_graph_captures.fetch_add(1, std::memory_order_relaxed);
+    if (detail::compile_trace_on()) {
+      size_t nodes = 0;
+      cudaGraphGetNodes(graph, nullptr, &nodes);
+      detail::trace_event("cuda_graph", {{"action", "recorded"},
+                                         {"recording", records},
+                                         {"graph_nodes", nodes},
+                                         {"in_place_inputs", std::count(in_place.begin(), in_place.end(), true)},
+                                         {"output_copies", output_copies.size()}});
+    }
     return true;
   }
 

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "kernels/autotune_scope.h"
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "core/profiler.h"
 #include "core/tensor_factory.h"
@@ -344,6 +345,8 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
     if (k.device.is_cpu()) continue;
     const codegen::CudaKernelSource& src = sources[i];
     if (detail::log_options().output_code) detail::log_stream() << "[kiln.compile] output code (CUDA):\n" << src.source;
+    if (detail::compile_trace_on())
+      detail::trace_event("source", {{"language", "cuda"}, {"kernel", k.name}, {"text", src.source}});
     CudaKernel& ck = ex.cuda_kernels[i];
     ck.device = k.device.index;
     ck.scalars = src.scalars;
@@ -388,8 +391,10 @@ void prepare_cuda_kernels(Executable& ex, const std::vector<codegen::CudaKernelS
     BundleRecorder* recorder = BundleRecorder::current();  // export_program bundles the cubins
     kiln::detail::Progress* progress = kiln::detail::Progress::current();  // the compile's line counts modules
     if (progress) progress->add_total(static_cast<int64_t>(batches.size()));
+    const std::string graph_id = detail::trace_graph_id();  // the workers' trace events name the graph
     auto work = [&] {
       BundleRecorder::Scope record_here(recorder);
+      detail::TraceGraphScope traced(graph_id);
       for (size_t j; (j = next.fetch_add(1)) < batches.size();) {
         try {
           std::vector<const codegen::CudaKernelSource*> members;

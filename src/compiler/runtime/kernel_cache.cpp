@@ -17,9 +17,11 @@
 #include <set>
 #include <nlohmann/json.hpp>
 #include <string_view>
+#include <chrono>
 #include <unordered_map>
 #include <vector>
 
+#include "compiler/capture/compile_trace.h"
 #include "compiler/capture/runtime.h"
 #include "compiler/codegen/cpp/cxx_driver.h"
 #include "compiler/runtime/cache_files.h"
@@ -298,6 +300,20 @@ void set_entry_verified_hook_for_testing(std::function<void(const std::string& p
 
 namespace {
 
+// The compile trace's "kernel" event: where a kernel binary came from ("loaded": already in this
+// process; "hit": the disk cache; "bundled": an exported program; "build": built now, `seconds`).
+void trace_kernel(const std::string& kind, const std::string& key, const std::string& label, const char* result,
+                  double seconds = -1) {
+  if (!compiler::detail::compile_trace_on()) return;
+  nlohmann::json event = {{"kind", kind}, {"key", key}, {"label", label}, {"result", result}};
+  if (seconds >= 0) event["seconds"] = seconds;
+  compiler::detail::trace_event("kernel", std::move(event));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 // Where an entry of the disk cache came from, for the bundle recorder.
 struct CacheEntryInfo {
   std::string so_path, sum_path, target_macros, compiler;
@@ -316,6 +332,7 @@ std::shared_ptr<SharedObject> load_or_build_cached(const BuildRequest& req, cons
 
   if (auto object = find_loaded(so_path)) {
     ++g_hits;
+    trace_kernel("cpp", key, label, "loaded");
     return object;
   }
   // Entries are only read, deleted or written under the lock, so no process ever sees another's
@@ -323,11 +340,13 @@ std::shared_ptr<SharedObject> load_or_build_cached(const BuildRequest& req, cons
   EntryLock lock(vdir + "/" + key + ".lock", label);
   if (auto object = find_loaded(so_path)) {  // another thread loaded it while we waited
     ++g_hits;
+    trace_kernel("cpp", key, label, "loaded");
     return object;
   }
   VerifiedEntry entry = verify_entry(so_path, sum_path, false);
   if (entry.state == VerifiedEntry::State::valid) {
     ++g_hits;
+    trace_kernel("cpp", key, label, "hit");
     return load(std::move(entry), so_path, label);
   }
   if (!lock.read_only_reason().empty()) throw_read_only(vdir, lock.read_only_reason(), label);
@@ -335,7 +354,9 @@ std::shared_ptr<SharedObject> load_or_build_cached(const BuildRequest& req, cons
     ++g_rejected;
     remove_entry(so_path, sum_path);
   }
+  const auto t0 = std::chrono::steady_clock::now();
   build_entry(req, cxx, flags, vdir, key, label);
+  trace_kernel("cpp", key, label, "build", seconds_since(t0));
   ++g_builds;
   compiler::detail::counter_set().kernel_builds.fetch_add(1, std::memory_order_relaxed);
   VerifiedEntry built = verify_entry(so_path, sum_path, false);
@@ -552,6 +573,7 @@ std::shared_ptr<SharedObject> load_or_build(const BuildRequest& req) {
   std::shared_ptr<const BundledLibrary> bundled;
   if (auto object = load_bundled(bkey, label, bundled)) {
     ++g_hits;
+    trace_kernel("cpp", bkey, label, "bundled");
     if (BundleRecorder* r = t_recorder) r->add(*bundled);
     return object;
   }
@@ -585,6 +607,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
     }
     if (bundled) {
       ++g_hits;
+      trace_kernel(req.kind, key, label, "bundled");
       if (recorder) recorder->add(*bundled);
       return bundled->bytes;
     }
@@ -599,6 +622,7 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
   VerifiedEntry entry = verify_entry(bin_path, sum_path, true);
   if (entry.state == VerifiedEntry::State::valid) {
     ++g_hits;
+    trace_kernel(req.kind, key, label, "hit");
     run_verified_hook(bin_path);
     record(entry.bytes);
     return std::move(entry.bytes);  // the bytes that were hashed, not the file read again
@@ -608,7 +632,9 @@ std::string load_or_build_blob(const BlobRequest& req, const std::function<std::
     ++g_rejected;
     remove_entry(bin_path, sum_path);
   }
+  const auto t0 = std::chrono::steady_clock::now();
   std::string bytes = build();
+  trace_kernel(req.kind, key, label, "build", seconds_since(t0));
   ++g_builds;
   compiler::detail::counter_set().kernel_builds.fetch_add(1, std::memory_order_relaxed);
   const std::string tmp = write_temp_file(vdir, key + ".bin", bytes);
