@@ -2,7 +2,12 @@
 // cuda_graph.h). Every test checks the counters, so that a silent fallback to normal runs fails.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+#include <fstream>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <stdlib.h>
 
 #include "cuda_test_helpers.h"
 #include "kiln/detail/tensor_impl.h"
@@ -262,4 +267,44 @@ TEST(CudaGraphs, DefaultModeRecordsNothing) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(near(compiled(x), x.exp() + 1));
   EXPECT_EQ(compiler::counters().cuda_graph_captures, 0);
   EXPECT_GE(compiler::counters().graph_runs, 3);
+}
+
+// The compile trace (docs/compile-trace.md) of a reduce_overhead graph on a GPU: its CUDA source,
+// its NVRTC binary and its CUDA graph recording, each naming the graph.
+TEST(CudaGraphs, TheCompileTraceRecordsCudaSourcesBinariesAndTheRecording) {
+  SKIP_WITHOUT_GPU();
+  std::string dir = (std::filesystem::temp_directory_path() / "kiln_cuda_trace_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  compiler::reset();
+  const std::string file = compiler::set_trace_dir(dir);
+  auto compiled = compile([](const Tensor& x) { return (x * 3).cos() + x; }, kReduceOverhead);
+  for (int i = 0; i < 3; ++i) (void)compiled(gpu_randn({256, 17}));
+  compiler::set_trace_dir("");
+  EXPECT_EQ(compiler::counters().cuda_graph_captures, 1);
+  std::string graph_id;
+  std::set<std::string> kinds;
+  int cuda_sources = 0, recorded = 0;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    const auto e = nlohmann::json::parse(line);
+    const std::string kind = e.value("event", "");
+    if (kind == "graph") graph_id = e.value("graph", "");
+    if (kind == "source" && e.value("language", "") == "cuda") {
+      ++cuda_sources;
+      EXPECT_EQ(e.value("graph", ""), graph_id);
+      EXPECT_NE(e.value("text", "").find("extern \"C\" __global__"), std::string::npos);
+    }
+    if (kind == "kernel" && e.value("graph", "") == graph_id) kinds.insert(e.value("kind", ""));
+    if (kind == "cuda_graph") {
+      EXPECT_EQ(e.value("graph", ""), graph_id);
+      EXPECT_EQ(e.value("action", ""), "recorded");
+      EXPECT_GT(e.value("graph_nodes", 0), 0);
+      ++recorded;
+    }
+  }
+  EXPECT_FALSE(graph_id.empty());
+  EXPECT_GE(cuda_sources, 1);
+  EXPECT_EQ(recorded, 1);
+  EXPECT_FALSE(kinds.empty()) << "the NVRTC binary's cache lookup names the graph";
+  std::filesystem::remove_all(dir);
 }

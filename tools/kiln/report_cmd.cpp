@@ -18,7 +18,7 @@ constexpr const char* kReportUsage =
     "  TRACE: a directory of compile traces (KILN_TRACE_DIR=dir) or one trace file (.jsonl).\n"
     "  Writes one self-contained HTML page: a summary, each compiled function's frames, graph\n"
     "  breaks, recompiles and guards, each graph (drawn with Graphviz's dot when installed, up to\n"
-    "  --max-draw-nodes ops, default 400), its passes, kernels and generated code.\n";
+    "  --max-draw-nodes ops, default 200), its passes, kernels and generated code.\n";
 
 }  // namespace
 

@@ -14,7 +14,7 @@ namespace kiln::cli::report {
 
 struct HtmlOptions {
   bool graphviz = true;            // draw graphs with `dot` when one is found
-  size_t max_draw_nodes = 400;     // larger graphs get their table only (dot takes long on them)
+  size_t max_draw_nodes = 200;     // larger graphs get their table only (dot takes long on them)
   size_t max_source_bytes = 512 << 10;  // per generated source shown; the rest is cut with a note
 };
 
