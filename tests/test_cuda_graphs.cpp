@@ -4,11 +4,13 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <stdlib.h>
 
+#include "core/profiler.h"
 #include "cuda_test_helpers.h"
 #include "kiln/detail/tensor_impl.h"
 #include "kiln/kiln.h"
@@ -306,5 +308,72 @@ TEST(CudaGraphs, TheCompileTraceRecordsCudaSourcesBinariesAndTheRecording) {
   EXPECT_GE(cuda_sources, 1);
   EXPECT_EQ(recorded, 1);
   EXPECT_FALSE(kinds.empty()) << "the NVRTC binary's cache lookup names the graph";
+  std::filesystem::remove_all(dir);
+}
+
+// The timeline (KILN_PROFILE=<path>.json) on a GPU: the device time of eager ops, of a compiled
+// graph's kernels and of graph runs (CUDA graph replays too), on a track of its own per GPU and on
+// the host's time axis: a run's device span lies after its host span started, and holds its
+// kernels' device spans.
+TEST(CudaGraphs, TheTimelineHoldsDeviceTimeOfEagerOpsKernelsAndGraphRuns) {
+  SKIP_WITHOUT_GPU();
+  std::string dir = (std::filesystem::temp_directory_path() / "kiln_cuda_timeline_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/trace.json";
+  compiler::reset();
+  auto fn = [](const Tensor& x) { return (x * 2).sin() + x; };
+  auto launched = compile(fn, {.backend = std::string("kiln")});  // frame 0: kernels launched per call
+  auto replayed = compile(fn, kReduceOverhead);                    // frame 1: one CUDA graph
+  Tensor x = gpu_randn({1024, 257});
+  for (int i = 0; i < 3; ++i) {  // compiles, warm-up and recording stay out of the timeline
+    (void)launched(x);
+    (void)replayed(x);
+  }
+  kiln::detail::start_trace(path);
+  Tensor eager = (x * 3).relu();
+  for (int i = 0; i < 3; ++i) {
+    (void)launched(x);
+    (void)replayed(x);
+  }
+  kiln::detail::write_trace();
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  struct Span {
+    double start, end;
+  };
+  std::map<std::string, std::vector<Span>> host, device;
+  std::set<int> gpu_tids;
+  std::map<int, std::string> thread_names;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] == "M") {
+      thread_names[e["tid"].get<int>()] = e["args"]["name"].get<std::string>();
+      continue;
+    }
+    const std::string name = e["name"], category = e["cat"];
+    const double start = e["ts"], end = start + e["dur"].get<double>();
+    if (category == "gpu") {
+      EXPECT_GT(e["dur"].get<double>(), 0) << name;
+      gpu_tids.insert(e["tid"].get<int>());
+      std::string key = name.rfind("kernel[", 0) == 0 ? "kernel" : name;
+      device[key].push_back({start, end});
+    } else {
+      host[name].push_back({start, end});
+    }
+  }
+  ASSERT_EQ(gpu_tids.size(), 1u);
+  EXPECT_EQ(thread_names[*gpu_tids.begin()], "GPU " + std::to_string(cuda_device().index) + ": device time");
+  EXPECT_EQ(device["mul"].size(), 1u) << "eager x * 3";
+  EXPECT_EQ(device["relu"].size(), 1u);
+  ASSERT_EQ(device["graph 0/0"].size(), 3u);
+  ASSERT_EQ(host["graph 0/0"].size(), 3u);
+  EXPECT_EQ(device["graph 1/0"].size(), 3u) << "CUDA graph replays";
+  ASSERT_GE(device["kernel"].size(), 3u);
+  for (size_t r = 0; r < 3; ++r) {
+    const Span run = device["graph 0/0"][r];
+    EXPECT_GE(run.start, host["graph 0/0"][r].start - 200) << "device work starts after its launch (us)";
+    const auto inside = std::count_if(device["kernel"].begin(), device["kernel"].end(),
+                                      [&](const Span& k) { return k.start >= run.start - 1 && k.end <= run.end + 1; });
+    EXPECT_GE(inside, 1) << "run " << r;
+  }
   std::filesystem::remove_all(dir);
 }

@@ -232,6 +232,7 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
   if (void* cap = detail::active_capture_hook()) [[unlikely]]
     return detail::capture_hooks.run_op(cap, op, inputs, attrs);
   detail::OpTimer timer(op.name);
+  detail::DeviceSpan device_time("gpu", op.name, detail::traced_device(inputs));
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   std::vector<Tensor> outputs;
@@ -273,6 +274,8 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
     return;
   }
   detail::OpTimer timer(op.name, /*inplace=*/true);
+  const int device = detail::traced_device(inputs, outputs);
+  detail::DeviceSpan device_time("gpu", device >= 0 ? op.name + "_" : op.name, device);
   OpCall call(&op, inputs, attrs);
   std::vector<TensorMeta> metas = op.meta(call);
   detail::check_out_targets(op, metas, outputs);

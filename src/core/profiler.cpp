@@ -47,10 +47,18 @@ struct TraceEvent {
   double start_us, duration_us;
   int tid;
 };
+// A GPU span whose events have not been read yet.
+struct PendingDeviceSpan {
+  std::string name;
+  const char* category;
+  int device;
+  void* span;
+};
 struct Trace {
   std::mutex mutex;
   std::string path;
   std::vector<TraceEvent> events;
+  std::vector<PendingDeviceSpan> device_spans;
   std::chrono::steady_clock::time_point origin = std::chrono::steady_clock::now();
 };
 Trace& trace() {
@@ -62,7 +70,35 @@ int thread_number() {
   thread_local const int n = g_next_tid.fetch_add(1);
   return n;
 }
+
+// The timeline's track of a GPU: tids from here on (host threads count up from 1).
+constexpr int kDeviceTidBase = 1000000;
+
+// Moves finished GPU spans into the events (all of them when `wait`). Caller holds t.mutex.
+void read_device_spans(Trace& t, bool wait) {
+  if (t.device_spans.empty() || !device_timer_hooks.read) return;
+  size_t kept = 0;
+  for (size_t i = 0; i < t.device_spans.size(); ++i) {
+    PendingDeviceSpan& p = t.device_spans[i];
+    std::chrono::steady_clock::time_point start;
+    double seconds = 0;
+    const auto read = device_timer_hooks.read(p.span, wait, &start, &seconds);
+    if (read == DeviceTimerHooks::Read::pending) {
+      if (kept != i) t.device_spans[kept] = std::move(p);
+      ++kept;
+      continue;
+    }
+    if (read == DeviceTimerHooks::Read::done)
+      t.events.push_back({std::move(p.name), p.category,
+                          std::chrono::duration<double, std::micro>(start - t.origin).count(), seconds * 1e6,
+                          kDeviceTidBase + p.device});
+  }
+  t.device_spans.resize(kept);
+}
+
 }  // namespace
+
+DeviceTimerHooks device_timer_hooks;
 
 std::atomic<bool> g_tracing{false};
 std::atomic<bool> g_op_profiling{env_enabled()};
@@ -76,11 +112,34 @@ void record_trace(const std::string& name, const char* category, std::chrono::st
   t.events.push_back({name, category, std::chrono::duration<double, std::micro>(start - t.origin).count(), seconds * 1e6, tid});
 }
 
+int traced_device(std::span<const Tensor> inputs, std::span<const Tensor> outputs) {
+  if (!g_tracing.load(std::memory_order_relaxed)) return -1;
+  for (std::span<const Tensor> list : {inputs, outputs})
+    for (const Tensor& t : list)
+      if (t.defined() && t.is_cuda()) return t.device().index;
+  return -1;
+}
+
+void record_device_span(const std::string& name, const char* category, int device, void* span) {
+  Trace& t = trace();
+  std::lock_guard lock(t.mutex);
+  if (!g_tracing.load(std::memory_order_relaxed)) {
+    std::chrono::steady_clock::time_point start;
+    double seconds;
+    device_timer_hooks.read(span, true, &start, &seconds);  // releases it
+    return;
+  }
+  t.device_spans.push_back({name, category, device, span});
+  // Each span holds two CUDA events: read the finished ones now and then, not all at the end.
+  if (t.device_spans.size() % 4096 == 0) read_device_spans(t, false);
+}
+
 void start_trace(const std::string& path) {
   Trace& t = trace();
   {
     std::lock_guard lock(t.mutex);
     t.path = path;
+    read_device_spans(t, /*wait=*/true);  // a previous trace's, released
     t.events.clear();
     t.origin = std::chrono::steady_clock::now();
   }
@@ -93,6 +152,7 @@ void write_trace() {
   std::lock_guard lock(t.mutex);
   if (!g_tracing.exchange(false)) return;
   g_op_profiling.store(env_enabled());
+  read_device_spans(t, /*wait=*/true);
   const int pid = static_cast<int>(::getpid());
   nlohmann::json events = nlohmann::json::array();
   std::vector<int> tids;
@@ -101,9 +161,12 @@ void write_trace() {
                       {"pid", pid}, {"tid", e.tid}});
     if (std::find(tids.begin(), tids.end(), e.tid) == tids.end()) tids.push_back(e.tid);
   }
+  auto thread_name = [](int tid) {
+    if (tid >= kDeviceTidBase) return "GPU " + std::to_string(tid - kDeviceTidBase) + ": device time";
+    return tid == 1 ? std::string("kiln: first thread") : "kiln: thread " + std::to_string(tid);
+  };
   for (int tid : tids)
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid},
-                      {"args", {{"name", tid == 1 ? std::string("kiln: first thread") : "kiln: thread " + std::to_string(tid)}}}});
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", tid}, {"args", {{"name", thread_name(tid)}}}});
   nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
   std::ofstream out(t.path);
   out << doc.dump() << "\n";

@@ -5,12 +5,17 @@
 // The timeline: KILN_PROFILE=<path>.json writes a Chrome trace (the Trace Event Format that
 // ui.perfetto.dev and chrome://tracing load) at exit: one complete event per eager op (cat "op"),
 // generated kernel run ("kernel"), packed GEMM ("extern"), compiled graph run ("graph") and
-// compile phase ("compile", the phases of compiler::compile_times()), per thread.
+// compile phase ("compile", the phases of compiler::compile_times()), per thread. On a GPU, the
+// device time of eager ops, generated kernels and graph runs goes on a track per device ("gpu"),
+// timed with CUDA events on the stream the work went to (DeviceSpan).
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <span>
 #include <string>
+
+#include "kiln/tensor.h"
 
 namespace kiln::detail {
 
@@ -46,6 +51,53 @@ class TraceSpan {
   const char* category_;
   std::string name_;
   std::chrono::steady_clock::time_point start_;
+};
+
+// Device time on the timeline. A build with CUDA installs these (kernels/cuda/device_timeline.cpp):
+// CUDA events recorded on a device's current stream around a span's work, read back later.
+struct DeviceTimerHooks {
+  // Records the start of a span on `device`; nullptr when it cannot be timed (the stream is being
+  // captured into a CUDA graph, or events are unavailable).
+  void* (*begin)(int device) = nullptr;
+  void (*end)(void* span) = nullptr;
+  // When the span's work ran: false while it has not finished (`wait`: block until it has) or when
+  // it cannot be read. A span read successfully or failed is released; pending stays held.
+  enum class Read { done, pending, failed };
+  Read (*read)(void* span, bool wait, std::chrono::steady_clock::time_point* start, double* seconds) = nullptr;
+};
+extern DeviceTimerHooks device_timer_hooks;
+
+void record_device_span(const std::string& name, const char* category, int device, void* span);
+
+// The GPU a call's work goes to, for the timeline's device track: the device of the first CUDA
+// tensor among `inputs` and `outputs`; -1 when no timeline is being recorded or there is none.
+int traced_device(std::span<const Tensor> inputs, std::span<const Tensor> outputs = {});
+
+// Times a scope's work on a GPU into the timeline's track of `device` (-1: nothing to time).
+class DeviceSpan {
+ public:
+  DeviceSpan(const char* category, const std::string& name, int device) {
+    if (device < 0 || !g_tracing.load(std::memory_order_relaxed) || !device_timer_hooks.begin) return;
+    span_ = device_timer_hooks.begin(device);
+    if (span_) {
+      category_ = category;
+      name_ = name;
+      device_ = device;
+    }
+  }
+  ~DeviceSpan() {
+    if (!span_) return;
+    device_timer_hooks.end(span_);
+    record_device_span(name_, category_, device_, span_);
+  }
+  DeviceSpan(const DeviceSpan&) = delete;
+  DeviceSpan& operator=(const DeviceSpan&) = delete;
+
+ private:
+  void* span_ = nullptr;
+  const char* category_ = nullptr;
+  std::string name_;
+  int device_ = -1;
 };
 
 // Times a scope when profiling is on.

@@ -692,7 +692,10 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     {
       NoGradGuard no_grad;
       kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
-      kiln::detail::TraceSpan span("graph", "graph " + compiled->id);
+      const bool tracing = kiln::detail::g_tracing.load(std::memory_order_relaxed);
+      const std::string name = tracing ? "graph " + compiled->id : std::string();
+      kiln::detail::TraceSpan span("graph", name);
+      kiln::detail::DeviceSpan device_time("gpu", name, kiln::detail::traced_device(seg->inputs));
       std::optional<TraceGraphScope> traced;  // events of the run (a CUDA graph's recording) name it
       if (compile_trace_on()) traced.emplace(compiled->id);
       results = compiled->fn(args);

@@ -471,7 +471,10 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   {
     SuspendCapture suspend;
     NoGradGuard no_grad;
-    kiln::detail::TraceSpan span("graph", "graph " + plan->graph->id + " (replay)");
+    const bool tracing = kiln::detail::g_tracing.load(std::memory_order_relaxed);
+    const std::string name = tracing ? "graph " + plan->graph->id + " (replay)" : std::string();
+    kiln::detail::TraceSpan span("graph", name);
+    kiln::detail::DeviceSpan device_time("gpu", name, kiln::detail::traced_device(inputs));
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
   for (size_t k = 0; k < plan->inputs.size(); ++k)
