@@ -280,7 +280,11 @@ TEST(CudaGraphs, TheCompileTraceRecordsCudaSourcesBinariesAndTheRecording) {
   compiler::reset();
   const std::string file = compiler::set_trace_dir(dir);
   auto compiled = compile([](const Tensor& x) { return (x * 3).cos() + x; }, kReduceOverhead);
-  for (int i = 0; i < 3; ++i) (void)compiled(gpu_randn({256, 17}));
+  std::vector<Tensor> inputs;  // alive at once: new addresses, so one recording serves them all
+  for (int i = 0; i < 3; ++i) {
+    inputs.push_back(gpu_randn({256, 17}));
+    (void)compiled(inputs.back());
+  }
   compiler::set_trace_dir("");
   EXPECT_EQ(compiler::counters().cuda_graph_captures, 1);
   std::string graph_id;

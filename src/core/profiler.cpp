@@ -134,6 +134,12 @@ void record_device_span(const std::string& name, const char* category, int devic
   if (t.device_spans.size() % 4096 == 0) read_device_spans(t, false);
 }
 
+void collect_device_spans() {
+  Trace& t = trace();
+  std::lock_guard lock(t.mutex);
+  read_device_spans(t, /*wait=*/true);
+}
+
 void start_trace(const std::string& path) {
   Trace& t = trace();
   {

@@ -68,6 +68,10 @@ struct DeviceTimerHooks {
 extern DeviceTimerHooks device_timer_hooks;
 
 void record_device_span(const std::string& name, const char* category, int device, void* span);
+// Reads every pending GPU span into the timeline, waiting for their work. The CUDA side calls it
+// from an exit handler registered after CUDA started, so that it runs before CUDA shuts down
+// (the timeline itself is written later, by a static destructor).
+void collect_device_spans();
 
 // The GPU a call's work goes to, for the timeline's device track: the device of the first CUDA
 // tensor among `inputs` and `outputs`; -1 when no timeline is being recorded or there is none.

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -30,8 +31,10 @@ struct DeviceClock {
   std::vector<cudaEvent_t> spare;
 };
 
-std::mutex g_mutex;
-std::vector<DeviceClock> g_clocks;
+// Never destroyed: the trace is written by a static destructor at exit, which may run after this
+// file's statics would have been destroyed.
+std::mutex& g_mutex = *new std::mutex;
+std::vector<DeviceClock>& g_clocks = *new std::vector<DeviceClock>;
 
 // Caller holds g_mutex. False when the device's clock cannot be tied to the host's.
 bool ensure_clock(int device) {
@@ -48,6 +51,9 @@ bool ensure_clock(int device) {
   }
   c.reference = reference;
   c.host_at_reference = Clock::now();
+  // CUDA is running now, so this exit handler runs before CUDA's own teardown does.
+  static const bool collect_at_exit = [] { return std::atexit([] { kiln::detail::collect_device_spans(); }) == 0; }();
+  (void)collect_at_exit;
   return true;
 }
 
