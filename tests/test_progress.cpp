@@ -123,4 +123,47 @@ TEST(Progress, AColdCompileCountsItsKernelBuilds) {
   fs::remove_all(dir, ec);
 }
 
+// Issue 24's figure: a cold compile of DenseNet-121's training step (forward, backward and Adam
+// in one compiled call) shows its progress with the default delay; with KILN_PROGRESS=0 a compile
+// of it that would show a line at once (KILN_PROGRESS_AFTER_MS=0) shows nothing.
+TEST(Progress, ADenseNetTrainingStepsColdCompileShowsProgressAndKilnProgressZeroSilencesIt) {
+  std::string dir = "/tmp/kiln-progress-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  Env cache("KILN_CACHE_DIR", dir.c_str());
+  manual_seed(0);
+  auto net = models::densenet121({.num_classes = 10});
+  optim::Adam opt(net->parameters(), {.lr = 1e-3});
+  Tensor x = randn({2, 3, 32, 32});
+  Tensor y = tensor({1, 7}, kInt64);
+  auto train_step = [&](const Tensor& input) {
+    opt.zero_grad();
+    Tensor loss = nn::functional::cross_entropy(net->forward(input), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  compiler::reset();
+  auto step = compile(train_step, {.backend = std::string("kiln"), .name = "step"});
+  ::testing::internal::CaptureStderr();
+  const int64_t builds = compiler::counters().kernel_builds;
+  (void)step(x);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_GT(compiler::counters().kernel_builds - builds, 0) << "a cold compile";
+  EXPECT_GT(compiler::counters().graph_runs, 0);
+  EXPECT_TRUE(has(err, "[kiln] compiling graph ") && has(err, "of 'step' (")) << err;
+  EXPECT_TRUE(has(err, "kernels built, ") && has(err, "(done)")) << err;
+
+  Env quiet("KILN_PROGRESS", "0");
+  Env at_once("KILN_PROGRESS_AFTER_MS", "0");
+  compiler::reset();  // the graphs compile again (their kernels come from the cache)
+  auto again = compile(train_step, {.backend = std::string("kiln"), .name = "step"});
+  ::testing::internal::CaptureStderr();
+  const int64_t compiles = compiler::counters().graph_compiles;
+  (void)again(x);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_GT(compiler::counters().graph_compiles - compiles, 0) << "it compiled";
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 }  // namespace

@@ -105,4 +105,49 @@ TEST(Trace, ACompiledModelsTimelineHoldsGraphRunsKernelsOpsAndCompilePhases) {
   fs::remove_all(dir, ec);
 }
 
+// Issue 24's figure: a compiled DenseNet-121 inference's timeline (its compile included) is valid
+// Chrome-trace JSON with a span per graph run, and its compile spans total what
+// compiler::compile_times() reports, phase by phase.
+TEST(Trace, ACompiledDenseNetInferencesTimelineAgreesWithCompileTimes) {
+  std::string dir = "/tmp/kiln-trace-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string path = dir + "/densenet.json";
+  compiler::reset();
+  manual_seed(0);
+  auto net = models::densenet121({.num_classes = 10});
+  net->eval();
+  auto compiled = compile(net, {.backend = std::string("kiln")});
+  Tensor x = randn({2, 3, 32, 32});
+  kiln::detail::start_trace(path);
+  const auto before = compiler::counters();
+  {
+    NoGradGuard no_grad;
+    for (int i = 0; i < 3; ++i) compiled(x);
+  }
+  const int64_t runs = compiler::counters().graph_runs - before.graph_runs;
+  kiln::detail::write_trace();
+  std::ifstream in(path);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  ASSERT_TRUE(valid_trace(doc));
+  int graph_spans = 0;
+  std::map<std::string, double> compile_us;
+  for (const nlohmann::json& e : doc["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["cat"] == "graph") ++graph_spans;
+    if (e["cat"] == "compile") compile_us[e["name"]] += e["dur"].get<double>();
+  }
+  EXPECT_GT(runs, 0);
+  EXPECT_EQ(graph_spans, runs);
+  const std::vector<compiler::PhaseTimes> table = compiler::compile_time_table();
+  ASSERT_FALSE(table.empty()) << "the compile ran inside the timeline";
+  for (const compiler::PhaseTimes& row : table) {
+    double seconds = 0;
+    for (double s : row.seconds) seconds += s;
+    EXPECT_NEAR(compile_us[row.phase] * 1e-6, seconds, 1e-5) << row.phase;
+  }
+  EXPECT_EQ(compile_us.size(), table.size());
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+}
+
 }  // namespace
