@@ -71,15 +71,6 @@ std::string dump(const nlohmann::json& j) {
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-std::string utc_now() {
-  std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
-}
-
 // Opens a new trace file in `dir`: created (0700) when missing, the file created 0600 with
 // O_EXCL | O_NOFOLLOW, so a name planted by someone else is never written through. Throws.
 int open_trace_file(const std::string& dir, std::string& path) {
@@ -97,8 +88,16 @@ int open_trace_file(const std::string& dir, std::string& path) {
                          std::chrono::system_clock::now().time_since_epoch())
                          .count();
   for (int attempt = 0; attempt < 100; ++attempt) {
-    path = dir + "/kiln_trace." + std::to_string(::getpid()) + "." + std::to_string(stamp) +
-           (attempt ? "." + std::to_string(attempt) : std::string()) + ".jsonl";
+    path = dir;
+    path += "/kiln_trace.";
+    path += std::to_string(::getpid());
+    path += '.';
+    path += std::to_string(stamp);
+    if (attempt > 0) {
+      path += '.';
+      path += std::to_string(attempt);
+    }
+    path += ".jsonl";
     int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_APPEND | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd >= 0) return fd;
     if (errno != EEXIST)
@@ -186,6 +185,15 @@ TraceGraphScope::TraceGraphScope(std::string id) : id_(std::move(id)), outer_(t_
 TraceGraphScope::~TraceGraphScope() { t_graph = outer_; }
 
 std::string trace_graph_id() { return t_graph ? *t_graph : std::string(); }
+
+std::string utc_now() {
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char text[32];
+  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return text;
+}
 
 nlohmann::json call_site_json(const CallSite& site) {
   if (!site.known()) return nlohmann::json::object();

@@ -284,6 +284,9 @@ void run_captured_backward(const std::shared_ptr<void>& owner, const std::functi
 // `path` relative to the working directory when it lies below it.
 std::string relative_path(const std::string& path);
 
+// The time now in UTC, "2026-11-27T23:02:01Z" (compile traces, exported programs).
+std::string utc_now();
+
 // Whether the registered backend `name` carries `tag` (false for unknown names, "custom").
 bool backend_has_tag(std::string_view name, std::string_view tag);
 

@@ -499,15 +499,6 @@ std::string clean_weight_name(std::string name, size_t k) {
   return name;
 }
 
-std::string now_utc() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
 TensorSpec spec_of(const std::string& name, const ValueInfo& v) {
   TensorSpec s{name, v.dtype, v.device, v.sizes, {}};
   for (int64_t size : v.sizes) s.dims.push_back(std::to_string(size));
@@ -665,7 +656,7 @@ ExportedProgram export_program_impl(ExportCall call, ExportOptions options, std:
   // Build the kernels here, recording them for the package: at the example sizes, and for a
   // dynamic program at the checking sizes too (its kernels should be the same; if not, both go in).
   p->kiln_version = KILN_VERSION;
-  p->created = now_utc();
+  p->created = compiler::detail::utc_now();
   {
     compiler::runtime::BundleRecorder recorder;
     std::vector<int64_t> example;
