@@ -20,7 +20,9 @@
 #include <filesystem>
 #include <functional>
 #include <iomanip>
+#include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -39,6 +41,7 @@
 #include "kiln/kiln.h"
 #include "kiln/models.h"
 #include "kiln/threading.h"
+#include <nlohmann/json.hpp>
 
 namespace {
 
@@ -1427,4 +1430,93 @@ TEST_F(KilnBackend, PassesRunFromOnePipelineThatLogsSkipsAndValidatesThem) {
               std::string::npos)
         << e.what();
   }
+}
+
+// ============================ module-style training ============================
+
+namespace {
+
+// A small convolution network with batch norms and relus (the layers DenseNet and ResNet repeat).
+struct ConvBlockNet : nn::Module {
+  ConvBlockNet() {
+    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(nn::Conv2dOptions{.in_channels = 3, .out_channels = 8, .kernel_size = 3, .padding = 1}));
+    bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(8));
+    conv2 = register_module("conv2", std::make_shared<nn::Conv2d>(nn::Conv2dOptions{.in_channels = 8, .out_channels = 8, .kernel_size = 3, .padding = 1}));
+    bn2 = register_module("bn2", std::make_shared<nn::BatchNorm2d>(8));
+    fc = register_module("fc", std::make_shared<nn::Linear>(8, 5));
+  }
+  Tensor features(const Tensor& x) {
+    Tensor h = nn::functional::relu(bn1->forward(conv1->forward(x)));
+    return nn::functional::relu(bn2->forward(conv2->forward(h)));
+  }
+  Tensor forward(const Tensor& x) override { return fc->forward(features(x).mean({2, 3})); }
+  std::shared_ptr<nn::Conv2d> conv1, conv2;
+  std::shared_ptr<nn::BatchNorm2d> bn1, bn2;
+  std::shared_ptr<nn::Linear> fc;
+};
+
+// The "pass" events of a compile trace, per graph id: name -> (nodes before, nodes after).
+std::map<std::string, std::map<std::string, std::pair<int, int>>> passes_in(const std::string& trace) {
+  std::map<std::string, std::map<std::string, std::pair<int, int>>> out;
+  std::ifstream in(trace);
+  for (std::string line; std::getline(in, line);) {
+    const auto e = nlohmann::json::parse(line);
+    if (e.value("event", "") == "pass" && !e.value("skipped", false))
+      out[e.value("graph", "")][e.value("name", "")] = {e.value("nodes_before", 0), e.value("nodes_after", 0)};
+  }
+  return out;
+}
+
+}  // namespace
+
+// The common pattern `loss(m(x), y).backward()` with only the module compiled: the activations the
+// compiled forward saves for the backward stay channels-last (only autograd holds them, so no
+// copy back to row-major), the backward that runs after the call is captured and compiled with
+// the same passes (its batch norm + relu backward fused), and every gradient matches eager.
+TEST_F(KilnBackend, ModuleStyleTrainingKeepsSavedActivationsChannelsLastAndMatchesEager) {
+  auto net = std::make_shared<ConvBlockNet>();
+  auto twin = std::make_shared<ConvBlockNet>();
+  twin->load_state_dict(net->state_dict());
+  Tensor x = randn({4, 3, 12, 12});
+  Tensor y = tensor({0, 3, 1, 4}, kInt64);
+  std::string dir = (std::filesystem::temp_directory_path() / "kiln_module_style_XXXXXX").string();
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string trace = compiler::set_trace_dir(dir);
+  auto compiled = compile(net, kiln_backend());
+  for (int step = 0; step < 2; ++step) {
+    net->zero_grad();
+    twin->zero_grad();
+    const int64_t runs = compiler::counters().graph_runs;
+    nn::functional::cross_entropy(compiled(x), y).backward();
+    EXPECT_GE(compiler::counters().graph_runs - runs, 2) << "forward and backward ran compiled";
+    nn::functional::cross_entropy(twin->forward(x), y).backward();
+    const auto params = net->named_parameters(), twin_params = twin->named_parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(matches(params[i].second.grad(), twin_params[i].second.grad(), Tol{1e-4, 1e-5}))
+          << params[i].first << ", step " << step;
+  }
+  compiler::set_trace_dir("");
+  const auto passes = passes_in(trace);
+  const auto forward = passes.find("0/0"), backward = passes.find("0/1");
+  ASSERT_NE(forward, passes.end());
+  ASSERT_NE(backward, passes.end());
+  // One conversion of the input to channels-last, and no copies of saved activations back.
+  const auto [before, after] = forward->second.at("channels_last_convolutions");
+  EXPECT_EQ(after - before, 1);
+  // The backward's two batch norm + relu backwards: where and le fold into each (4 nodes fewer).
+  const auto [bn_before, bn_after] = backward->second.at("fuse_batch_norm_relu");
+  EXPECT_EQ(bn_before - bn_after, 4);
+  std::filesystem::remove_all(dir);
+}
+
+// A 4-D activation the caller holds keeps eager's layout even when the network runs channels-last.
+TEST_F(KilnBackend, ModuleStyleActivationsTheCallerHoldsKeepEagersLayout) {
+  auto net = std::make_shared<ConvBlockNet>();
+  Tensor x = randn({2, 3, 8, 8});
+  auto compiled = compile([&](const Tensor& input) { return net->features(input); }, kiln_backend());
+  Tensor h = compiled(x);
+  Tensor want = net->features(x);
+  EXPECT_EQ(h.strides().vec(), want.strides().vec());
+  EXPECT_TRUE(matches(h, want, Tol{1e-4, 1e-5}));
+  h.sum().backward();
 }

@@ -92,6 +92,13 @@ class Graph {
   // generated kernels then take every size, stride and offset as a run-time argument, so each
   // size reuses the kernels the first one built. Sizes here are one concrete instance's.
   bool dynamic = false;
+  // Per output (empty: none): the caller holds the output only through saved tensors of autograd
+  // (a compiled module's activations, for a backward that runs after the compiled call), so its
+  // strides are invisible. A backend may return such an output in another layout; compile() then
+  // adopts the layout returned (the kiln backend keeps channels-last activations channels-last, as
+  // the backward's convolutions want them, instead of copying them back to row-major).
+  std::vector<bool> free_layout_outputs;
+  bool output_layout_free(size_t k) const { return k < free_layout_outputs.size() && free_layout_outputs[k]; }
 
   // ---- building and rewriting ----
   int add_value(ValueInfo info);

@@ -603,6 +603,38 @@ void bind(Storage& pending, const ValueInfo& v, const Tensor& result, size_t k) 
   tensor_on(std::shared_ptr<Storage>(std::shared_ptr<Storage>(), &pending), v).copy_(result);
 }
 
+// bind() for an output whose layout is free (Graph::free_layout_outputs): a result in another dense
+// layout (a channels-last activation) is adopted as it is, and the saved handles that hold the
+// value take its strides. Only saved tensors of autograd hold those handles (split_recomputed
+// checked), so nobody sees the layout change.
+void bind_free_layout(const std::vector<std::shared_ptr<TensorImpl>>& handles, Storage& pending,
+                      const ValueInfo& v, const Tensor& result, size_t k) {
+  const bool other_layout = result.defined() && result.sizes() == IntArrayRef(v.sizes) &&
+                            result.dtype() == v.dtype && result.device() == v.device &&
+                            (result.strides() != IntArrayRef(v.strides) || result.storage_offset() != v.storage_offset) &&
+                            kiln::detail::storage_span(result.sizes(), result.strides()) == result.numel();
+  if (!other_layout) return bind(pending, v, result, k);
+  ValueInfo adopted = v;
+  adopted.strides = result.strides().vec();
+  adopted.storage_offset = 0;
+  if (result.storage_offset() != 0) {  // a view into a larger buffer: a dense copy of its own
+    Tensor dense = kiln::detail::make_empty_strided(result.sizes().vec(), adopted.strides, result.dtype(), result.device());
+    {
+      SuspendCapture suspend;
+      NoGradGuard no_grad;
+      kiln::detail::WritesAlreadyCounted counted;
+      dense.copy_(result);
+    }
+    bind(pending, adopted, dense, k);
+  } else {
+    bind(pending, adopted, result, k);
+  }
+  for (const auto& impl : handles) {
+    impl->strides = adopted.strides;
+    impl->storage_offset = 0;
+  }
+}
+
 void CaptureContext::flush(bool end_of_call, std::string_view reason, const CallSite* site) {
   if (!fn) {  // trace_graph(): a traced function may not read data
     throw CompileError("[kiln::compile] a traced function (a decomposition) broke the graph: " +
@@ -665,6 +697,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     if (!compiled) derail(*seg);
   }
   std::vector<RecomputedValue> recomputed;
+  std::vector<std::vector<std::shared_ptr<TensorImpl>>> free_handles;  // per output (free layouts)
   std::vector<Attr> scalars;
   if (compiled) {
     scalars = std::move(seg->guided.scalars);
@@ -672,7 +705,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     graph.outputs = std::move(outputs);
     // The min-cut partition: values only autograd saved, cheap to recompute, are not outputs.
     if (!seg->autograd_nodes.empty() && backend_has_tag(backend, "aot_autograd"))
-      recomputed = split_recomputed(*seg, live);
+      recomputed = split_recomputed(*seg, live, free_handles);
     scalars.reserve(graph.scalars.size());
     for (const ScalarSlot& s : graph.scalars) scalars.push_back(graph.nodes[s.node].attrs[s.attr]);
   }
@@ -706,7 +739,11 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
                          std::to_string(results.size()) + " tensors for " + std::to_string(output_ids.size()) +
                          " outputs. A backend's callable must return one tensor per graph output.");
     }
-    for (size_t k = 0; k < results.size(); ++k) bind(*live[k], shapes.values[output_ids[k]], results[k], k);
+    for (size_t k = 0; k < results.size(); ++k) {
+      if (shapes.output_layout_free(k) && k < free_handles.size())
+        bind_free_layout(free_handles[k], *live[k], shapes.values[output_ids[k]], results[k], k);
+      else bind(*live[k], shapes.values[output_ids[k]], results[k], k);
+    }
     if (const FlushObserver* observer = t_flush_observer) {
       std::vector<const Storage*> bound;
       for (const auto& s : live) bound.push_back(s.get());
@@ -871,6 +908,8 @@ bool same_graph(const Graph& a, const Graph& b, bool sizes) {
   if (a.nodes.size() != b.nodes.size() || a.values.size() != b.values.size() || a.inputs != b.inputs ||
       a.outputs != b.outputs || a.scalars.size() != b.scalars.size())
     return false;
+  for (size_t k = 0; k < a.outputs.size(); ++k)
+    if (a.output_layout_free(k) != b.output_layout_free(k)) return false;
   for (size_t i = 0; i < a.values.size(); ++i) {
     const ValueInfo& x = a.values[i];
     const ValueInfo& y = b.values[i];
@@ -944,7 +983,7 @@ uint64_t family_hash(const Graph& g) {
     }
   }
   for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
-  for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
+  for (size_t k = 0; k < g.outputs.size(); ++k) mix(h, static_cast<uint64_t>(g.outputs[k]) * 2 + g.output_layout_free(k));
   return h;
 }
 
@@ -963,7 +1002,7 @@ uint64_t structure_hash(const Graph& g) {
   mix(h, 0x3c);
   for (int v : g.inputs) mix(h, static_cast<uint64_t>(v));
   mix(h, 0x3d);
-  for (int v : g.outputs) mix(h, static_cast<uint64_t>(v));
+  for (size_t k = 0; k < g.outputs.size(); ++k) mix(h, static_cast<uint64_t>(g.outputs[k]) * 2 + g.output_layout_free(k));
   return h;
 }
 

@@ -852,6 +852,7 @@ nlohmann::json graph_json(const CaptureContext& ctx, const CompiledGraph& cg, bo
     rows.push_back(std::move(row));
   }
   event["ops"] = static_cast<int64_t>(cg.graph.nodes.size());
+  if (!cg.graph.free_layout_outputs.empty()) event["free_layout_outputs"] = cg.graph.free_layout_outputs;
   event["rows"] = std::move(rows);
   return event;
 }

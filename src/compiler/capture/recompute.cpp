@@ -63,7 +63,8 @@ bool same_layout(const TensorImpl& impl, const ValueInfo& v) {
 
 }  // namespace
 
-std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<Storage>>& live) {
+std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<Storage>>& live,
+                                              std::vector<std::vector<std::shared_ptr<TensorImpl>>>& free_handles) {
   Graph& g = seg.graph;
   // Saved references per handle, over the nodes recorded in this segment (each node once).
   std::vector<std::shared_ptr<autograd::Node>> nodes;  // alive for the count
@@ -150,6 +151,25 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
     out.push_back(std::move(r));
     drop[k] = true;
   }
+  // The outputs that only saved tensors hold and that stay outputs have no layout anyone sees,
+  // unless a recipe reads them (it reads the value as the captured graph laid it out).
+  std::vector<bool> read_by_recipe(g.values.size(), false);
+  for (const RecomputedValue& r : out)
+    for (int u : g.nodes[r.producer].inputs)
+      if (u >= 0) read_by_recipe[u] = true;
+  for (int u : through)
+    for (int i : g.nodes[producer[u]].inputs)
+      if (i >= 0) read_by_recipe[i] = true;
+  std::vector<bool> free_layout(g.outputs.size(), false);
+  for (size_t k = 0; k < g.outputs.size(); ++k)
+    free_layout[k] = !drop[k] && saved_only[g.outputs[k]] && !read_by_recipe[g.outputs[k]];
+  if (std::find(free_layout.begin(), free_layout.end(), true) != free_layout.end()) g.free_layout_outputs = free_layout;
+  // The saved handles of each free output: they take the layout the backend returns.
+  std::vector<std::vector<std::shared_ptr<TensorImpl>>> handles_of(g.outputs.size());
+  for (size_t k = 0; k < g.outputs.size(); ++k)
+    if (free_layout[k])
+      for (const Tensor* t : saved_on[live[k].get()]) handles_of[k].push_back(t->impl_ptr());
+  free_handles = handles_of;
   if (out.empty()) return out;
   // The dead values the recipes read, each once, with a storage of their own to fill.
   std::sort(through.begin(), through.end());
@@ -163,12 +183,18 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
   }
   std::vector<int> outputs;
   std::vector<std::shared_ptr<Storage>> kept;
+  std::vector<bool> kept_free;
+  std::vector<std::vector<std::shared_ptr<TensorImpl>>> kept_handles;
   for (size_t k = 0; k < g.outputs.size(); ++k) {
     if (drop[k]) continue;
     outputs.push_back(g.outputs[k]);
     kept.push_back(std::move(live[k]));
+    kept_free.push_back(free_layout[k]);
+    kept_handles.push_back(std::move(free_handles[k]));
   }
+  free_handles = std::move(kept_handles);
   g.outputs = std::move(outputs);
+  if (!g.free_layout_outputs.empty()) g.free_layout_outputs = std::move(kept_free);
   live = std::move(kept);
   return out;
 }

@@ -174,8 +174,12 @@ struct RecomputedValue {
 };
 
 // Picks the values of graph.outputs (kept alive by `live`, index for index) to recompute and
-// removes them from both.
-std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::shared_ptr<kiln::detail::Storage>>& live);
+// removes them from both. Marks graph.free_layout_outputs: the kept outputs only saved tensors
+// hold, which no recipe reads (their layout is the backend's choice); `free_handles` gets, per
+// kept output, those saved tensors' handles (empty for the others).
+std::vector<RecomputedValue> split_recomputed(
+    Segment& seg, std::vector<std::shared_ptr<kiln::detail::Storage>>& live,
+    std::vector<std::vector<std::shared_ptr<kiln::detail::TensorImpl>>>& free_handles);
 
 // After the graph ran and the kept outputs were bound: gives each recomputed value's handles a
 // recipe (its op over graph inputs, kept outputs and other recipes).

@@ -231,6 +231,9 @@ void Graph::validate() const {
       for (int v : n.outputs) defined[v] = 1;
   }
 
+  if (!free_layout_outputs.empty() && free_layout_outputs.size() != outputs.size())
+    invalid("free_layout_outputs has " + std::to_string(free_layout_outputs.size()) + " flags for " +
+            std::to_string(outputs.size()) + " outputs");
   for (size_t k = 0; k < outputs.size(); ++k) {
     int v = outputs[k];
     if (!in_range(v))

@@ -149,10 +149,12 @@ bool channels_last_convolutions(Graph& g) {
     ++i;
     refresh_layouts(g);
   }
-  // The caller sees eager's layouts: a row-major output that is channels-last now is copied back.
+  // The caller sees eager's layouts: a row-major output that is channels-last now is copied back,
+  // unless only autograd's saved tensors hold it (free_layout_outputs): the backward's convolutions
+  // want it channels-last.
   for (size_t k = 0; k < g.outputs.size(); ++k) {
     const int v = g.outputs[k];
-    if (v < 0 || g.values[v].is_input || g.values[v].strides == output_strides[k]) continue;
+    if (v < 0 || g.values[v].is_input || g.values[v].strides == output_strides[k] || g.output_layout_free(k)) continue;
     ValueInfo original = g.values[v];
     original.strides = output_strides[k];
     if (!row_major(original)) continue;  // a strided view: eager gives no layout to keep

@@ -5,6 +5,9 @@
 // graph values (host scalars the body wrapped, passed at run time, so their values are not known
 // here): the fused node reads them as inputs instead of assuming 0.
 //
+// The relu's result may also be a graph input: a module's backward captured after its compiled
+// forward ran reads the forward's saved result.
+//
 // When the relu is a batch_norm_relu of this graph that ran on the backward's own input, weight and
 // saved statistics (nothing written in between), the fused backward is
 // batch_norm_relu_backward_recompute: it recomputes the relu's result from the input, bit for bit,
@@ -96,10 +99,15 @@ void fuse_batch_norm_relu(Graph& g) {
     const Node& le = g.nodes[l];
     if (erase[l] || !is(le, known_ops().le, 2, 1)) continue;
     const int r = le.inputs[0], threshold = le.inputs[1];
-    if (r < 0 || threshold < 0 || producer[r] < 0) continue;
-    const Node& relu = g.nodes[producer[r]];
+    if (r < 0 || threshold < 0) continue;
+    // r is a relu's result: of this graph, or an input (a backward captured after its forward ran,
+    // module style, reads the forward's saved result). The fused node computes exactly
+    // where(le(r, threshold), fill, grad) whatever r is; the check only keeps the fusion to the
+    // relu backward it was made for.
     const bool from_relu =
-        (relu.op == &batch_norm_relu && relu.outputs[0] == r) || is(relu, known_ops().relu, 1, 1);
+        producer[r] < 0 ? g.values[r].is_input
+                        : (g.nodes[producer[r]].op == &batch_norm_relu && g.nodes[producer[r]].outputs[0] == r) ||
+                              is(g.nodes[producer[r]], known_ops().relu, 1, 1);
     const int x = bwd.inputs[1];
     // No broadcasting: grad, r and the masked gradient have the input's sizes and dtype, so the
     // comparison runs in r's dtype and the fill takes grad's (0-dim operands do not promote).
@@ -111,7 +119,7 @@ void fuse_batch_norm_relu(Graph& g) {
     if (writes.written(grad) || writes.written(r) || writes.written(threshold) || writes.written(fill) ||
         writes.written(condition))
       continue;
-    if (recomputes_mask(producer[r], k)) {
+    if (producer[r] >= 0 && recomputes_mask(producer[r], k)) {
       bwd.op = &batch_norm_relu_backward_recompute;
       bwd.inputs = {grad, x, bwd.inputs[2], bwd.inputs[3], bwd.inputs[4], g.nodes[producer[r]].inputs[2], threshold,
                     fill};
