@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -53,6 +54,24 @@ namespace fs = std::filesystem;
   return ::testing::AssertionSuccess();
 }
 
+// The timeline of three inference calls of `compiled` on `x` (the first may compile), with `first`
+// run before them inside it; `runs` gets the graph runs the calls made.
+template <class Compiled>
+nlohmann::json timeline_of_calls(const std::string& path, Compiled& compiled, const Tensor& x, int64_t& runs,
+                                 const std::function<void()>& first = {}) {
+  kiln::detail::start_trace(path);
+  if (first) first();
+  const auto before = compiler::counters();
+  {
+    NoGradGuard no_grad;
+    for (int i = 0; i < 3; ++i) compiled(x);
+  }
+  runs = compiler::counters().graph_runs - before.graph_runs;
+  kiln::detail::write_trace();
+  std::ifstream in(path);
+  return nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+}
+
 // The compile spans' totals per phase (microseconds) against compiler::compile_time_table(): the
 // same phases, each with the same seconds.
 ::testing::AssertionResult phases_match_compile_times(const std::map<std::string, double>& compile_us) {
@@ -84,18 +103,10 @@ TEST(Trace, ACompiledModelsTimelineHoldsGraphRunsKernelsOpsAndCompilePhases) {
   model->eval();
   auto compiled = compile(model, {.backend = std::string("kiln")});
   Tensor x = randn({2, 3, 16, 16});
-  kiln::detail::start_trace(path);
-  Tensor eager = relu(x).sum();  // eager ops are on the timeline too
-  const auto before = compiler::counters();
-  {
-    NoGradGuard no_grad;
-    for (int i = 0; i < 3; ++i) compiled(x);
-  }
-  const int64_t runs = compiler::counters().graph_runs - before.graph_runs;
-  kiln::detail::write_trace();
-  std::ifstream in(path);
-  ASSERT_TRUE(in.good());
-  const nlohmann::json doc = nlohmann::json::parse(in);
+  int64_t runs = 0;
+  const nlohmann::json doc = timeline_of_calls(path, compiled, x, runs, [&] {
+    Tensor eager = relu(x).sum();  // eager ops are on the timeline too
+  });
   ASSERT_TRUE(valid_trace(doc));
 
   std::map<std::string, int> by_category;
@@ -130,16 +141,8 @@ TEST(Trace, ACompiledDenseNetInferencesTimelineAgreesWithCompileTimes) {
   net->eval();
   auto compiled = compile(net, {.backend = std::string("kiln")});
   Tensor x = randn({2, 3, 32, 32});
-  kiln::detail::start_trace(path);
-  const auto before = compiler::counters();
-  {
-    NoGradGuard no_grad;
-    for (int i = 0; i < 3; ++i) compiled(x);
-  }
-  const int64_t runs = compiler::counters().graph_runs - before.graph_runs;
-  kiln::detail::write_trace();
-  std::ifstream in(path);
-  const nlohmann::json doc = nlohmann::json::parse(in);
+  int64_t runs = 0;
+  const nlohmann::json doc = timeline_of_calls(path, compiled, x, runs);
   ASSERT_TRUE(valid_trace(doc));
   int graph_spans = 0;
   std::map<std::string, double> compile_us;
