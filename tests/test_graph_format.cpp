@@ -227,6 +227,24 @@ TEST_F(GraphFormatRefusal, WrongArityOrAttrKindsAreRefusedBeforeAnyMetaRuns) {
   EXPECT_TRUE(contains(refusal(none_input), "passes None as tensor input 0"));
 }
 
+// Free layouts of outputs (a module-style forward's saved activations) round-trip, so that a repro
+// of such a graph compiles as the original did; a wrong count or kind is refused.
+TEST_F(GraphFormatRefusal, FreeLayoutFlagsRoundTripAndBadOnesAreRefused) {
+  compiler::Graph g = deserialize_graph(text.dump());
+  EXPECT_TRUE(g.free_layout_outputs.empty());
+  g.free_layout_outputs.assign(g.outputs.size(), true);
+  const std::string written = serialize_graph(g).text;
+  compiler::Graph loaded = deserialize_graph(written);
+  EXPECT_EQ(loaded.free_layout_outputs, g.free_layout_outputs);
+  EXPECT_EQ(serialize_graph(loaded).text, written);
+  json flagged = json::parse(written);
+  flagged["free_layout_outputs"].push_back(true);
+  EXPECT_TRUE(contains(refusal(flagged), "flags for")) << refusal(flagged);
+  flagged = json::parse(written);
+  flagged["free_layout_outputs"][0] = 1;
+  EXPECT_TRUE(contains(refusal(flagged), "true or false")) << refusal(flagged);
+}
+
 TEST_F(GraphFormatRefusal, BadIdsSizesAndShapesThatMetaRejectsAreRefused) {
   json bad_id = text;
   bad_id["outputs"][0] = 1000;

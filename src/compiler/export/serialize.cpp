@@ -299,6 +299,7 @@ SerializedGraph serialize_graph(const Graph& g) {
   for (const ScalarSlot& s : g.scalars) scalars.push_back(json::array({s.node, s.attr}));
   j["scalars"] = std::move(scalars);
   j["outputs"] = g.outputs;
+  if (!g.free_layout_outputs.empty()) j["free_layout_outputs"] = g.free_layout_outputs;
   json constants = json::array();
   for (size_t k = 0; k < g.constants.size(); ++k) {
     std::string name = "constant_" + std::to_string(k);
@@ -411,6 +412,16 @@ Graph deserialize_graph(std::string_view text, const std::map<std::string, Tenso
     g.scalars.push_back({static_cast<int>(node), static_cast<int>(attr)});
   }
   for (const json& id : array_field(j, "outputs", "the graph")) g.outputs.push_back(id_from(id, "graph output", num_values));
+  if (j.contains("free_layout_outputs")) {
+    const json& flags = array_field(j, "free_layout_outputs", "the graph");
+    if (flags.size() != g.outputs.size())
+      refuse("field 'free_layout_outputs' has " + std::to_string(flags.size()) + " flags for " +
+             std::to_string(g.outputs.size()) + " outputs");
+    for (const json& f : flags) {
+      if (!f.is_boolean()) refuse("field 'free_layout_outputs' must hold true or false, got " + f.dump());
+      g.free_layout_outputs.push_back(f.get<bool>());
+    }
+  }
 
   for (const json& c : array_field(j, "constants", "the graph")) {
     const int v = id_from(field(c, "value", "a constant"), "a constant", num_values);
