@@ -179,6 +179,25 @@ TEST(CompileTrace, ARecompileRecordsTheGuardThatFailed) {
   fs::remove_all(dir);
 }
 
+// A recompile limit names its function as the frame entries do, so the report files it under it.
+TEST(CompileTrace, ARecompileLimitNamesItsFunctionAsItsEntriesDo) {
+  const std::string dir = temp_dir("kiln_trace");
+  compiler::reset();
+  const std::string file = compiler::set_trace_dir(dir);
+  auto f = compile([](const Tensor& x) { return x * 2; }, {.backend = "eager", .name = "once", .recompile_limit = 1});
+  f(ones({4}));
+  f(ones({4}, DType::float64));  // past the limit: runs eagerly
+  compiler::set_trace_dir("");
+  const auto events = read_events(file);
+  const auto entries = of_kind(events, "frame_entry"), limits = of_kind(events, "recompile_limit");
+  ASSERT_EQ(entries.size(), 1u);
+  ASSERT_EQ(limits.size(), 1u);
+  for (const char* key : {"frame", "function", "function_file", "function_line"})
+    EXPECT_EQ(limits[0].value(key, nlohmann::json()), entries[0].value(key, nlohmann::json())) << key;
+  EXPECT_EQ(limits[0].value("limit", 0), 1);
+  fs::remove_all(dir);
+}
+
 TEST(CompileTrace, TheFileIsPrivateNewAndEndsWhenAsked) {
   const std::string parent = temp_dir("kiln_trace");
   const std::string dir = parent + "/made/here";  // created, 0700

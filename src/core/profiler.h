@@ -104,6 +104,21 @@ class DeviceSpan {
   int device_ = -1;
 };
 
+// A compiled graph's run on the timeline: its host span ("graph <id><suffix>") and, when its inputs
+// are on a GPU, its device span. The name is built only while a timeline is recorded.
+class GraphRunSpans {
+ public:
+  GraphRunSpans(const std::string& id, const char* suffix, std::span<const Tensor> inputs)
+      : name_(g_tracing.load(std::memory_order_relaxed) ? "graph " + id + suffix : std::string()),
+        host_("graph", name_),
+        device_("gpu", name_, traced_device(inputs)) {}
+
+ private:
+  std::string name_;
+  TraceSpan host_;
+  DeviceSpan device_;
+};
+
 // Times a scope when profiling is on.
 class OpTimer {
  public:

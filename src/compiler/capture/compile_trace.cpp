@@ -195,6 +195,26 @@ std::string utc_now() {
   return text;
 }
 
+nlohmann::json function_json(const FunctionState& st) {
+  return {{"frame", st.frame_id}, {"function", st.name}, {"function_file", st.file}, {"function_line", st.line}};
+}
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::default_: break;
+    case Mode::reduce_overhead: return "reduce-overhead";
+    case Mode::max_autotune: return "max-autotune";
+    case Mode::max_autotune_no_cudagraphs: return "max-autotune-no-cudagraphs";
+  }
+  return "default";
+}
+
+std::optional<Mode> mode_from_name(std::string_view name) {
+  for (Mode m : {Mode::default_, Mode::reduce_overhead, Mode::max_autotune, Mode::max_autotune_no_cudagraphs})
+    if (name == mode_name(m)) return m;
+  return std::nullopt;
+}
+
 nlohmann::json call_site_json(const CallSite& site) {
   if (!site.known()) return nlohmann::json::object();
   return {{"file", relative_path(site.file)}, {"line", site.line}, {"function", site.function}};

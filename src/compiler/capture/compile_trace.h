@@ -45,6 +45,11 @@ class TraceGraphScope {
 // This thread's current graph id ("" when none).
 std::string trace_graph_id();
 
+struct FunctionState;
+// What every event about a compiled function says of it: "frame", "function", "function_file"
+// and "function_line" (kiln report tells functions apart by all four).
+nlohmann::json function_json(const FunctionState& st);
+
 // {"file", "line", "function"} of a call site, or an empty object when it is unknown.
 nlohmann::json call_site_json(const CallSite& site);
 

@@ -665,11 +665,8 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
       explain->out.break_reasons.push_back(br);
     }
     if (compile_trace_on()) {
-      nlohmann::json event = site ? call_site_json(*site) : nlohmann::json::object();
-      event["frame"] = fn->frame_id;
-      event["function"] = fn->name;
-      event["function_file"] = fn->file;
-      event["function_line"] = fn->line;
+      nlohmann::json event = function_json(*fn);
+      if (site) event.update(call_site_json(*site));
       if (entry) event["entry"] = entry->id;
       event["reason"] = br.reason;
       trace_event("graph_break", std::move(event));
@@ -725,10 +722,7 @@ void CaptureContext::flush(bool end_of_call, std::string_view reason, const Call
     {
       NoGradGuard no_grad;
       kiln::detail::WritesAlreadyCounted counted;  // the capture counted the graph's writes
-      const bool tracing = kiln::detail::g_tracing.load(std::memory_order_relaxed);
-      const std::string name = tracing ? "graph " + compiled->id : std::string();
-      kiln::detail::TraceSpan span("graph", name);
-      kiln::detail::DeviceSpan device_time("gpu", name, kiln::detail::traced_device(seg->inputs));
+      kiln::detail::GraphRunSpans timeline(compiled->id, "", seg->inputs);
       std::optional<TraceGraphScope> traced;  // events of the run (a CUDA graph's recording) name it
       if (compile_trace_on()) traced.emplace(compiled->id);
       results = compiled->fn(args);

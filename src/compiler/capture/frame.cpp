@@ -471,10 +471,7 @@ bool replay(FrameEntry& entry, std::vector<Leaf>& leaves, CallHooks& hooks) {
   {
     SuspendCapture suspend;
     NoGradGuard no_grad;
-    const bool tracing = kiln::detail::g_tracing.load(std::memory_order_relaxed);
-    const std::string name = tracing ? "graph " + plan->graph->id + " (replay)" : std::string();
-    kiln::detail::TraceSpan span("graph", name);
-    kiln::detail::DeviceSpan device_time("gpu", name, kiln::detail::traced_device(inputs));
+    kiln::detail::GraphRunSpans timeline(plan->graph->id, " (replay)", inputs);
     outs = plan->graph->fn(Arguments{inputs, plan->scalars});
   }
   for (size_t k = 0; k < plan->inputs.size(); ++k)
@@ -535,13 +532,6 @@ void capture_body(CaptureContext& ctx, const std::function<void()>& body) {
   ctx.flush(true, "", nullptr);
 }
 
-}  // namespace
-
-namespace {
-// What every compile trace event about a compiled function says of it.
-nlohmann::json function_json(const FunctionState& st) {
-  return {{"frame", st.frame_id}, {"function", st.name}, {"function_file", st.file}, {"function_line", st.line}};
-}
 }  // namespace
 
 std::string FunctionState::where() const { return "'" + name + "' (" + file + ":" + std::to_string(line) + ")"; }
@@ -672,9 +662,12 @@ void run_call(FunctionState& st, std::vector<Leaf>& leaves, CallHooks& hooks) {
           throw RecompileError("[kiln::compile] recompile_limit reached with fullgraph=true. " + msg);
         }
         notify_recompile(st, reasons);
-        if (compile_trace_on())
-          trace_event("recompile_limit", {{"frame", st.frame_id}, {"function", st.name}, {"limit", st.limit()},
-                                          {"reasons", reasons}});
+        if (compile_trace_on()) {
+          nlohmann::json event = function_json(st);
+          event["limit"] = st.limit();
+          event["reasons"] = reasons;
+          trace_event("recompile_limit", std::move(event));
+        }
         if (!st.limit_warned) {
           st.limit_warned = true;
           lock.unlock();
@@ -810,17 +803,6 @@ void name_inputs(CaptureContext& ctx, Graph& g, const Arguments& example) {
   }
 }
 
-std::string mode_text(const std::optional<Mode>& mode) {
-  if (!mode) return "default";
-  switch (*mode) {
-    case Mode::default_: return "default";
-    case Mode::reduce_overhead: return "reduce-overhead";
-    case Mode::max_autotune: return "max-autotune";
-    case Mode::max_autotune_no_cudagraphs: return "max-autotune-no-cudagraphs";
-  }
-  return "default";
-}
-
 // The compile trace's "graph" event: the captured graph as print_tabular shows it, each op with
 // the file:line of the user's code that called it.
 nlohmann::json graph_json(const CaptureContext& ctx, const CompiledGraph& cg, bool instance,
@@ -830,7 +812,7 @@ nlohmann::json graph_json(const CaptureContext& ctx, const CompiledGraph& cg, bo
   if (ctx.entry) event["entry"] = ctx.entry->id;
   event["graph"] = cg.id;
   event["backend"] = cg.backend;
-  event["mode"] = mode_text(st.options.mode);
+  event["mode"] = mode_name(st.options.mode.value_or(Mode::default_));
   event["dynamic"] = cg.graph.dynamic;
   event["new_size_of_dynamic_graph"] = instance;
   nlohmann::json rows = nlohmann::json::array();

@@ -165,11 +165,10 @@ std::vector<RecomputedValue> split_recomputed(Segment& seg, std::vector<std::sha
     free_layout[k] = !drop[k] && saved_only[g.outputs[k]] && !read_by_recipe[g.outputs[k]];
   if (std::find(free_layout.begin(), free_layout.end(), true) != free_layout.end()) g.free_layout_outputs = free_layout;
   // The saved handles of each free output: they take the layout the backend returns.
-  std::vector<std::vector<std::shared_ptr<TensorImpl>>> handles_of(g.outputs.size());
+  free_handles.assign(g.outputs.size(), {});
   for (size_t k = 0; k < g.outputs.size(); ++k)
     if (free_layout[k])
-      for (const Tensor* t : saved_on[live[k].get()]) handles_of[k].push_back(t->impl_ptr());
-  free_handles = handles_of;
+      for (const Tensor* t : saved_on[live[k].get()]) free_handles[k].push_back(t->impl_ptr());
   if (out.empty()) return out;
   // The dead values the recipes read, each once, with a storage of their own to fill.
   std::sort(through.begin(), through.end());

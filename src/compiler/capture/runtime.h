@@ -287,6 +287,11 @@ std::string relative_path(const std::string& path);
 // The time now in UTC, "2026-11-27T23:02:01Z" (compile traces, exported programs).
 std::string utc_now();
 
+// torch.compile's names of the modes ("reduce-overhead"), as traces and exported programs write
+// them; mode_from_name gives nullopt for an unknown name.
+const char* mode_name(Mode mode);
+std::optional<Mode> mode_from_name(std::string_view name);
+
 // Whether the registered backend `name` carries `tag` (false for unknown names, "custom").
 bool backend_has_tag(std::string_view name, std::string_view tag);
 

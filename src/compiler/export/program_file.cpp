@@ -4,6 +4,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "compiler/capture/runtime.h"
 #include "compiler/export/program.h"
 #include "compiler/graph/passes.h"
 #include "kiln/compiler/serialize.h"
@@ -22,11 +23,6 @@ using compiler::exporting::Section;
 
 constexpr int kProgramVersion = 1;
 constexpr size_t kMaxDims = 6;
-
-const std::pair<Mode, const char*> kModes[] = {{Mode::default_, "default"},
-                                               {Mode::reduce_overhead, "reduce-overhead"},
-                                               {Mode::max_autotune, "max-autotune"},
-                                               {Mode::max_autotune_no_cudagraphs, "max-autotune-no-cudagraphs"}};
 
 json spec_json(const TensorSpec& s) {
   return json{{"name", s.name}, {"dtype", std::string(dtype_name(s.dtype))}, {"device", s.device.str()},
@@ -84,8 +80,7 @@ bool same_spec(const TensorSpec& s, const compiler::ValueInfo& v) {
 void write_compile_settings(nlohmann::json& j, const std::optional<Mode>& mode,
                             const std::map<std::string, compiler::OptionValue>& options) {
   j["mode"] = nullptr;
-  for (const auto& [m, name] : kModes)
-    if (mode && *mode == m) j["mode"] = name;
+  if (mode) j["mode"] = compiler::detail::mode_name(*mode);
   j["options"] = json::object();
   for (const auto& [k, v] : options) j["options"][k] = option_json(v);
 }
@@ -95,8 +90,7 @@ void read_compile_settings(const nlohmann::json& j, std::optional<Mode>& mode,
   Reader r{path};
   if (!j.at("mode").is_null()) {
     const std::string name = j.at("mode").get<std::string>();
-    for (const auto& [m, text] : kModes)
-      if (name == text) mode = m;
+    mode = compiler::detail::mode_from_name(name);
     r.check(mode.has_value(), "unknown mode '" + name + "'.");
   }
   for (const auto& [k, v] : j.at("options").items()) {

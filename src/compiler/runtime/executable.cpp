@@ -284,9 +284,7 @@ std::vector<Tensor> run(const Executable& ex, const Arguments& args) {
       for (uint32_t j = step.bindings; j < step.allocate; ++j) pointers.push_back(env[lists[j]].impl().data());
       kiln::detail::OpTimer timer(ex.program.kernels[step.kernel].profile_name);
       kiln::detail::DeviceSpan device_time("gpu", ex.program.kernels[step.kernel].profile_name,
-                                           ex.kernels[step.kernel] || !kiln::detail::g_tracing.load(std::memory_order_relaxed)
-                                               ? -1
-                                               : ex.cuda_kernels[step.kernel].device);
+                                           ex.kernels[step.kernel] ? -1 : ex.cuda_kernels[step.kernel].device);
       if (ex.kernels[step.kernel])
         ex.kernels[step.kernel](pointers.data(), scalars.data(), int_scalars.data(), step.size_args);
       else launch_cuda(ex, ex.program.steps[i], env, scalars, int_scalars);
