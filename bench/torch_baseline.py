@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Times PyTorch on the same work as `kiln bench MODEL`, for a side-by-side comparison.
 
-CPU: eager inference (eval, no_grad), TorchScript-frozen inference and an Adam training step.
-Usage: torch_baseline.py densenet121 --device cpu --batch 16 --size 128 [--train] [--threads N]
-
-CUDA: eager, torch.compile (default) and torch.compile(mode="reduce-overhead") for inference
-(--modes) and for the whole Adam step, optimizer included (--train-modes; compiling the step
-takes minutes); per mode the median time (CUDA events), the compile time (the first calls) and
-the peak memory (torch.cuda.max_memory_allocated over that mode's runs).
-Usage: torch_baseline.py densenet121 --device cuda --batch 16 --size 128 [--train]
-       [--modes eager,default,reduce-overhead] [--train-modes eager,default]
+A model (densenet121, resnet18, ...): inference (eval, no_grad) in each of --modes and the
+whole Adam step, optimizer included, in each of --train-modes. The modes: eager, torchscript
+(TorchScript-frozen; CPU inference only), and torch.compile's default, reduce-overhead and
+max-autotune (Inductor: C++ on a CPU, Triton on a GPU; compiling takes minutes). Per mode: the
+median time (CUDA events on a GPU), the compile time (the first three calls) and, on a GPU, the
+peak memory (torch.cuda.max_memory_allocated over that mode's runs). A torch.compile mode on a
+PyTorch without it (< 2.0) is reported with an "unavailable" reason instead of a time.
+Usage: torch_baseline.py densenet121 --device cpu|cuda --batch 16 --size 128 [--train] [--threads N]
+       [--modes eager,torchscript,default] [--train-modes eager,default]
+(defaults: CPU eager,torchscript,default; GPU eager,default,reduce-overhead; steps eager,default)
 
 `toy` is the counterpart of `kiln bench toy`: microseconds per call of the set_stance recipe's
 three 5x5 matmuls in eager mode and, where torch.compile exists (PyTorch >= 2.0), compiled with
@@ -69,32 +70,80 @@ def profile_once(fn):
     torch.cuda.profiler.stop()
 
 
-def cuda_model(a, model, x, y):
-    """Inference and the Adam step on a GPU: eager and torch.compile modes, side by side."""
+# The modes a model can run in: eager, TorchScript-frozen (CPU inference only) and torch.compile's.
+MODE_NAMES = {"eager": "eager", "torchscript": "torchscript_frozen", "default": "torch_compile",
+              "reduce-overhead": "torch_compile_reduce_overhead", "max-autotune": "torch_compile_max_autotune"}
+COMPILE_KWARGS = {"default": {}, "reduce-overhead": {"mode": "reduce-overhead"},
+                  "max-autotune": {"mode": "max-autotune"}}
+
+
+def parse_modes(text, allowed, what):
+    modes = [m for m in text.split(",") if m]
+    for m in modes:
+        if m not in allowed:
+            sys.exit(f"torch_baseline.py: {what} '{m}' is not one of {', '.join(allowed)}")
+    return modes
+
+
+def compile_unavailable():
+    """Why torch.compile cannot run here, or None."""
+    if not hasattr(torch, "compile"):
+        return f"torch.compile needs PyTorch >= 2.0; this is {torch.__version__}"
+    return None
+
+
+def model_modes(a, model, x, y):
+    """Inference and the Adam step in each mode, side by side: per mode the median time, the
+    compile time (the first three calls) and, on a GPU, the peak memory."""
     import copy
-    out = {"framework": f"torch {torch.__version__}", "model": a.model, "device": "cuda",
-           "gpu": torch.cuda.get_device_name(), "batch": a.batch, "size": a.size, "modes": {}}
-    compile_kwargs = {"eager": None, "default": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
-    name = {"eager": "eager", "default": "torch_compile", "reduce-overhead": "torch_compile_reduce_overhead"}
-    for mode in a.modes.split(","):
+    cuda = x.is_cuda
+    out = {"framework": f"torch {torch.__version__}", "model": a.model, "device": x.device.type,
+           "batch": a.batch, "size": a.size, "threads": torch.get_num_threads(), "modes": {}}
+    if cuda:
+        out["gpu"] = torch.cuda.get_device_name()
+        time_ms = lambda fn: cuda_median_ms(fn, a.warmup, a.iters)  # noqa: E731
+        sync = torch.cuda.synchronize
+    else:
+        out["cpu"] = cpu_name()
+        time_ms = lambda fn: median_ms(fn, a.warmup, a.iters, lambda: None)  # noqa: E731
+        sync = lambda: None  # noqa: E731
+    infer_allowed = ["eager", "default", "reduce-overhead", "max-autotune"] + ([] if cuda else ["torchscript"])
+    train_allowed = ["eager", "default", "reduce-overhead", "max-autotune"]
+
+    def build(mode, fn):
+        """fn in `mode`, or the reason it cannot run."""
+        if mode == "eager":
+            return fn, None
+        why = compile_unavailable()
+        return (None, why) if why else (torch.compile(fn, **COMPILE_KWARGS[mode]), None)
+
+    for mode in parse_modes(a.modes, infer_allowed, "inference mode"):
         model.eval()
-        fn = model if mode == "eager" else torch.compile(model, **compile_kwargs[mode])
-        r = out["modes"].setdefault(name[mode], {})
+        r = out["modes"].setdefault(MODE_NAMES[mode], {})
         with torch.no_grad():
-            torch.cuda.synchronize()
+            if mode == "torchscript":
+                fn, why = torch.jit.freeze(torch.jit.script(model)), None
+            else:
+                fn, why = build(mode, model)
+            if why:
+                r["unavailable"] = why
+                continue
+            sync()
             t0 = time.perf_counter()
             for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
                 fn(x)
-            torch.cuda.synchronize()
-            if mode != "eager":
+            sync()
+            if mode not in ("eager", "torchscript"):
                 r["inference_compile_s"] = time.perf_counter() - t0
-            torch.cuda.reset_peak_memory_stats()
-            r["inference_ms"] = cuda_median_ms(lambda: fn(x), a.warmup, a.iters)
-            r["inference_peak_bytes"] = torch.cuda.max_memory_allocated()
-            if a.profile == "infer":
-                profile_once(lambda: fn(x))
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            r["inference_ms"] = time_ms(lambda: fn(x))
+            if cuda:
+                r["inference_peak_bytes"] = torch.cuda.max_memory_allocated()
+                if a.profile == "infer":
+                    profile_once(lambda: fn(x))
     if a.train:
-        for mode in a.train_modes.split(","):
+        for mode in parse_modes(a.train_modes, train_allowed, "training mode"):
             m = copy.deepcopy(model).train()
             opt = torch.optim.Adam(m.parameters(), lr=1e-3)
 
@@ -105,21 +154,38 @@ def cuda_model(a, model, x, y):
                 opt.step()
                 return loss
 
-            fn = step if mode == "eager" else torch.compile(step, **compile_kwargs[mode])
-            r = out["modes"].setdefault(name[mode], {})
-            torch.cuda.synchronize()
+            r = out["modes"].setdefault(MODE_NAMES[mode], {})
+            fn, why = build(mode, step)
+            if why:
+                r["unavailable"] = why
+                continue
+            sync()
             t0 = time.perf_counter()
             for _ in range(3):
                 fn()
-            torch.cuda.synchronize()
+            sync()
             if mode != "eager":
                 r["train_compile_s"] = time.perf_counter() - t0
-            torch.cuda.reset_peak_memory_stats()
-            r["train_step_ms"] = cuda_median_ms(fn, a.warmup, a.iters)
-            r["train_peak_bytes"] = torch.cuda.max_memory_allocated()
-            if a.profile == "train":
-                profile_once(fn)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            r["train_step_ms"] = time_ms(fn)
+            if cuda:
+                r["train_peak_bytes"] = torch.cuda.max_memory_allocated()
+                if a.profile == "train":
+                    profile_once(fn)
     return out
+
+
+def cpu_name():
+    """The CPU's model name (/proc/cpuinfo), for the record."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def toy_model(x, y):
@@ -193,8 +259,10 @@ def main():
     p.add_argument("--warmup", type=int, default=None, help="default 2 (toy: 3)")
     p.add_argument("--iters", type=int, default=None, help="timed runs, default 5 (toy: calls per batch, 2000)")
     p.add_argument("--batches", type=int, default=7, help="toy only: the time is the median batch")
-    p.add_argument("--modes", default="eager,default,reduce-overhead", help="cuda only: inference modes")
-    p.add_argument("--train-modes", default="eager,default", help="cuda only: training-step modes")
+    p.add_argument("--modes", default=None,
+                   help="inference modes among eager, torchscript (CPU), default, reduce-overhead, max-autotune; "
+                        "default eager,torchscript,default on a CPU, eager,default,reduce-overhead on a GPU")
+    p.add_argument("--train-modes", default=None, help="training-step modes (--train), default eager,default")
     p.add_argument("--profile", choices=["infer", "train"],
                    help="cuda only: one more such call per mode inside torch.cuda.profiler.start/stop, for ncu")
     a = p.parse_args()
@@ -213,37 +281,15 @@ def main():
         print(json.dumps({"error": f"baseline unavailable: {e}"}))
         sys.exit(3)
     dev = torch.device(a.device)
-    sync = (lambda: torch.cuda.synchronize()) if dev.type == "cuda" else (lambda: None)
+    if a.modes is None:
+        a.modes = "eager,default,reduce-overhead" if dev.type == "cuda" else "eager,torchscript,default"
+    if a.train_modes is None:
+        a.train_modes = "eager,default"
     torch.manual_seed(0)
     model = getattr(torchvision.models, a.model)(num_classes=a.classes).to(dev)
     x = torch.randn(a.batch, 3, a.size, a.size, device=dev)
     y = torch.randint(0, a.classes, (a.batch,), device=dev)
-    if dev.type == "cuda":
-        print(json.dumps(cuda_model(a, model, x, y), indent=2))
-        return
-    out = {"framework": f"torch {torch.__version__}", "model": a.model, "device": str(dev),
-           "batch": a.batch, "size": a.size, "threads": torch.get_num_threads(), "modes": {}}
-
-    model.eval()
-    with torch.no_grad():
-        eager = {"inference_ms": median_ms(lambda: model(x), a.warmup, a.iters, sync)}
-        frozen = torch.jit.freeze(torch.jit.script(model))
-        script = {"inference_ms": median_ms(lambda: frozen(x), a.warmup, a.iters, sync)}
-    if a.train:
-        model.train()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step():
-            opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-
-        eager["train_step_ms"] = median_ms(step, a.warmup, a.iters, sync)
-    out["modes"]["eager"] = eager
-    out["modes"]["torchscript_frozen"] = script
-    print(json.dumps(out, indent=2))
-
+    print(json.dumps(model_modes(a, model, x, y), indent=2))
 
 if __name__ == "__main__":
     main()
