@@ -392,6 +392,37 @@ TEST_F(ConvAutotune, TimedChoiceRecordsEachDirectionAndMatchesFloat64) {
     }
 }
 
+// A decision holds for the thread count it was timed at: the same convolution at another thread
+// count times again (and records that count), and going back reuses the first decision.
+TEST_F(ConvAutotune, EachThreadCountTimesItsOwnDecision) {
+  const int before = get_num_threads();
+  const ConvParams p;
+  Operands o = make_operands({4, 64, 16, 16}, {32, 64, 3, 3}, p, kFloat32, /*channels_last=*/true);
+  const std::vector<ConvDirection> directions = timed_directions(true, /*bias=*/true);
+  auto at_threads = [&](int threads) {
+    std::vector<ConvAutotuneDecision> found;
+    for (const auto& d : decisions_for({4, 64, 16, 16}, 32, true))
+      if (d.threads == threads) found.push_back(d);
+    return found;
+  };
+  {
+    AutotuneScope scope;
+    set_num_threads(1);
+    ConvResult one = run_conv(o, p);
+    expect_directions(at_threads(1), directions);
+    set_num_threads(2);
+    run_conv(o, p);
+    expect_directions(at_threads(2), directions);
+    for (const auto& d : at_threads(2)) EXPECT_NE(d.str().find(", 2 threads:"), std::string::npos) << d.str();
+    const size_t recorded = cpu::conv_autotune_decisions().size();
+    EXPECT_EQ(recorded, 2 * directions.size());
+    set_num_threads(1);
+    EXPECT_TRUE(bit_identical(run_conv(o, p), one));
+    EXPECT_EQ(cpu::conv_autotune_decisions().size(), recorded);
+  }
+  set_num_threads(before);
+}
+
 // Configurations oneDNN's Winograd can't run (stride 2, 1x1, dilation 2, groups 2, float64) are
 // not timed, record nothing, and compute what they compute outside a scope.
 TEST_F(ConvAutotune, ConfigurationsWinogradCantRunRecordNothing) {

@@ -5,9 +5,9 @@
 // F(4x4, 3x3) algorithms that can run it: oneDNN's Winograd plan (reorders to and from the
 // tensors' layout included) and, for channels-last activations without bias, Kiln's own
 // (winograd_nhwc.h: forward and backward-data). It does so the first time it meets that
-// configuration, layout and direction (forward, backward-data, backward-weights); the fastest is
-// cached for the process and used by every later call inside a scope (an alternative must beat
-// direct by 5%). Outside a scope convolutions always run the direct plan; KILN_CONV_AUTOTUNE
+// configuration, layout, direction (forward, backward-data, backward-weights) and thread count
+// (timed with the threads it will run with); the fastest is cached for the process and used by
+// every later call inside a scope at that thread count (an alternative must beat direct by 5%). Outside a scope convolutions always run the direct plan; KILN_CONV_AUTOTUNE
 // steers them inside one (autotune_scope.h).
 #pragma once
 
@@ -32,11 +32,12 @@ struct ConvAutotuneDecision {
   std::array<int64_t, 4> weight{};  // O, C/groups, kH, kW
   bool channels_last = false;       // activations ran NHWC
   ConvDirection direction = ConvDirection::forward;
+  int threads = 1;  // the OpenMP threads it was timed with (and holds for)
   // The fastest of the timed runs; negative for an algorithm that cannot run the configuration.
   double direct_ms = 0, winograd_ms = -1, winograd_nhwc_ms = -1;
   ConvAlgorithm chosen = ConvAlgorithm::direct;
 
-  // "<config> backward_data: direct 2.84 ms, winograd 2.16 ms, winograd_nhwc 1.62 ms -> winograd_nhwc"
+  // "<config> backward_data, 2 threads: direct 2.84 ms, winograd 2.16 ms, winograd_nhwc 1.62 ms -> winograd_nhwc"
   std::string str() const;
 };
 

@@ -718,15 +718,19 @@ void run_backward_plan(const BackwardPlan& p, const void* x, const void* w, cons
 
 // ---------------- autotuning (max_autotune): direct vs Winograd ----------------
 
+// A decision holds for the thread count it was timed at: which algorithm wins moves with the
+// cores it gets (Winograd's transforms scale differently from a direct kernel), so a process that
+// changes its thread count times again.
 struct DecisionKey {
   ConvKey conv;
   ConvDirection direction;
+  int threads;
   bool operator==(const DecisionKey&) const = default;
 };
 
 struct DecisionKeyHash {
   size_t operator()(const DecisionKey& k) const {
-    return ConvKeyHash{}(k.conv) * 7u + static_cast<size_t>(k.direction);
+    return (ConvKeyHash{}(k.conv) * 7u + static_cast<size_t>(k.direction)) * 31u + static_cast<size_t>(k.threads);
   }
 };
 
@@ -785,7 +789,8 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
                                   const std::function<std::vector<ConvAlgorithm>()>& alternatives,
                                   const std::function<void(ConvAlgorithm)>& run) {
   DecisionCache& cache = decision_cache();
-  const DecisionKey key{make_key(s, dtype, layout), direction};
+  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const DecisionKey key{make_key(s, dtype, layout), direction, threads};
   std::shared_ptr<DecisionEntry> entry;
   {
     std::lock_guard lock(cache.mutex);
@@ -800,6 +805,7 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
     d.weight = {s.o, s.c / s.groups, s.kh, s.kw};
     d.channels_last = layout.channels_last;
     d.direction = direction;
+    d.threads = threads;
     std::vector<ConvAlgorithm> algorithms = alternatives();
     const bool timed = !algorithms.empty();
     if (timed) {
@@ -1315,7 +1321,7 @@ std::string ConvAutotuneDecision::str() const {
   std::string timings = fmt::format("direct {:.3f} ms", direct_ms);
   if (winograd_ms >= 0) timings += fmt::format(", winograd {:.3f} ms", winograd_ms);
   if (winograd_nhwc_ms >= 0) timings += fmt::format(", winograd_nhwc {:.3f} ms", winograd_nhwc_ms);
-  return fmt::format("{} {}: {} -> {}", config, name(direction), timings, name(chosen));
+  return fmt::format("{} {}, {} threads: {} -> {}", config, name(direction), threads, timings, name(chosen));
 }
 
 std::vector<ConvAutotuneDecision> conv_autotune_decisions() {
