@@ -136,10 +136,11 @@ extern "C" __global__ void all(float* f, double* d, long long* l, int* i, signed
 }
 
 // The fused optimizers' kernels (kernels/fused_optim.h), for every floating dtype.
-TEST(CudaJit, FusedAdamKernelsCompileForEveryFloatingDType) {
+TEST(CudaJit, FusedOptimizerKernelsCompileForEveryFloatingDType) {
   for (DType t : {kFloat32, kFloat64, kFloat16, kBFloat16}) {
     SCOPED_TRACE(dtype_name(t));
     EXPECT_GT(cuda::detail::compile_cubin(kiln::detail::fused_adam_source(t), 90, "fused_adam").size(), 1000u);
+    EXPECT_GT(cuda::detail::compile_cubin(kiln::detail::fused_sgd_source(t), 90, "fused_sgd").size(), 1000u);
   }
 }
 
@@ -495,6 +496,60 @@ TEST(CudaOptim, FusedAdamOfManyParametersMatchesTheCpu) {
                                            on_cpu->state(cpu_params[i]).at("exp_avg").to_vector<double>(), tol))
             << "exp_avg " << i;
         EXPECT_EQ(on_gpu->state(gpu_params[i]).at("step").item<float>(), 3.0f);
+      }
+    }
+  }
+}
+
+// The fused SGD kernel against the CPU's fused update, as FusedAdamOfManyParametersMatchesTheCpu:
+// plain, with momentum, dampening and weight decay, and Nesterov with maximize; three steps.
+TEST(CudaOptim, FusedSgdOfManyParametersMatchesTheCpu) {
+  SKIP_WITHOUT_GPU();
+  std::vector<int64_t> numels = {0, 1, 200000, 65537, 5, 17000000};
+  for (int i = 0; i < 40; ++i) numels.push_back(7 + 3 * i);
+  const std::vector<optim::SGDOptions> options = {
+      {.lr = 0.05},
+      {.lr = 0.05, .momentum = 0.9, .dampening = 0.25, .weight_decay = 0.1},
+      {.lr = 0.05, .momentum = 0.8, .weight_decay = 0.01, .nesterov = true, .maximize = true}};
+  for (size_t oi = 0; oi < options.size(); ++oi) {
+    for (DType t : {kFloat32, kFloat64, kBFloat16}) {
+      SCOPED_TRACE("options " + std::to_string(oi) + " " + std::string(dtype_name(t)));
+      const optim::SGDOptions& o = options[oi];
+      manual_seed(3);
+      std::vector<Tensor> cpu_params, gpu_params;
+      for (int64_t n : numels) {
+        Tensor p = randn({n}).to(t);
+        cpu_params.push_back(p.clone().requires_grad_());
+        gpu_params.push_back(p.to(cuda_device()).requires_grad_());
+      }
+      optim::SGD on_cpu(cpu_params, o), on_gpu(gpu_params, o);
+      for (int k = 0; k < 3; ++k) {
+        for (size_t i = 0; i < numels.size(); ++i) {
+          Tensor g = randn({numels[i]}).to(t);
+          cpu_params[i].set_grad(g);
+          gpu_params[i].set_grad(g.to(cuda_device()));
+        }
+        on_cpu.step();
+        reset_op_profile();
+        set_op_profiling(true);
+        on_gpu.step();
+        set_op_profiling(false);
+        const std::string profile = op_profile_report();
+        EXPECT_NE(profile.find("sgd (fused)"), std::string::npos) << profile;
+        EXPECT_EQ(profile.find("\nadd"), std::string::npos) << profile;
+      }
+      const kiln::testing::Tolerance tol = t == kFloat64   ? kiln::testing::Tolerance{1e-12, 1e-12}
+                                           : t == kFloat32 ? kiln::testing::Tolerance{2e-5, 1e-6}
+                                                           : kiln::testing::Tolerance{2e-2, 1e-2};
+      for (size_t i = 0; i < numels.size(); ++i) {
+        EXPECT_TRUE(kiln::testing::matches(gpu_params[i].detach().cpu(), {numels[i]},
+                                           cpu_params[i].detach().to_vector<double>(), tol))
+            << "parameter " << i;
+        if (o.momentum != 0)
+          EXPECT_TRUE(kiln::testing::matches(on_gpu.state(gpu_params[i]).at("momentum_buffer").cpu(), {numels[i]},
+                                             on_cpu.state(cpu_params[i]).at("momentum_buffer").to_vector<double>(),
+                                             tol))
+              << "momentum_buffer " << i;
       }
     }
   }

@@ -328,6 +328,80 @@ TEST(AdamW, FusedUpdateOfManyParametersFollowsTheReference) {
   check_many_parameters<optim::AdamW>(optim::AdamWOptions{.lr = 0.01, .amsgrad = true, .maximize = true}, true);
 }
 
+// SGD over many parameters (as check_many_parameters): every option that changes the fused
+// update's arithmetic, each parameter against its float64 reference after each of 4 steps; the
+// momentum buffers start at the first step (undampened) and never alias the gradients.
+void check_many_sgd_parameters(const optim::SGDOptions& o) {
+  std::vector<int64_t> numels = {0, 1, 70000, 16385, 5, 16384};
+  for (int i = 0; i < 36; ++i) numels.push_back(7 + 3 * i);
+  std::vector<Tensor> params;
+  std::vector<SgdReference> refs;
+  for (size_t i = 0; i < numels.size(); ++i) {
+    params.push_back(make_param(initial_values(static_cast<size_t>(numels[i]), 0.1 * double(i)), {numels[i]}, kFloat32));
+    refs.push_back(SgdReference{values(params.back())});
+  }
+  Tensor strided = tensor<double>(initial_values(kNumel, 9.0), {3, 2}).to(kFloat32).t();
+  params.push_back(strided);
+  refs.push_back(SgdReference{values(strided)});
+  Tensor unused = make_param(initial_values(4, 3.0), {4}, kFloat32);
+  params.push_back(unused);
+  optim::SGD opt(params, o);
+  for (int k = 0; k < 4; ++k) {
+    for (size_t i = 0; i + 1 < params.size(); ++i)
+      refs[i].step(set_grad_values(params[i], grad_values(k, static_cast<size_t>(params[i].numel()), 0.3 * double(i))), o);
+    opt.step();
+    for (size_t i = 0; i + 1 < params.size(); ++i) {
+      ASSERT_TRUE(matches(params[i], params[i].sizes().vec(), refs[i].p, tolerance(kFloat32)))
+          << "parameter " << i << " after step " << k + 1;
+      if (o.momentum != 0) {
+        const Tensor& buf = opt.state(params[i]).at("momentum_buffer");
+        ASSERT_TRUE(matches(buf, params[i].sizes().vec(), refs[i].buf, tolerance(kFloat32))) << "buffer " << i;
+        if (params[i].numel() > 0) EXPECT_NE(buf.impl().data(), params[i].grad().impl().data());
+      }
+    }
+  }
+  EXPECT_TRUE(opt.state(unused).empty());
+}
+
+TEST(SGD, FusedUpdateOfManyParametersFollowsTheReference) {
+  check_many_sgd_parameters({.lr = 0.05});
+  check_many_sgd_parameters({.lr = 0.05, .momentum = 0.9, .dampening = 0.25, .weight_decay = 0.1});
+  check_many_sgd_parameters({.lr = 0.05, .momentum = 0.8, .weight_decay = 0.01, .nesterov = true, .maximize = true});
+}
+
+// Dense parameters take the fused kernel (one profiler row, no per-op adds) and are written in
+// place (their version moves); a strided gradient sends its parameter to the per-op update, which
+// carries on from the buffer the fused step made.
+TEST(SGD, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {
+  Tensor p = make_param(initial_values(kNumel), kShape, kFloat32);
+  Tensor q = make_param(initial_values(kNumel, 1.0), {3, 2}, kFloat32);
+  const optim::SGDOptions o{.lr = 0.1, .momentum = 0.9};
+  optim::SGD opt({p, q}, o);
+  SgdReference ref_p{values(p)}, ref_q{values(q)};
+  auto profile_step = [&] {
+    reset_op_profile();
+    set_op_profiling(true);
+    opt.step();
+    set_op_profiling(false);
+    return op_profile_report();
+  };
+  ref_p.step(set_grad_values(p, grad_values(0, kNumel)), o);
+  ref_q.step(set_grad_values(q, grad_values(1, kNumel)), o);
+  const uint64_t before = p.version();
+  std::string profile = profile_step();
+  EXPECT_FALSE(profiled(profile, "add") || profiled(profile, "mul") || profiled(profile, "clone")) << profile;
+  EXPECT_NE(profile.find("\nsgd (fused) "), std::string::npos) << profile;
+  EXPECT_GT(p.version(), before);
+  std::vector<double> g = grad_values(2, kNumel);
+  q.set_grad(tensor<double>({g[0], g[2], g[4], g[1], g[3], g[5]}, {2, 3}).to(kFloat32).t());
+  ref_q.step(g, o);
+  ref_p.step(set_grad_values(p, grad_values(3, kNumel)), o);
+  profile = profile_step();
+  EXPECT_TRUE(profiled(profile, "add")) << profile;
+  EXPECT_TRUE(matches(p, kShape, ref_p.p, tolerance(kFloat32)));
+  EXPECT_TRUE(matches(q, {3, 2}, ref_q.p, tolerance(kFloat32)));
+}
+
 // Dense parameters take the fused kernels, not the per-op update (whose ops the profiler would
 // list); a strided one takes the per-op update.
 TEST(Adam, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {

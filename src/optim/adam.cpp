@@ -3,12 +3,9 @@
 // under compile() and for the rest, the update of _single_tensor_adam in Kiln's in-place ops,
 // with the bias corrections computed as tensors from the step tensor (no host read, so the step
 // can be captured into a graph, whose backend fuses the update itself).
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "core/dispatch.h"
-#include "core/layer_hooks.h"
 #include "core/profiler.h"
 #include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
@@ -121,33 +118,14 @@ void adam_update(Tensor param, const Tensor& grad, ParamState& state, const Adam
   param.addcdiv_(exp_avg, denom, -c.lr);
 }
 
-// Whether step() may take the fused kernels: not while compile() captures the step (the graph
-// records the per-op update), and not with KILN_FUSED_OPTIM=0 (the per-op update everywhere).
-bool fused_allowed() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("KILN_FUSED_OPTIM");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return enabled && !kiln::detail::active_capture_hook();
-}
-
 // The parameters of one group that take the fused update, in lists per device and dtype.
 class FusedAdam {
  public:
   // Adds `param` when it and its grad and state are dense tensors of one floating dtype on a
   // device with a fused kernel, with a float32 step counter there; false leaves it to adam_update.
   bool add(const Tensor& param, const Tensor& grad, const ParamState& state, bool amsgrad) {
-    const DType t = param.dtype();
-    if (t != kFloat32 && t != kFloat64 && t != kFloat16 && t != kBFloat16) return false;
-#ifdef KILN_WITH_CUDA
-    if (!param.device().is_cpu() && !param.device().is_cuda()) return false;
-#else
-    if (!param.device().is_cpu()) return false;
-#endif
-    auto like_param = [&](const Tensor& x) {
-      return x.defined() && x.is_contiguous() && x.dtype() == t && x.device() == param.device() &&
-             x.sizes() == param.sizes();
-    };
+    if (!fused_kernels_take(param)) return false;
+    auto like_param = [&](const Tensor& x) { return fusable_like(x, param); };
     const Tensor& step = state.at("step");
     if (!like_param(param) || !like_param(grad) || !like_param(state.at("exp_avg")) ||
         !like_param(state.at("exp_avg_sq")) || (amsgrad && !like_param(state.at("max_exp_avg_sq"))) ||
@@ -191,7 +169,7 @@ class FusedAdam {
 template <class Options, class StateOf>
 void adam_step(std::vector<ParamGroup<Options>>& groups, bool decoupled, StateOf&& state_of) {
   NoGradGuard no_grad;
-  const bool fused = fused_allowed();
+  const bool fused = fused_update_allowed();
   for (auto& group : groups) {
     const AdamConfig c = config_of(group.options, decoupled);
     FusedAdam batch;

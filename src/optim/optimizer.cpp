@@ -4,8 +4,11 @@
 #include <charconv>
 #include <cmath>
 #include <concepts>
+#include <cstdlib>
+#include <cstring>
 #include <set>
 
+#include "core/layer_hooks.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
 #include "kiln/optim.h"
@@ -366,6 +369,29 @@ template class OptimizerWithOptions<AdamOptions>;
 template class OptimizerWithOptions<AdamWOptions>;
 
 // ======================= shared helpers (optim/util.h) =======================
+
+bool fused_update_allowed() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("KILN_FUSED_OPTIM");
+    return !(v && std::strcmp(v, "0") == 0);
+  }();
+  return enabled && !kiln::detail::active_capture_hook();
+}
+
+bool fusable_like(const Tensor& x, const Tensor& param) {
+  return x.defined() && x.is_contiguous() && x.dtype() == param.dtype() && x.device() == param.device() &&
+         x.sizes() == param.sizes();
+}
+
+bool fused_kernels_take(const Tensor& param) {
+  const DType t = param.dtype();
+  if (t != kFloat32 && t != kFloat64 && t != kFloat16 && t != kBFloat16) return false;
+#ifdef KILN_WITH_CUDA
+  return param.device().is_cpu() || param.device().is_cuda();
+#else
+  return param.device().is_cpu();
+#endif
+}
 
 std::string python_float(double v) {
   if (std::isnan(v)) return "nan";

@@ -1,4 +1,11 @@
-// torch.optim.SGD: the update of _single_tensor_sgd, in Kiln's in-place ops.
+// torch.optim.SGD. Eagerly, the parameters whose tensors are dense take the fused update
+// (kernels/fused_optim.h: a few kernels for all of them, like PyTorch's fused=True); under
+// compile() and for the rest, the update of _single_tensor_sgd in Kiln's in-place ops.
+#include <utility>
+
+#include "core/dispatch.h"
+#include "core/profiler.h"
+#include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
 #include "kiln/optim.h"
@@ -39,48 +46,115 @@ void SGD::check_param_state(const ParamState& state, const Tensor& param,
   check_state_tensor(state, "momentum_buffer", param, where);
 }
 
+namespace {
+
+// The per-op update of one parameter.
+void sgd_update(Tensor param, const Tensor& grad, const SGDOptions& o, ParamState* state) {
+  // `d` is the update direction; `owned` says it is our temporary (free to change in place)
+  // rather than the parameter's grad.
+  Tensor d = grad;
+  bool owned = false;
+  if (o.maximize) {
+    d = neg(grad);
+    owned = true;
+  }
+  if (o.weight_decay != 0.0) {
+    if (owned)
+      d.add_(param, o.weight_decay);
+    else
+      d = add(grad, param, o.weight_decay);
+    owned = true;
+  }
+  if (o.momentum != 0.0) {
+    auto it = state->find("momentum_buffer");
+    Tensor buf;
+    if (it == state->end()) {  // first step: buf = g (a copy unless d is ours and not reused)
+      buf = owned && !o.nesterov ? d : d.clone();
+      state->emplace("momentum_buffer", buf);
+    } else {
+      buf = it->second;
+      buf.mul_(o.momentum).add_(d, 1.0 - o.dampening);
+    }
+    if (!o.nesterov)
+      d = buf;
+    else if (owned)
+      d.add_(buf, o.momentum);
+    else
+      d = add(d, buf, o.momentum);
+  }
+  param.add_(d, -o.lr);
+}
+
+// The parameters of one group that take the fused update, in lists per device and dtype.
+class FusedSgd {
+ public:
+  // Adds `param` when it, its grad and its momentum buffer (if any) are dense tensors of one
+  // floating dtype on a device with a fused kernel; a missing buffer is created here, marked
+  // first (the kernel writes it before reading it). False leaves the parameter to sgd_update.
+  bool add(const Tensor& param, const Tensor& grad, ParamState* state) {
+    if (!fused_kernels_take(param) || !fusable_like(param, param) || !fusable_like(grad, param)) return false;
+    Tensor buf;
+    bool first = false;
+    if (state) {
+      auto it = state->find("momentum_buffer");
+      if (it == state->end()) {
+        buf = empty_like(param);
+        first = true;
+      } else {
+        buf = it->second;
+        if (!fusable_like(buf, param)) return false;
+      }
+    }
+    kiln::detail::SgdLists& l = lists_for(param);
+    l.params.push_back(param);
+    l.grads.push_back(grad);
+    if (state) {
+      if (first) state->emplace("momentum_buffer", buf);
+      l.momentum_buffers.push_back(buf);
+      l.first.push_back(first ? 1 : 0);
+    }
+    return true;
+  }
+
+  // Runs the fused kernels, and counts their writes as the in-place ops of the per-op form would.
+  void run(const SGDOptions& o) {
+    const kiln::detail::SgdHyper h{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize};
+    static const std::string kProfileName = "sgd (fused)";  // the op profiler's and timeline's row
+    for (auto& [key, l] : lists_) {
+      kiln::detail::OpTimer timer(kProfileName);
+      if (key.first.is_cpu()) kiln::detail::fused_sgd_cpu(l, h);
+#ifdef KILN_WITH_CUDA
+      else kiln::detail::fused_sgd_cuda(l, h);
+#endif
+      for (const auto* list : {&l.params, &l.momentum_buffers})
+        for (const Tensor& x : *list) kiln::detail::bump_version(x);
+    }
+  }
+
+ private:
+  kiln::detail::SgdLists& lists_for(const Tensor& param) {
+    for (auto& [key, l] : lists_)
+      if (key.first == param.device() && key.second == param.dtype()) return l;
+    return lists_.emplace_back(std::make_pair(param.device(), param.dtype()), kiln::detail::SgdLists{}).second;
+  }
+  std::vector<std::pair<std::pair<Device, DType>, kiln::detail::SgdLists>> lists_;
+};
+
+}  // namespace
+
 void SGD::step() {
   NoGradGuard no_grad;
+  const bool fused = fused_update_allowed();
   for (auto& group : groups_) {
     const SGDOptions o = group.options;
-    for (Tensor param : group.params) {
+    FusedSgd batch;
+    for (const Tensor& param : group.params) {
       const Tensor grad = param.grad();
       if (!grad.defined()) continue;
-      // `d` is the update direction; `owned` says it is our temporary (free to change in place)
-      // rather than the parameter's grad.
-      Tensor d = grad;
-      bool owned = false;
-      if (o.maximize) {
-        d = neg(grad);
-        owned = true;
-      }
-      if (o.weight_decay != 0.0) {
-        if (owned)
-          d.add_(param, o.weight_decay);
-        else
-          d = add(grad, param, o.weight_decay);
-        owned = true;
-      }
-      if (o.momentum != 0.0) {
-        ParamState& state = mutable_state(param);
-        auto it = state.find("momentum_buffer");
-        Tensor buf;
-        if (it == state.end()) {  // first step: buf = g (a copy unless d is ours and not reused)
-          buf = owned && !o.nesterov ? d : d.clone();
-          state.emplace("momentum_buffer", buf);
-        } else {
-          buf = it->second;
-          buf.mul_(o.momentum).add_(d, 1.0 - o.dampening);
-        }
-        if (!o.nesterov)
-          d = buf;
-        else if (owned)
-          d.add_(buf, o.momentum);
-        else
-          d = add(d, buf, o.momentum);
-      }
-      param.add_(d, -o.lr);
+      ParamState* state = o.momentum != 0.0 ? &mutable_state(param) : nullptr;
+      if (!fused || !batch.add(param, grad, state)) sgd_update(param, grad, o, state);
     }
+    batch.run(o);
   }
 }
 

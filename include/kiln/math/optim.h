@@ -64,4 +64,36 @@ struct AdamUpdate {
   }
 };
 
+// SGD, as torch.optim.SGD's single-tensor form:
+//   d = grad (negated if maximize) + weight_decay * param
+//   with momentum: buf = d on the buffer's first step, else buf * momentum + (1 - dampening) * d;
+//                  d = nesterov ? d + momentum * buf : buf
+//   param -= lr * d
+// `first` says this parameter's momentum buffer starts at this step (its old contents unread).
+template <class T>
+struct SgdUpdate {
+  T lr, momentum, one_minus_dampening, weight_decay;
+  bool nesterov, maximize, first;
+
+  // Element k of arrays stored as S (T is S's opmath type); momentum_buffer is null without momentum.
+  template <class S>
+  KILN_HD KILN_MATH_INLINE void update(S* param, const S* grad, S* momentum_buffer, long long k) const {
+    T p = static_cast<T>(param[k]);
+    T buf = momentum_buffer && !first ? static_cast<T>(momentum_buffer[k]) : T(0);
+    (*this)(p, static_cast<T>(grad[k]), buf, momentum_buffer != nullptr);
+    param[k] = static_cast<S>(p);
+    if (momentum_buffer) momentum_buffer[k] = static_cast<S>(buf);
+  }
+
+  KILN_HD KILN_MATH_INLINE void operator()(T& param, T grad, T& buf, bool with_momentum) const {
+    T d = maximize ? -grad : grad;
+    if (weight_decay != T(0)) d = AddScaled<T>{weight_decay}(d, param);
+    if (with_momentum) {
+      buf = first ? d : AddScaled<T>{one_minus_dampening}(Mul{}(buf, momentum), d);
+      d = nesterov ? AddScaled<T>{momentum}(d, buf) : buf;
+    }
+    param = AddScaled<T>{-lr}(param, d);
+  }
+};
+
 }  // namespace kiln::math
