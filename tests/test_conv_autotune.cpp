@@ -574,6 +574,33 @@ TEST_F(ConvAutotuneCompile, MaxAutotuneTimesTheConvolutionsOfACompiledTrainingSt
   }
 }
 
+// Module-style training (`compile(model)`, the loss and backward outside the compiled call): the
+// backward graph, compiled when backward first runs, takes the module's max_autotune too, so the
+// second convolution's backward-data and backward-weights are timed as in the whole compiled step.
+TEST_F(ConvAutotuneCompile, MaxAutotuneTimesTheBackwardConvolutionsOfACompiledModule) {
+  manual_seed(1);
+  auto eager_net = small_conv_net();
+  Tensor x = randn({4, 8, 16, 16});
+  Tensor eager_loss = forward_backward(eager_net)(x);
+  ASSERT_TRUE(cpu::conv_autotune_decisions().empty());
+
+  auto net = small_conv_net();
+  net->load_state_dict(eager_net->state_dict());
+  auto model = kiln::compile(net, {.backend = std::string("kiln"), .mode = Mode::max_autotune});
+  Delta d;
+  Tensor loss = model(x).pow(2).mean();
+  loss.backward();
+  const compiler::Counters delta = d.now();
+  EXPECT_GE(delta.graph_runs, 2) << "the forward and the backward graph";
+  EXPECT_EQ(delta.eager_frames, 0);
+  EXPECT_LE(relative_error(loss, eager_loss), kRelativeTolerance);
+  auto params = eager_net->parameters(), got = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_LE(relative_error(got[i].grad(), params[i].grad()), kRelativeTolerance) << "parameter " << i;
+  for (const auto& dd : cpu::conv_autotune_decisions()) std::cout << "[ decision ] " << dd.str() << "\n";
+  expect_directions(decisions_for({4, 32, 16, 16}, 32, true), timed_directions(true, /*bias=*/true));
+}
+
 TEST_F(ConvAutotuneCompile, DefaultModeRecordsNoDecision) {
   manual_seed(1);
   auto eager_net = small_conv_net();
