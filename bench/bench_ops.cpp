@@ -5,6 +5,7 @@
 #include <benchmark/benchmark.h>
 
 #include <kiln/kiln.h>
+#include <kiln/op_table.h>
 
 namespace {
 
@@ -75,6 +76,30 @@ void Norm_BatchNormTrain(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * x.nbytes() * 3);
 }
 BENCHMARK(Norm_BatchNormTrain)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The training batch-norm backward (native_batch_norm_backward, all three gradients) on
+// channels-last activations at each dense block's plane and width of DenseNet-121 at 128x128:
+// 16 x 256 x 32 x 32, 16 x 512 x 16 x 16, 16 x 1024 x 8 x 8 and 16 x 1024 x 4 x 4 (the last two
+// have few rows: 1024 and 256 of 1024 channels each). Bytes: x and dy read twice, dx written.
+void Norm_BatchNormBackwardChannelsLast(benchmark::State& state) {
+  const int64_t plane = state.range(0), channels = state.range(1);
+  const std::vector<int64_t> sizes = {16, channels, plane, plane};
+  Tensor x = randn(sizes).contiguous(channels_last), dy = randn(sizes).contiguous(channels_last);
+  Tensor w = ones({channels}), rm = zeros({channels}), rv = ones({channels});
+  const OpDef& forward = *OpTable::instance().find("native_batch_norm");
+  const OpDef& backward = *OpTable::instance().find("native_batch_norm_backward");
+  std::vector<Tensor> stats = call_op(forward, {x, w, Tensor(), rm, rv}, {true, 0.1, 1e-5});
+  for (auto _ : state)
+    benchmark::DoNotOptimize(call_op(backward, {dy, x, w, stats[1], stats[2]}, {true, std::vector<int64_t>{1, 1, 1}}));
+  state.SetBytesProcessed(state.iterations() * x.nbytes() * 5);
+}
+BENCHMARK(Norm_BatchNormBackwardChannelsLast)
+    ->Args({32, 256})
+    ->Args({16, 512})
+    ->Args({8, 1024})
+    ->Args({4, 1024})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 void Matmul_Square1024(benchmark::State& state) {
   Tensor a = randn({1024, 1024}), b = randn({1024, 1024});

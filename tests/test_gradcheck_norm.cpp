@@ -161,6 +161,31 @@ TEST(GradcheckNorm, BatchNormFloat32AndBfloat16BackwardMatchFloat64) {
   }
 }
 
+// Channels-last activations at DenseNet's small planes, with 4 threads: the backward's sums split
+// each 256-row block's channels across threads (16 x 1024 x 4 x 4 is one block; 4 x 256 x 8 x 8
+// one block of 256 channels; 4 x 328 x 8 x 8 two groups with a tail of 8), and a large plane splits
+// blocks only. Gradients against float64 through the planar (NCHW) loops.
+TEST(GradcheckNorm, ChannelsLastBackwardSplitsSmallPlanesAcrossThreadsAndMatchesFloat64) {
+  manual_seed(7);
+  const int before = get_num_threads();
+  set_num_threads(4);
+  for (const std::vector<int64_t>& sizes : {std::vector<int64_t>{16, 1024, 4, 4}, std::vector<int64_t>{4, 256, 8, 8},
+                                            std::vector<int64_t>{4, 328, 8, 8}, std::vector<int64_t>{8, 32, 16, 16}}) {
+    SCOPED_TRACE(shape_str(sizes));
+    Tensor x = randn(sizes, kFloat64) * 2.0 + 0.5, w = randn({sizes[1]}, kFloat64), b = randn({sizes[1]}, kFloat64);
+    auto f = [&](bool channels_last) {
+      return [channels_last](const Tensor& xx, const Tensor& ww, const Tensor& bb) {
+        const Tensor in = channels_last ? xx.contiguous(kiln::channels_last) : xx;
+        return relu(batch_norm(in, Tensor(), Tensor(), ww, bb, true, 0.1, 1e-5));
+      };
+    };
+    // The reference runs the planar (NCHW) loops, not the channel rows under test.
+    TensorList want = grads_in(kFloat64, x, w, b, f(false)), got = grads_in(kFloat32, x, w, b, f(true));
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(close_to(got[i], want[i], 2e-5)) << "grad " << i;
+  }
+  set_num_threads(before);
+}
+
 TEST(GradcheckNorm, BatchNormForwardStatisticsMatchLoopsAtKernelPathSizes) {
   // The statistics the backward reads: per-run merges (large planes, split across threads),
   // column sums (small planes) and (N, C) inputs, in float32 against float64 loops.

@@ -163,10 +163,12 @@ inline void channel_tile_sums(const T* xp, int64_t x_stride, const T* gp, int64_
   }
 }
 
-// Pass 1 on channel rows: per-channel sum(dy) and sum(dy * (x - mean)) over `rows` rows. Blocks of
-// rows are split across threads; a block is walked one tile of channels at a time (registers
-// hold a tile's sums: channel_tile_sums), summed in opmath precision and added into the thread's
-// partial sums in double.
+// Pass 1 on channel rows: per-channel sum(dy) and sum(dy * (x - mean)) over `rows` rows, in blocks
+// of kBlock rows. A block is walked one tile of channels at a time (registers hold a tile's sums:
+// channel_tile_sums), summed in opmath precision and added into partial sums in double. The
+// blocks are split across threads; where there are fewer blocks than threads (small planes:
+// DenseNet's 8x8 and 4x4 layers at batch 16 hold 4 blocks and 1), each block's channels are split
+// too, so that those layers use every thread instead of one per block.
 template <Mask M, class T, class Acc = opmath_t<T>>
 void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_stride, const ReluMask<T>& relu,
                        int64_t rows, int64_t channels, const std::vector<Acc>& mean, std::vector<double>& sum_dy,
@@ -174,29 +176,74 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
   // 8 vector registers of sums, 8 of differences, 8 of means (and 4 + 4 of the affine map, on half
   // as many channels, when the mask is recomputed).
   constexpr int64_t kTile = (M == Mask::recompute ? 256 : 512) / sizeof(Acc);
-  constexpr int64_t kBlock = 256;                // rows summed in opmath precision before double
-  std::vector<double> sums = sum_rows(
-      (rows + kBlock - 1) / kBlock, kBlock * channels, 2 * channels, [&](double* __restrict out, int64_t b) {
-        thread_local std::vector<Acc> scratch;
-        scratch.assign(static_cast<size_t>(2 * channels), Acc(0));
-        Acc* s = scratch.data();
-        Acc* d = s + channels;
-        const int64_t r0 = b * kBlock, r1 = std::min(rows, r0 + kBlock);
-        int64_t c0 = 0;
-        for (; c0 + kTile <= channels; c0 += kTile)
-          channel_tile_sums<kTile, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                      s + c0, d + c0);
-        for (; c0 + 16 <= channels; c0 += 16)
-          channel_tile_sums<16, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                   s + c0, d + c0);
-        for (; c0 < channels; ++c0)
-          channel_tile_sums<1, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0,
-                                  s + c0, d + c0);
+  constexpr int64_t kBlock = 256;  // rows summed in opmath precision before double
+  // Sums of rows [r0, r1) over channels [c_begin, c_end) into s and d (indexed by channel).
+  auto block_sums = [&](int64_t r0, int64_t r1, int64_t c_begin, int64_t c_end, Acc* s, Acc* d) {
+    int64_t c0 = c_begin;
+    for (; c0 + kTile <= c_end; c0 += kTile)
+      channel_tile_sums<kTile, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0, s + c0,
+                                  d + c0);
+    for (; c0 + 16 <= c_end; c0 += 16)
+      channel_tile_sums<16, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0, s + c0,
+                               d + c0);
+    for (; c0 < c_end; ++c0)
+      channel_tile_sums<1, M>(xp + c0, x_stride, gp + c0, g_stride, relu, c0, r0, r1, mean.data() + c0, s + c0,
+                              d + c0);
+  };
+  const int64_t blocks = (rows + kBlock - 1) / kBlock;
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  // Channel groups per block: enough to give every thread work, each group at least 64 channels
+  // (whole 16-channel tiles) and kGrainSize values.
+  int64_t groups = 1;
+  if (blocks < threads) {
+    const int64_t per_block = std::min(rows, kBlock) * channels;
+    groups = std::min({(threads + blocks - 1) / blocks, std::max<int64_t>(1, channels / 64),
+                       std::max<int64_t>(1, per_block / kGrainSize)});
+  }
+  if (groups <= 1) {
+    std::vector<double> sums = sum_rows(blocks, kBlock * channels, 2 * channels, [&](double* __restrict out, int64_t b) {
+      thread_local std::vector<Acc> scratch;
+      scratch.assign(static_cast<size_t>(2 * channels), Acc(0));
+      block_sums(b * kBlock, std::min(rows, (b + 1) * kBlock), 0, channels, scratch.data(), scratch.data() + channels);
 #pragma omp simd
-        for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
-      });
-  std::copy(sums.begin(), sums.begin() + channels, sum_dy.begin());
-  std::copy(sums.begin() + channels, sums.end(), dot.begin());
+      for (int64_t c = 0; c < 2 * channels; ++c) out[c] += static_cast<double>(scratch[c]);
+    });
+    std::copy(sums.begin(), sums.begin() + channels, sum_dy.begin());
+    std::copy(sums.begin() + channels, sums.end(), dot.begin());
+    return;
+  }
+  // One task per (block, channel group); each writes its own block's slice of `partial`.
+  const int64_t group_width = (channels / 16 + groups - 1) / groups * 16;
+  std::vector<double> partial(static_cast<size_t>(blocks * 2 * channels), 0.0);
+  parallel_for(blocks * groups, 1, [&](int64_t tb, int64_t te) {
+    thread_local std::vector<Acc> scratch;
+    scratch.assign(static_cast<size_t>(2 * channels), Acc(0));
+    for (int64_t task = tb; task < te; ++task) {
+      const int64_t b = task / groups, g = task % groups;
+      const int64_t c_begin = g * group_width;
+      const int64_t c_end = g + 1 == groups ? channels : std::min(channels, c_begin + group_width);
+      if (c_begin >= c_end) continue;
+      Acc* s = scratch.data();
+      Acc* d = s + channels;
+      std::fill(s + c_begin, s + c_end, Acc(0));
+      std::fill(d + c_begin, d + c_end, Acc(0));
+      block_sums(b * kBlock, std::min(rows, (b + 1) * kBlock), c_begin, c_end, s, d);
+      double* out = partial.data() + b * 2 * channels;
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        out[c] = static_cast<double>(s[c]);
+        out[channels + c] = static_cast<double>(d[c]);
+      }
+    }
+  });
+  for (int64_t c = 0; c < channels; ++c) {
+    double sd = 0, dd = 0;
+    for (int64_t b = 0; b < blocks; ++b) {
+      sd += partial[static_cast<size_t>(b * 2 * channels + c)];
+      dd += partial[static_cast<size_t>(b * 2 * channels + channels + c)];
+    }
+    sum_dy[static_cast<size_t>(c)] = sd;
+    dot[static_cast<size_t>(c)] = dd;
+  }
 }
 
 // Pass 2 on channel rows: dx = dy * a + (x * b + c), per channel. Three per-channel operands
