@@ -316,6 +316,37 @@ std::string slurp(const std::string& path) {
 
 bool has_dot() { return run("command -v dot").status == 0; }
 
+// Generated C++ kernels size their OpenMP team by the work, one thread per 32768 elements as
+// eager's loops do, instead of opening the whole pool: the trace's source of a 40,000-element
+// kernel asks for kiln_team(40000) threads (2), a 1,000-element one opens no parallel region, and
+// both compute x * 2 + 1 at 8 threads.
+TEST(CompileTrace, GeneratedKernelsSizeTheirThreadTeamByTheirWork) {
+  const std::string dir = temp_dir("kiln_trace_team");
+  compiler::reset();
+  const int threads = get_num_threads();
+  set_num_threads(8);
+  const std::string file = compiler::set_trace_dir(dir);
+  auto f = compile([](const Tensor& x) { return x * 2 + 1; }, {.dynamic = false, .backend = std::string("kiln")});
+  for (int64_t n : {40000, 1000}) {
+    Tensor x = randn({n});
+    Tensor want = x * 2 + 1;
+    const int64_t runs = compiler::counters().kernel_runs;
+    Tensor got = f(x);
+    EXPECT_GT(compiler::counters().kernel_runs, runs) << "a generated kernel ran";
+    EXPECT_TRUE(allclose(got, want)) << n;
+  }
+  compiler::set_trace_dir("");
+  set_num_threads(threads);
+  std::vector<std::string> sources;
+  for (const auto& e : of_kind(read_events(file), "source"))
+    if (e.value("language", "") == "c++") sources.push_back(e.value("text", ""));
+  ASSERT_EQ(sources.size(), 2u);
+  EXPECT_NE(sources[0].find("#pragma omp parallel for simd num_threads(kiln_team(40000))"), std::string::npos)
+      << sources[0];
+  EXPECT_NE(sources[0].find("static inline int kiln_team(int64_t n)"), std::string::npos);
+  EXPECT_EQ(sources[1].find("#pragma omp parallel"), std::string::npos) << sources[1];
+}
+
 TEST(CompileReport, ShowsTheBarRunsGraphsBreaksAndCode) {
   const std::string dir = temp_dir("kiln_report");
   trace_bar_run(dir + "/trace");
