@@ -42,6 +42,7 @@
 #include <cstdlib>
 
 #include "compiler/runtime/kernel_cache.h"
+#include "core/profiler.h"
 #include "core/progress.h"
 #include "kiln/kiln.h"
 
@@ -465,14 +466,24 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
     fn();
     return host_ms = host_since();
   };
+  bool profile_reset = false;
   auto rounds = [&](std::function<void()> TimedMode::*fn, std::vector<double> TimedMode::*ms,
                     std::vector<double> TimedMode::*host) {
     // Past 2 s, the rounds show their progress on stderr (KILN_PROGRESS=0: not).
     kiln::detail::Progress progress("kiln bench " + a.model + ": timing " + (fn == &TimedMode::train ? "training steps" : "inference"),
                                     "calls");
     progress.add_total(static_cast<int64_t>(a.warmup + a.iters) * static_cast<int64_t>(modes.size()));
+    // The op profiler (KILN_PROFILE=1) counts the timed rounds only: the warm-up rounds' first-call
+    // costs (compiles, first touches of fresh memory, oneDNN's kernel generation) would swamp it.
+    // What ran before the first timed round (the modes' compiles) is dropped from it too.
+    const bool profiling = kiln::detail::g_op_profiling.load(std::memory_order_relaxed);
     for (int i = 0; i < a.warmup + a.iters; ++i)
       for (TimedMode& m : modes) {
+        if (profiling && i == a.warmup && !profile_reset) {
+          reset_op_profile();
+          profile_reset = true;
+        }
+        set_op_profiling(profiling && i >= a.warmup);
         double host_ms = 0;
         const double t = time_ms(m.*fn, host_ms);
         progress.advance();
@@ -480,6 +491,7 @@ void time_interleaved(const BenchArgs& a, const std::shared_ptr<nn::Module>& mod
         (m.*ms).push_back(t);
         (m.*host).push_back(host_ms);
       }
+    set_op_profiling(profiling);
   };
   model->eval();
   rounds(&TimedMode::infer, &TimedMode::infer_ms, &TimedMode::infer_host_ms);
