@@ -263,6 +263,36 @@ TEST(Linear, MatchesXTimesWeightTransposedPlusBias) {
   }
 }
 
+// A Linear's product with 16 to 64 rows and a large weight runs transposed (C^T = W x^T, then
+// transposed back: oneDNN's sgemm is several times slower the direct way at these shapes). Rows on
+// both sides of that range, with and without beta (the bias), into a dense and a row-strided
+// output, against float64.
+TEST(Linear, FewRowsTimesALargeTransposedWeightMatchFloat64) {
+  const int64_t k = 512, n = 256;
+  Tensor w = random_tensor({n, k}, kFloat32, 70), bias = random_tensor({n}, kFloat32, 71);
+  const auto bv = values(bias);
+  const OpDef* mm_op = OpTable::instance().find("mm");
+  ASSERT_NE(mm_op, nullptr);
+  for (int64_t m : {15, 16, 40, 64, 65}) {
+    SCOPED_TRACE("rows " + std::to_string(m));
+    Tensor x = random_tensor({m, k}, kFloat32, 72 + m);
+    const std::vector<double> prod = ref_mm(x, w.t());
+    std::vector<double> with_bias = prod, scaled = prod;
+    for (size_t i = 0; i < prod.size(); ++i) {
+      with_bias[i] += bv[i % static_cast<size_t>(n)];
+      scaled[i] = 0.5 * bv[i % static_cast<size_t>(n)] + 2.0 * prod[i];
+    }
+    const Tolerance tol{1e-5, 1e-4};  // float32 dot products of 512 terms
+    EXPECT_TRUE(matches(mm(x, w.t()), {m, n}, prod, tol));
+    EXPECT_TRUE(matches(linear(x, w, bias), {m, n}, with_bias, tol));
+    EXPECT_TRUE(matches(addmm(bias, x, w.t(), 0.5, 2.0), {m, n}, scaled, tol));
+    Tensor strided = empty({m, n + 8}).slice(1, 0, n);  // rows n + 8 apart
+    Tensor outs[1] = {strided};
+    call_op_out(*mm_op, {x, w.t()}, {}, outs);
+    EXPECT_TRUE(matches(strided, {m, n}, prod, tol));
+  }
+}
+
 TEST(Outer, PromotesLikeMultiplication) {
   Tensor a = random_tensor({3}, kFloat64, 62), b = random_tensor({4}, kFloat64, 63);
   auto av = values(a), bv = values(b);
