@@ -8,9 +8,10 @@ Usage: cpu_threads.py OUT.json KILN_T1.json [KILN_T2.json ...] [--torch TORCH_T.
 Each input records its own thread count; a file that is missing or holds no JSON object is
 reported and left out (a run that failed), so that the others are still joined."""
 import json
-import platform
 import sys
 import time
+
+from machine_info import cpu_name
 
 
 def load(path):
@@ -24,17 +25,6 @@ def load(path):
         print(f"cpu_threads.py: left out {path}: no benchmark result ({str(doc)[:200]})", file=sys.stderr)
         return None
     return doc
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def cell(m, key, width=9, digits=1):

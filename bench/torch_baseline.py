@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from machine_info import cpu_name
+
 try:
     import torch
 except ImportError as e:  # the baseline is optional
@@ -174,18 +176,6 @@ def model_modes(a, model, x, y):
                 if a.profile == "train":
                     profile_once(fn)
     return out
-
-
-def cpu_name():
-    """The CPU's model name (/proc/cpuinfo), for the record."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def toy_model(x, y):
