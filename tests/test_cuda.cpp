@@ -444,58 +444,82 @@ TEST(CudaPointwise, TernaryOpsAndInPlaceFormsMatchTheCpu) {
   EXPECT_TRUE(close(dx.cpu(), hx));
 }
 
+namespace {
+
+// Parameters of many sizes (empty, one element, several 65536-element chunks, more than one
+// launch's 32 tensors and 256 blocks) of dtype t, on the CPU and the same values on the GPU.
+struct TwinParameters {
+  std::vector<int64_t> numels = {0, 1, 200000, 65537, 5, 17000000};
+  std::vector<Tensor> cpu, gpu;
+  DType t;
+
+  explicit TwinParameters(DType dtype) : t(dtype) {
+    for (int i = 0; i < 40; ++i) numels.push_back(7 + 3 * i);
+    manual_seed(3);
+    for (int64_t n : numels) {
+      Tensor p = randn({n}).to(t);
+      cpu.push_back(p.clone().requires_grad_());
+      gpu.push_back(p.to(cuda_device()).requires_grad_());
+    }
+  }
+  // Fresh gradients, the same on both sides.
+  void set_grads() {
+    for (size_t i = 0; i < numels.size(); ++i) {
+      Tensor g = randn({numels[i]}).to(t);
+      cpu[i].set_grad(g);
+      gpu[i].set_grad(g.to(cuda_device()));
+    }
+  }
+  // Whether tensor `got` (on the GPU) matches `want` (its CPU twin) for parameter i.
+  ::testing::AssertionResult same(const Tensor& got, const Tensor& want, size_t i) const {
+    const kiln::testing::Tolerance tol = t == kFloat64   ? kiln::testing::Tolerance{1e-12, 1e-12}
+                                         : t == kFloat32 ? kiln::testing::Tolerance{2e-5, 1e-6}
+                                                         : kiln::testing::Tolerance{2e-2, 1e-2};
+    return kiln::testing::matches(got.detach().cpu(), {numels[i]}, want.detach().to_vector<double>(), tol);
+  }
+};
+
+// The op profiler's table of one opt.step().
+std::string profiled_step(optim::Optimizer& opt) {
+  reset_op_profile();
+  set_op_profiling(true);
+  opt.step();
+  set_op_profiling(false);
+  return op_profile_report();
+}
+
+}  // namespace
+
 // The fused Adam/AdamW kernels (kernels/fused_optim.h) against the CPU's fused update: parameters
-// of many sizes (empty, one element, several 65536-element chunks, more than one launch's 32
-// tensors and 256 blocks), three steps, every floating dtype; the GPU step runs no per-op update.
+// of many sizes (TwinParameters), three steps, every floating dtype; the GPU step runs no per-op
+// update.
 TEST(CudaOptim, FusedAdamOfManyParametersMatchesTheCpu) {
   SKIP_WITHOUT_GPU();
-  std::vector<int64_t> numels = {0, 1, 200000, 65537, 5, 17000000};
-  for (int i = 0; i < 40; ++i) numels.push_back(7 + 3 * i);
   for (bool adamw : {false, true}) {
     for (DType t : {kFloat32, kFloat64, kBFloat16}) {
       SCOPED_TRACE(std::string(adamw ? "AdamW " : "Adam ") + std::string(dtype_name(t)));
-      manual_seed(3);
-      std::vector<Tensor> cpu_params, gpu_params;
-      for (int64_t n : numels) {
-        Tensor p = randn({n}).to(t);
-        cpu_params.push_back(p.clone().requires_grad_());
-        gpu_params.push_back(p.to(cuda_device()).requires_grad_());
-      }
+      TwinParameters params(t);
       std::unique_ptr<optim::Optimizer> on_cpu, on_gpu;
       if (adamw) {
         const optim::AdamWOptions o{.lr = 0.01, .weight_decay = 0.05, .amsgrad = true};
-        on_cpu = std::make_unique<optim::AdamW>(cpu_params, o);
-        on_gpu = std::make_unique<optim::AdamW>(gpu_params, o);
+        on_cpu = std::make_unique<optim::AdamW>(params.cpu, o);
+        on_gpu = std::make_unique<optim::AdamW>(params.gpu, o);
       } else {
         const optim::AdamOptions o{.lr = 0.01, .weight_decay = 0.1, .maximize = true};
-        on_cpu = std::make_unique<optim::Adam>(cpu_params, o);
-        on_gpu = std::make_unique<optim::Adam>(gpu_params, o);
+        on_cpu = std::make_unique<optim::Adam>(params.cpu, o);
+        on_gpu = std::make_unique<optim::Adam>(params.gpu, o);
       }
       for (int k = 0; k < 3; ++k) {
-        for (size_t i = 0; i < numels.size(); ++i) {
-          Tensor g = randn({numels[i]}).to(t);
-          cpu_params[i].set_grad(g);
-          gpu_params[i].set_grad(g.to(cuda_device()));
-        }
+        params.set_grads();
         on_cpu->step();
-        reset_op_profile();
-        set_op_profiling(true);
-        on_gpu->step();
-        set_op_profiling(false);
-        const std::string profile = op_profile_report();
+        const std::string profile = profiled_step(*on_gpu);
         EXPECT_EQ(profile.find("addcdiv"), std::string::npos) << profile;
       }
-      const kiln::testing::Tolerance tol = t == kFloat64   ? kiln::testing::Tolerance{1e-12, 1e-12}
-                                           : t == kFloat32 ? kiln::testing::Tolerance{2e-5, 1e-6}
-                                                           : kiln::testing::Tolerance{2e-2, 1e-2};
-      for (size_t i = 0; i < numels.size(); ++i) {
-        EXPECT_TRUE(kiln::testing::matches(gpu_params[i].detach().cpu(), {numels[i]},
-                                           cpu_params[i].detach().to_vector<double>(), tol))
-            << "parameter " << i;
-        EXPECT_TRUE(kiln::testing::matches(on_gpu->state(gpu_params[i]).at("exp_avg").cpu(), {numels[i]},
-                                           on_cpu->state(cpu_params[i]).at("exp_avg").to_vector<double>(), tol))
+      for (size_t i = 0; i < params.numels.size(); ++i) {
+        EXPECT_TRUE(params.same(params.gpu[i], params.cpu[i], i)) << "parameter " << i;
+        EXPECT_TRUE(params.same(on_gpu->state(params.gpu[i]).at("exp_avg"), on_cpu->state(params.cpu[i]).at("exp_avg"), i))
             << "exp_avg " << i;
-        EXPECT_EQ(on_gpu->state(gpu_params[i]).at("step").item<float>(), 3.0f);
+        EXPECT_EQ(on_gpu->state(params.gpu[i]).at("step").item<float>(), 3.0f);
       }
     }
   }
@@ -505,8 +529,6 @@ TEST(CudaOptim, FusedAdamOfManyParametersMatchesTheCpu) {
 // plain, with momentum, dampening and weight decay, and Nesterov with maximize; three steps.
 TEST(CudaOptim, FusedSgdOfManyParametersMatchesTheCpu) {
   SKIP_WITHOUT_GPU();
-  std::vector<int64_t> numels = {0, 1, 200000, 65537, 5, 17000000};
-  for (int i = 0; i < 40; ++i) numels.push_back(7 + 3 * i);
   const std::vector<optim::SGDOptions> options = {
       {.lr = 0.05},
       {.lr = 0.05, .momentum = 0.9, .dampening = 0.25, .weight_decay = 0.1},
@@ -515,40 +537,20 @@ TEST(CudaOptim, FusedSgdOfManyParametersMatchesTheCpu) {
     for (DType t : {kFloat32, kFloat64, kBFloat16}) {
       SCOPED_TRACE("options " + std::to_string(oi) + " " + std::string(dtype_name(t)));
       const optim::SGDOptions& o = options[oi];
-      manual_seed(3);
-      std::vector<Tensor> cpu_params, gpu_params;
-      for (int64_t n : numels) {
-        Tensor p = randn({n}).to(t);
-        cpu_params.push_back(p.clone().requires_grad_());
-        gpu_params.push_back(p.to(cuda_device()).requires_grad_());
-      }
-      optim::SGD on_cpu(cpu_params, o), on_gpu(gpu_params, o);
+      TwinParameters params(t);
+      optim::SGD on_cpu(params.cpu, o), on_gpu(params.gpu, o);
       for (int k = 0; k < 3; ++k) {
-        for (size_t i = 0; i < numels.size(); ++i) {
-          Tensor g = randn({numels[i]}).to(t);
-          cpu_params[i].set_grad(g);
-          gpu_params[i].set_grad(g.to(cuda_device()));
-        }
+        params.set_grads();
         on_cpu.step();
-        reset_op_profile();
-        set_op_profiling(true);
-        on_gpu.step();
-        set_op_profiling(false);
-        const std::string profile = op_profile_report();
+        const std::string profile = profiled_step(on_gpu);
         EXPECT_NE(profile.find("sgd (fused)"), std::string::npos) << profile;
         EXPECT_EQ(profile.find("\nadd"), std::string::npos) << profile;
       }
-      const kiln::testing::Tolerance tol = t == kFloat64   ? kiln::testing::Tolerance{1e-12, 1e-12}
-                                           : t == kFloat32 ? kiln::testing::Tolerance{2e-5, 1e-6}
-                                                           : kiln::testing::Tolerance{2e-2, 1e-2};
-      for (size_t i = 0; i < numels.size(); ++i) {
-        EXPECT_TRUE(kiln::testing::matches(gpu_params[i].detach().cpu(), {numels[i]},
-                                           cpu_params[i].detach().to_vector<double>(), tol))
-            << "parameter " << i;
+      for (size_t i = 0; i < params.numels.size(); ++i) {
+        EXPECT_TRUE(params.same(params.gpu[i], params.cpu[i], i)) << "parameter " << i;
         if (o.momentum != 0)
-          EXPECT_TRUE(kiln::testing::matches(on_gpu.state(gpu_params[i]).at("momentum_buffer").cpu(), {numels[i]},
-                                             on_cpu.state(cpu_params[i]).at("momentum_buffer").to_vector<double>(),
-                                             tol))
+          EXPECT_TRUE(params.same(on_gpu.state(params.gpu[i]).at("momentum_buffer"),
+                                  on_cpu.state(params.cpu[i]).at("momentum_buffer"), i))
               << "momentum_buffer " << i;
       }
     }

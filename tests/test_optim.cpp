@@ -285,31 +285,40 @@ bool profiled(const std::string& profile, const std::string& op) {
 
 // One group of many parameters: empty, single elements, several of the fused kernel's chunks
 // (16384 elements on the CPU), more than one CUDA launch holds (32), a strided one (which takes the
-// per-op update) and one without a gradient (left alone). Each follows its float64 reference.
-template <class Optimizer, class Options>
-void check_many_parameters(const Options& o, bool decoupled) {
+// per-op update) and, last, one that gets no gradient (left alone).
+std::vector<Tensor> many_parameters() {
   std::vector<int64_t> numels = {0, 1, 70000, 16385, 5, 16384};
   for (int i = 0; i < 36; ++i) numels.push_back(7 + 3 * i);
   std::vector<Tensor> params;
-  std::vector<AdamReference> refs;
-  for (size_t i = 0; i < numels.size(); ++i) {
+  for (size_t i = 0; i < numels.size(); ++i)
     params.push_back(make_param(initial_values(static_cast<size_t>(numels[i]), 0.1 * double(i)), {numels[i]}, kFloat32));
-    refs.push_back(AdamReference{values(params.back())});
-  }
-  Tensor base = tensor<double>(initial_values(kNumel, 9.0), {3, 2}).to(kFloat32);
-  Tensor strided = base.t();
-  params.push_back(strided);
-  refs.push_back(AdamReference{values(strided)});
-  Tensor unused = make_param(initial_values(4, 3.0), {4}, kFloat32);
-  params.push_back(unused);
+  params.push_back(tensor<double>(initial_values(kNumel, 9.0), {3, 2}).to(kFloat32).t());
+  params.push_back(make_param(initial_values(4, 3.0), {4}, kFloat32));
+  return params;
+}
+
+// Sets step k's gradients of all of many_parameters() but the last; returns their values.
+std::vector<std::vector<double>> set_many_grads(const std::vector<Tensor>& params, int k) {
+  std::vector<std::vector<double>> grads;
+  for (size_t i = 0; i + 1 < params.size(); ++i)
+    grads.push_back(set_grad_values(params[i], grad_values(k, static_cast<size_t>(params[i].numel()), 0.3 * double(i))));
+  return grads;
+}
+
+// Adam or AdamW over many_parameters(): each follows its float64 reference after each of 4 steps.
+template <class Optimizer, class Options>
+void check_many_parameters(const Options& o, bool decoupled) {
+  std::vector<Tensor> params = many_parameters();
+  std::vector<AdamReference> refs;
+  for (size_t i = 0; i + 1 < params.size(); ++i) refs.push_back(AdamReference{values(params[i])});
+  const Tensor unused = params.back();
   const std::vector<double> unused_start = values(unused);
   Optimizer opt(params, o);
   for (int k = 0; k < 4; ++k) {
-    for (size_t i = 0; i + 1 < params.size(); ++i)
-      refs[i].step(set_grad_values(params[i], grad_values(k, static_cast<size_t>(params[i].numel()), 0.3 * double(i))), o,
-                   decoupled);
+    const std::vector<std::vector<double>> grads = set_many_grads(params, k);
+    for (size_t i = 0; i < refs.size(); ++i) refs[i].step(grads[i], o, decoupled);
     opt.step();
-    for (size_t i = 0; i + 1 < params.size(); ++i)
+    for (size_t i = 0; i < refs.size(); ++i)
       ASSERT_TRUE(matches(params[i], params[i].sizes().vec(), refs[i].p, tolerance(kFloat32)))
           << "parameter " << i << " after step " << k + 1;
   }
@@ -328,29 +337,20 @@ TEST(AdamW, FusedUpdateOfManyParametersFollowsTheReference) {
   check_many_parameters<optim::AdamW>(optim::AdamWOptions{.lr = 0.01, .amsgrad = true, .maximize = true}, true);
 }
 
-// SGD over many parameters (as check_many_parameters): every option that changes the fused
-// update's arithmetic, each parameter against its float64 reference after each of 4 steps; the
-// momentum buffers start at the first step (undampened) and never alias the gradients.
+// SGD over many_parameters(): every option that changes the fused update's arithmetic, each
+// parameter against its float64 reference after each of 4 steps; the momentum buffers start at the
+// first step (undampened) and never alias the gradients.
 void check_many_sgd_parameters(const optim::SGDOptions& o) {
-  std::vector<int64_t> numels = {0, 1, 70000, 16385, 5, 16384};
-  for (int i = 0; i < 36; ++i) numels.push_back(7 + 3 * i);
-  std::vector<Tensor> params;
+  std::vector<Tensor> params = many_parameters();
   std::vector<SgdReference> refs;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    params.push_back(make_param(initial_values(static_cast<size_t>(numels[i]), 0.1 * double(i)), {numels[i]}, kFloat32));
-    refs.push_back(SgdReference{values(params.back())});
-  }
-  Tensor strided = tensor<double>(initial_values(kNumel, 9.0), {3, 2}).to(kFloat32).t();
-  params.push_back(strided);
-  refs.push_back(SgdReference{values(strided)});
-  Tensor unused = make_param(initial_values(4, 3.0), {4}, kFloat32);
-  params.push_back(unused);
+  for (size_t i = 0; i + 1 < params.size(); ++i) refs.push_back(SgdReference{values(params[i])});
+  const Tensor unused = params.back();
   optim::SGD opt(params, o);
   for (int k = 0; k < 4; ++k) {
-    for (size_t i = 0; i + 1 < params.size(); ++i)
-      refs[i].step(set_grad_values(params[i], grad_values(k, static_cast<size_t>(params[i].numel()), 0.3 * double(i))), o);
+    const std::vector<std::vector<double>> grads = set_many_grads(params, k);
+    for (size_t i = 0; i < refs.size(); ++i) refs[i].step(grads[i], o);
     opt.step();
-    for (size_t i = 0; i + 1 < params.size(); ++i) {
+    for (size_t i = 0; i < refs.size(); ++i) {
       ASSERT_TRUE(matches(params[i], params[i].sizes().vec(), refs[i].p, tolerance(kFloat32)))
           << "parameter " << i << " after step " << k + 1;
       if (o.momentum != 0) {

@@ -127,11 +127,11 @@ class FusedAdam {
     if (!fused_kernels_take(param)) return false;
     auto like_param = [&](const Tensor& x) { return fusable_like(x, param); };
     const Tensor& step = state.at("step");
-    if (!like_param(param) || !like_param(grad) || !like_param(state.at("exp_avg")) ||
+    if (!like_param(grad) || !like_param(state.at("exp_avg")) ||
         !like_param(state.at("exp_avg_sq")) || (amsgrad && !like_param(state.at("max_exp_avg_sq"))) ||
         step.dim() != 0 || step.dtype() != kFloat32 || step.device() != param.device())
       return false;
-    kiln::detail::AdamLists& l = lists_for(param);
+    kiln::detail::AdamLists& l = lists_.of(param);
     l.params.push_back(param);
     l.grads.push_back(grad);
     l.exp_avgs.push_back(state.at("exp_avg"));
@@ -158,12 +158,7 @@ class FusedAdam {
   }
 
  private:
-  kiln::detail::AdamLists& lists_for(const Tensor& param) {
-    for (auto& [key, l] : lists_)
-      if (key.first == param.device() && key.second == param.dtype()) return l;
-    return lists_.emplace_back(std::make_pair(param.device(), param.dtype()), kiln::detail::AdamLists{}).second;
-  }
-  std::vector<std::pair<std::pair<Device, DType>, kiln::detail::AdamLists>> lists_;
+  FusedBatches<kiln::detail::AdamLists> lists_;
 };
 
 template <class Options, class StateOf>

@@ -386,6 +386,7 @@ bool fusable_like(const Tensor& x, const Tensor& param) {
 bool fused_kernels_take(const Tensor& param) {
   const DType t = param.dtype();
   if (t != kFloat32 && t != kFloat64 && t != kFloat16 && t != kBFloat16) return false;
+  if (!param.is_contiguous()) return false;
 #ifdef KILN_WITH_CUDA
   return param.device().is_cpu() || param.device().is_cuda();
 #else

@@ -92,7 +92,7 @@ class FusedSgd {
   // floating dtype on a device with a fused kernel; a missing buffer is created here, marked
   // first (the kernel writes it before reading it). False leaves the parameter to sgd_update.
   bool add(const Tensor& param, const Tensor& grad, ParamState* state) {
-    if (!fused_kernels_take(param) || !fusable_like(param, param) || !fusable_like(grad, param)) return false;
+    if (!fused_kernels_take(param) || !fusable_like(grad, param)) return false;
     Tensor buf;
     bool first = false;
     if (state) {
@@ -105,7 +105,7 @@ class FusedSgd {
         if (!fusable_like(buf, param)) return false;
       }
     }
-    kiln::detail::SgdLists& l = lists_for(param);
+    kiln::detail::SgdLists& l = lists_.of(param);
     l.params.push_back(param);
     l.grads.push_back(grad);
     if (state) {
@@ -132,12 +132,7 @@ class FusedSgd {
   }
 
  private:
-  kiln::detail::SgdLists& lists_for(const Tensor& param) {
-    for (auto& [key, l] : lists_)
-      if (key.first == param.device() && key.second == param.dtype()) return l;
-    return lists_.emplace_back(std::make_pair(param.device(), param.dtype()), kiln::detail::SgdLists{}).second;
-  }
-  std::vector<std::pair<std::pair<Device, DType>, kiln::detail::SgdLists>> lists_;
+  FusedBatches<kiln::detail::SgdLists> lists_;
 };
 
 }  // namespace

@@ -3,6 +3,8 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "kiln/optim.h"
 
@@ -27,7 +29,26 @@ bool fused_update_allowed();
 // device and shape.
 bool fusable_like(const Tensor& x, const Tensor& param);
 
-// Whether the fused kernels run parameters of `param`'s dtype on its device.
+// Whether the fused kernels run `param`: a dense tensor of a floating dtype on a device they have.
 bool fused_kernels_take(const Tensor& param);
+
+// The parameters of one group that take a fused update, in kernels/fused_optim.h's parallel
+// lists (Lists: AdamLists, SgdLists), one per device and dtype: a fused kernel takes one of each.
+template <class Lists>
+class FusedBatches {
+ public:
+  using Key = std::pair<Device, DType>;
+  // The lists `param` belongs in.
+  Lists& of(const Tensor& param) {
+    for (auto& [key, l] : batches_)
+      if (key.first == param.device() && key.second == param.dtype()) return l;
+    return batches_.emplace_back(Key{param.device(), param.dtype()}, Lists{}).second;
+  }
+  auto begin() { return batches_.begin(); }
+  auto end() { return batches_.end(); }
+
+ private:
+  std::vector<std::pair<Key, Lists>> batches_;
+};
 
 }  // namespace kiln::optim

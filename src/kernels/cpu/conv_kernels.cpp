@@ -789,7 +789,7 @@ ConvAlgorithm autotuned_algorithm(ConvDirection direction, const ConvShape& s, D
                                   const std::function<std::vector<ConvAlgorithm>()>& alternatives,
                                   const std::function<void(ConvAlgorithm)>& run) {
   DecisionCache& cache = decision_cache();
-  const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int threads = max_threads();
   const DecisionKey key{make_key(s, dtype, layout), direction, threads};
   std::shared_ptr<DecisionEntry> entry;
   {
@@ -1040,7 +1040,7 @@ template <class Block>
 void for_each_weight_grad_block(const ConvShape& s, Block&& block) {
   const bool split_columns = s.c >= s.o;
   const int64_t extent = split_columns ? s.c : s.o;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(threads, extent / 16));
   parallel_for(parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t part = begin; part < end; ++part) {

@@ -29,12 +29,15 @@ using opmath_t = std::conditional_t<std::is_same_v<T, Half> || std::is_same_v<T,
 // Elements per thread below which a loop stays single-threaded.
 inline constexpr int64_t kGrainSize = 32768;
 
+// The threads a parallel region opened here would get: the pool, or 1 inside another region
+// (nested regions run on the calling thread).
+inline int max_threads() { return omp_in_parallel() ? 1 : omp_get_max_threads(); }
+
 // Runs f(begin, end) over [0, n) split across threads when n is large.
 template <class F>
 void parallel_for(int64_t n, int64_t grain, F&& f) {
   if (n <= 0) return;
-  int max_threads = omp_in_parallel() ? 1 : omp_get_max_threads();
-  int64_t chunks = std::min<int64_t>(max_threads, (n + grain - 1) / grain);
+  int64_t chunks = std::min<int64_t>(max_threads(), (n + grain - 1) / grain);
   if (chunks <= 1) {
     f(int64_t{0}, n);
     return;

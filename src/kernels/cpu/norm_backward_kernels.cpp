@@ -191,7 +191,7 @@ void channel_rows_sums(const T* xp, int64_t x_stride, const T* gp, int64_t g_str
                               d + c0);
   };
   const int64_t blocks = (rows + kBlock - 1) / kBlock;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = max_threads();
   // Channel groups per block: enough to give every thread work, each group at least 64 channels
   // (whole 16-channel tiles) and kGrainSize values.
   int64_t groups = 1;

@@ -72,29 +72,16 @@ void fused_sgd_typed(const SgdLists& l, const SgdHyper& h) {
   });
 }
 
-// Runs fn.template operator()<T>() for the parameters' floating dtype T.
-template <class Fn>
-void dispatch_floating(const std::vector<Tensor>& params, const char* what, Fn&& fn) {
-  switch (params[0].dtype()) {
-    case DType::float32: return fn(float{});
-    case DType::float64: return fn(double{});
-    case DType::float16: return fn(Half{});
-    case DType::bfloat16: return fn(BFloat16{});
-    default:
-      throw Error(std::string("[kiln::optim] the fused ") + what + " update takes floating parameters. This is a Kiln bug.");
-  }
-}
-
 }  // namespace
 
 void fused_adam_cpu(const AdamLists& l, const AdamHyper& h) {
   if (l.params.empty()) return;
-  dispatch_floating(l.params, "Adam", [&](auto t) { fused_adam_typed<decltype(t)>(l, h); });
+  KILN_DISPATCH_FLOATING(l.params[0].dtype(), "optim (fused Adam)", [&] { fused_adam_typed<scalar_t>(l, h); });
 }
 
 void fused_sgd_cpu(const SgdLists& l, const SgdHyper& h) {
   if (l.params.empty()) return;
-  dispatch_floating(l.params, "SGD", [&](auto t) { fused_sgd_typed<decltype(t)>(l, h); });
+  KILN_DISPATCH_FLOATING(l.params[0].dtype(), "optim (fused SGD)", [&] { fused_sgd_typed<scalar_t>(l, h); });
 }
 
 }  // namespace kiln::detail

@@ -562,10 +562,6 @@ void into_contiguous(Tensor& out, const F& f) {
   out.copy_(tmp);
 }
 
-inline int max_threads() {
-  return omp_in_parallel() ? 1 : omp_get_max_threads();
-}
-
 // Splits [0, n) into at most max_threads() chunks of >= grain, runs f(begin, end) -> R on each
 // (in parallel) and folds the results in chunk order with combine.
 template <class R, class F, class C>

@@ -102,7 +102,7 @@ void backward_rows(const T* g, const T* y, T* out, int64_t rows, int64_t n) {
   using A = opmath_t<T>;
   if (n <= kShortRow) {
     // Buffers allocated here: nothing may throw inside the parallel region.
-    const int threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+    const int threads = max_threads();
     std::vector<A> buffers(Log ? static_cast<size_t>(threads) * kRowBlock * n : 0);
     const int64_t blocks = (rows + kRowBlock - 1) / kRowBlock;
     parallel_for(blocks, std::max<int64_t>(1, kGrainSize / (kRowBlock * n)), [&](int64_t b, int64_t e) {

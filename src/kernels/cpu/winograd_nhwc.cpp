@@ -176,7 +176,7 @@ void transform_input_tile(const float* x, int64_t h, int64_t w, int64_t ci, int6
 // tiles x channels, kept per thread across calls) stay within about 2 MB for wide layers.
 int64_t tile_block_for(int64_t tiles, int64_t channels) {
   constexpr int64_t kBlockBytes = 2 << 20;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = max_threads();
   const int64_t by_size = std::max<int64_t>(4, kBlockBytes / (kPoints * std::max<int64_t>(1, channels) * 4));
   return std::clamp<int64_t>((tiles + threads - 1) / threads, 1, std::min(kTileBlock, by_size));
 }
@@ -258,7 +258,7 @@ void winograd_weight_grad(const float* x, int64_t n, int64_t h, int64_t w, int64
   const int64_t tiles_h = (oh + 3) / 4, tiles_w = (ow + 3) / 4, tiles = n * tiles_h * tiles_w;
   const int64_t tile_block = tile_block_for(tiles, std::max(ci, co));
   const int64_t blocks = (tiles + tile_block - 1) / tile_block;
-  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t threads = max_threads();
   const int64_t parts = std::max<int64_t>(1, std::min(threads, blocks));
   const int64_t u_size = kPoints * ci * co;
   // The caller's buffer, reused (a fresh one faults in its pages), and named through a pointer: a

@@ -90,14 +90,21 @@ void multi_tensor_launches(const std::vector<Tensor>& params, int* block_tensor,
   flush();
 }
 
-}  // namespace
-
-std::string fused_adam_source(DType t) {
+// What every fused optimizer's source starts with: the element math, the device preamble, the
+// storage type T and its opmath O for dtype `t`, and the launch planning's constants.
+std::string source_head(DType t) {
   std::string src = "#include \"kiln/math/optim.h\"\n";
   src += cuda::detail::device_preamble();
   src += fmt::format("typedef {} T;\ntypedef kj::opmath<T> O;\n", cuda::detail::cuda_type(t));
   src += fmt::format("constexpr int kTensors = {}, kBlocks = {}, kSteps = {};\nconstexpr long long kChunk = {};\n", kTensors,
                      kBlocks, kSteps, kChunk);
+  return src;
+}
+
+}  // namespace
+
+std::string fused_adam_source(DType t) {
+  std::string src = source_head(t);
   src += R"(struct StepParams { float* step[kSteps]; int n; };
 struct AdamParams {
   T* param[kTensors]; const T* grad[kTensors]; T* exp_avg[kTensors]; T* exp_avg_sq[kTensors];
@@ -169,11 +176,7 @@ void fused_adam_cuda(const AdamLists& l, const AdamHyper& h) {
 }
 
 std::string fused_sgd_source(DType t) {
-  std::string src = "#include \"kiln/math/optim.h\"\n";
-  src += cuda::detail::device_preamble();
-  src += fmt::format("typedef {} T;\ntypedef kj::opmath<T> O;\n", cuda::detail::cuda_type(t));
-  src += fmt::format("constexpr int kTensors = {}, kBlocks = {};\nconstexpr long long kChunk = {};\n", kTensors, kBlocks,
-                     kChunk);
+  std::string src = source_head(t);
   src += R"(struct SgdParams {
   T* param[kTensors]; const T* grad[kTensors]; T* momentum_buffer[kTensors]; long long numel[kTensors];
   int block_tensor[kBlocks]; int block_chunk[kBlocks]; unsigned char first[kTensors];
