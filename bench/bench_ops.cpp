@@ -148,6 +148,32 @@ void Shape_CatChannels(benchmark::State& state) {
 }
 BENCHMARK(Shape_CatChannels)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+// One optimizer step over DenseNet-121's 364 parameters (8.0M elements), each with a gradient:
+// the fused update (docs/optim.md) streams every array once, so its floor is the bytes below at
+// DRAM speed (Adam: param, grad and both moments read, param and moments written).
+template <class Optimizer, class Options>
+void optimizer_step_bench(benchmark::State& state, const Options& options, int64_t arrays_moved) {
+  auto model = models::densenet121();
+  std::vector<Tensor> params = model->parameters();
+  int64_t numel = 0;
+  for (const Tensor& p : params) {
+    p.set_grad(randn(p.sizes()));
+    numel += p.numel();
+  }
+  Optimizer opt(params, options);
+  opt.step();  // creates the state
+  for (auto _ : state) opt.step();
+  state.SetBytesProcessed(state.iterations() * numel * arrays_moved * static_cast<int64_t>(sizeof(float)));
+}
+void Optim_AdamStepDenseNet121(benchmark::State& s) {
+  optimizer_step_bench<optim::Adam>(s, optim::AdamOptions{.lr = 1e-3}, 7);
+}
+void Optim_SgdMomentumStepDenseNet121(benchmark::State& s) {
+  optimizer_step_bench<optim::SGD>(s, optim::SGDOptions{.lr = 1e-2, .momentum = 0.9}, 5);
+}
+BENCHMARK(Optim_AdamStepDenseNet121)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(Optim_SgdMomentumStepDenseNet121)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 }  // namespace
 
 BENCHMARK_MAIN();

@@ -34,16 +34,18 @@ struct AdamUpdate {
   }
 
   // Element k of arrays stored as S (T is S's opmath type): loads, updates, stores back.
+  // max_exp_avg_sq is read and written only with amsgrad (a caller that fixes the flags in a local
+  // copy lets the compiler drop every branch and vectorize the loop).
   template <class S>
   KILN_HD KILN_MATH_INLINE void update(S* param, const S* grad, S* exp_avg, S* exp_avg_sq, S* max_exp_avg_sq,
                                        long long k) const {
     T p = static_cast<T>(param[k]), m = static_cast<T>(exp_avg[k]), v = static_cast<T>(exp_avg_sq[k]);
-    T vmax = max_exp_avg_sq ? static_cast<T>(max_exp_avg_sq[k]) : T(0);
+    T vmax = amsgrad ? static_cast<T>(max_exp_avg_sq[k]) : T(0);
     (*this)(p, static_cast<T>(grad[k]), m, v, vmax);
     param[k] = static_cast<S>(p);
     exp_avg[k] = static_cast<S>(m);
     exp_avg_sq[k] = static_cast<S>(v);
-    if (max_exp_avg_sq) max_exp_avg_sq[k] = static_cast<S>(vmax);
+    if (amsgrad) max_exp_avg_sq[k] = static_cast<S>(vmax);
   }
 
   KILN_HD KILN_MATH_INLINE void operator()(T& param, T grad, T& exp_avg, T& exp_avg_sq, T& max_exp_avg_sq) const {
@@ -78,11 +80,17 @@ struct SgdUpdate {
   // Element k of arrays stored as S (T is S's opmath type); momentum_buffer is null without momentum.
   template <class S>
   KILN_HD KILN_MATH_INLINE void update(S* param, const S* grad, S* momentum_buffer, long long k) const {
+    update(param, grad, momentum_buffer, momentum_buffer != nullptr, k);
+  }
+  // The same with the momentum decided by the caller (a constant lets the compiler drop the branches).
+  template <class S>
+  KILN_HD KILN_MATH_INLINE void update(S* param, const S* grad, S* momentum_buffer, bool with_momentum,
+                                       long long k) const {
     T p = static_cast<T>(param[k]);
-    T buf = momentum_buffer && !first ? static_cast<T>(momentum_buffer[k]) : T(0);
-    (*this)(p, static_cast<T>(grad[k]), buf, momentum_buffer != nullptr);
+    T buf = with_momentum && !first ? static_cast<T>(momentum_buffer[k]) : T(0);
+    (*this)(p, static_cast<T>(grad[k]), buf, with_momentum);
     param[k] = static_cast<S>(p);
-    if (momentum_buffer) momentum_buffer[k] = static_cast<S>(buf);
+    if (with_momentum) momentum_buffer[k] = static_cast<S>(buf);
   }
 
   KILN_HD KILN_MATH_INLINE void operator()(T& param, T grad, T& buf, bool with_momentum) const {
