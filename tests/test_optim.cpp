@@ -8,6 +8,8 @@
 #include <numbers>
 #include <random>
 
+#include "kernels/fused_optim.h"
+#include "kiln/op_table.h"
 #include "reference.h"
 
 using namespace kiln;
@@ -390,7 +392,7 @@ TEST(SGD, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {
   const uint64_t before = p.version();
   std::string profile = profile_step();
   EXPECT_FALSE(profiled(profile, "add") || profiled(profile, "mul") || profiled(profile, "clone")) << profile;
-  EXPECT_NE(profile.find("\nsgd (fused) "), std::string::npos) << profile;
+  EXPECT_NE(profile.find("\n_fused_sgd_ "), std::string::npos) << profile;
   EXPECT_GT(p.version(), before);
   std::vector<double> g = grad_values(2, kNumel);
   q.set_grad(tensor<double>({g[0], g[2], g[4], g[1], g[3], g[5]}, {2, 3}).to(kFloat32).t());
@@ -419,7 +421,7 @@ TEST(Adam, DenseParametersTakeTheFusedUpdateAndStridedOnesThePerOpOne) {
   set_grad_values(q, grad_values(1, kNumel));
   std::string profile = profile_step();
   EXPECT_FALSE(profiled(profile, "addcdiv") || profiled(profile, "lerp") || profiled(profile, "addcmul")) << profile;
-  EXPECT_NE(profile.find("\nadam (fused) "), std::string::npos) << profile;
+  EXPECT_NE(profile.find("\n_fused_adam_ "), std::string::npos) << profile;
   // A strided gradient (a parameter's grad may be any layout) sends that parameter to the per-op update.
   q.set_grad(tensor<double>(grad_values(2, kNumel), {2, 3}).to(kFloat32).t());
   profile = profile_step();
@@ -963,3 +965,48 @@ TEST(SchedulerErrors, InvalidArgumentsThrowValueError) {
 }
 
 }  // namespace
+
+// The fused update ops check their tensor lists before writing anything: a list that is not
+// parallel lists of the layout, a state tensor unlike its parameter, a strided tensor, an integer
+// parameter or a step counter of another dtype is refused with a message naming the tensor, and
+// the parameters keep their values.
+TEST(FusedOptimizerOps, RefuseBadTensorListsAndWriteNothing) {
+  const kiln::detail::AdamHyper adam{0.1, 0.9, 0.999, 1e-8, 0.0, false, false, false};
+  Tensor p = ones({2, 3}), g = ones({2, 3}), m = zeros({2, 3}), v = zeros({2, 3}), step = zeros({});
+  auto fused_adam = [&](std::vector<Tensor> tensors) {
+    call_op(kiln::detail::fused_adam_op(), std::move(tensors), adam.attrs());
+  };
+  auto refused = [&](auto&& call, const std::string& message) {
+    try {
+      call();
+      ADD_FAILURE() << "no exception; expected one with: " << message;
+    } catch (const Error& e) {
+      EXPECT_THAT(e.what(), HasSubstr(message));
+    }
+    EXPECT_TRUE(matches(p, {2, 3}, std::vector<double>(6, 1.0), Tolerance{0, 0})) << "nothing written";
+  };
+  refused([&] { fused_adam({p, g, m, v, step, p}); },
+          "[kiln::_fused_adam_] expected 5 lists of equal length (params, grads, exp_avgs, exp_avg_sqs, steps), got 6");
+  refused([&] { fused_adam({p, ones({3, 2}), m, v, step}); }, "grads[0] is float32(3, 2) but its parameter is float32(2, 3)");
+  refused([&] { fused_adam({p, g, zeros({3, 2}).t(), v, step}); }, "exp_avgs[0] must be contiguous");
+  refused([&] { fused_adam({p, g, m, v, zeros({}, kFloat64)}); }, "steps[0] must be a 0-dim float32 step counter");
+  refused([&] { fused_adam({p, g, m, v, zeros({1})}); }, "steps[0] must be a 0-dim float32 step counter");
+  Tensor ints = ones({2, 3}, kInt64);
+  refused([&] { fused_adam({ints, ints, ints, ints, step}); }, "params[0] has dtype int64");
+  refused([&] { fused_adam({p, ones({4}, kFloat64), g, m, v, step, step, step, step, step}); }, "params[1] has dtype float64");
+  refused([&] { call_op(kiln::detail::fused_adam_op(), {p, g, m, v, step}, {0.1, 0.9}); }, "takes 8 non-tensor arguments");
+
+  const kiln::detail::SgdHyper sgd{0.1, 0.9, 0.0, 0.0, false, false};
+  refused([&] { call_op(kiln::detail::fused_sgd_op(), {p, g, m, p}, sgd.attrs({1, 0})); },
+          "[kiln::_fused_sgd_] expected 3 lists of equal length (params, grads, momentum_buffers), got 4 tensors");
+  refused([&] { call_op(kiln::detail::fused_sgd_op(), {p, g, m}, sgd.attrs({1, 0})); },
+          "first holds 2 flags but the list has 1 parameters with momentum buffers");
+  refused([&] { call_op(kiln::detail::fused_sgd_op(), {p, g, p}, sgd.attrs({})); },
+          "expected 2 lists of equal length (params, grads), got 3 tensors");
+
+  // A good list runs: parameters move, gradients stay.
+  fused_adam({p, g, m, v, step});
+  EXPECT_EQ(step.item<float>(), 1.0f);
+  EXPECT_LT(p.max().item<float>(), 1.0f);
+  EXPECT_TRUE(matches(g, {2, 3}, std::vector<double>(6, 1.0), Tolerance{0, 0}));
+}

@@ -133,6 +133,9 @@ struct OpDef {
   bool overlapping_output_ok = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
+  // When set, decides the written inputs per call instead, from the number of inputs and the attrs:
+  // the fused optimizers write every tensor of their list but the gradients.
+  std::function<std::vector<int>(size_t num_inputs, const AttrAccess& attrs)> mutated_inputs_of;
   // The derivative (autograd) and how compile() lowers the op (kiln/lowering.h); `kiln ops`
   // shows both.
   Derivative derivative;
@@ -159,9 +162,15 @@ struct OpDef {
   // saving their result (recompute). A reduction anchors a kernel of its own.
   bool is_fusible() const { return std::holds_alternative<lowering::Pointwise>(lowering); }
   bool has_kernel(DeviceType d) const { return static_cast<bool>(kernels[static_cast<int>(d)]); }
-  // Whether `call` writes mutated_inputs (see writes_mutated_inputs).
+  // Whether some call may write inputs (mutated_inputs or mutated_inputs_of).
+  bool may_mutate_inputs() const { return !mutated_inputs.empty() || static_cast<bool>(mutated_inputs_of); }
+  // The inputs a call with `num_inputs` inputs and `attrs` may write, ascending.
+  std::vector<int> mutated_input_indices(size_t num_inputs, std::span<const Attr> attrs) const {
+    return mutated_inputs_of ? mutated_inputs_of(num_inputs, AttrAccess{attrs}) : mutated_inputs;
+  }
+  // Whether `call` writes its mutated inputs (see writes_mutated_inputs).
   bool mutates(const OpCall& call) const {
-    return !mutated_inputs.empty() && (!writes_mutated_inputs || writes_mutated_inputs(call));
+    return may_mutate_inputs() && (!writes_mutated_inputs || writes_mutated_inputs(call));
   }
 };
 

@@ -154,6 +154,13 @@ const Kernel& kernel_for(const OpDef& op, Device device) {
   return k;
 }
 
+// The device of an op without outputs (the fused optimizers): its first defined input's.
+Device first_input_device(std::span<const Tensor> inputs) {
+  for (const Tensor& t : inputs)
+    if (t.defined()) return t.device();
+  return kCPU;
+}
+
 Tensor allocate(const TensorMeta& m) {
   if (m.strides.empty()) return detail::make_empty(m.sizes, m.dtype, m.device);
   return detail::make_empty_strided(m.sizes, m.strides, m.dtype, m.device);
@@ -241,12 +248,11 @@ std::vector<Tensor> call_op(const OpDef& op, std::vector<Tensor> inputs, std::ve
     for (auto& m : metas)
       outputs.push_back(detail::make_view(inputs[0], std::move(m.sizes), std::move(m.strides), m.storage_offset));
   } else {
-    Device device = metas.empty() ? kCPU : metas[0].device;
-    const Kernel& kernel = kernel_for(op, device);
+    const Kernel& kernel = kernel_for(op, metas.empty() ? first_input_device(inputs) : metas[0].device);
     for (const auto& m : metas) outputs.push_back(allocate(m));
     run_kernel(kernel, call, outputs);
     if (op.mutates(call))
-      for (int i : op.mutated_inputs)
+      for (int i : op.mutated_input_indices(inputs.size(), attrs))
         if (inputs[i].defined()) count_write(inputs[i]);
   }
   const detail::AutogradHooks& autograd = detail::autograd_hooks;
@@ -294,7 +300,7 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   const detail::AutogradHooks& autograd = detail::autograd_hooks;
   std::shared_ptr<void> recording = autograd.begin_inplace ? autograd.begin_inplace(op, inputs, outputs) : nullptr;
 
-  const Kernel& kernel = kernel_for(op, metas.empty() ? kCPU : metas[0].device);
+  const Kernel& kernel = kernel_for(op, metas.empty() ? first_input_device(inputs) : metas[0].device);
   if (!need_temp) {
     run_kernel(kernel, call, outputs);
   } else {
@@ -307,7 +313,7 @@ void call_op_out(const OpDef& op, std::vector<Tensor> inputs, std::vector<Attr> 
   }
   for (Tensor& out : outputs) count_write(out);
   if (op.mutates(call))
-    for (int i : op.mutated_inputs)
+    for (int i : op.mutated_input_indices(inputs.size(), attrs))
       if (inputs[i].defined()) count_write(inputs[i]);
   if (recording) autograd.finish_inplace(recording, op, attrs, outputs);
 }

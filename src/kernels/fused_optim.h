@@ -1,39 +1,56 @@
-// The fused optimizer kernels (Adam/AdamW and SGD): one update of many parameters of one device and dtype in a few
-// passes (CPU: one parallel loop over chunks of every tensor; CUDA: one launch for the step
-// counters and one per few dozen tensors), instead of a dozen eager ops per parameter. The
-// element math is kiln/math/optim.h; src/optim decides which parameters qualify (dense tensors,
-// float32 step counters, no capture under way) and bumps the version counters afterwards.
+// The fused optimizer updates (Adam/AdamW and SGD): one update of many parameters of one device and
+// dtype in a few passes (CPU: one parallel loop over chunks of every tensor; CUDA: one launch for the
+// step counters and one per few dozen tensors), instead of a dozen ops per parameter. They are ops of
+// the table, `_fused_adam_` and `_fused_sgd_` (src/ops/optim.cpp: schema and checks), so that an eager
+// step dispatches them and compile() captures one node per parameter group; their kernels register
+// from kernels/<device>/optim_kernels.cpp. The element math is kiln/math/optim.h; src/optim decides
+// which parameters qualify (dense tensors, float32 step counters).
 #pragma once
 
+#include <span>
 #include <string>
 #include <vector>
 
+#include "kiln/op_table.h"
 #include "kiln/tensor.h"
 
 namespace kiln::detail {
 
+// _fused_adam_'s attrs, in schema order.
 struct AdamHyper {
   double lr, beta1, beta2, eps, weight_decay;
   bool amsgrad, maximize, decoupled;
+  static AdamHyper of(const AttrAccess& attrs);
+  std::vector<Attr> attrs() const;
 };
 
-// Parallel lists: entry i of each belongs to parameter i. All tensors dense (contiguous), of
-// one device; params, grads and the moments of one floating dtype; steps 0-dim float32 counters,
-// incremented here first. max_exp_avg_sqs is empty unless amsgrad.
+// _fused_adam_'s tensor list: n parameters, then their gradients, first moments, second moments,
+// (amsgrad only) running maxima of the second moments, and 0-dim float32 step counters, n of each,
+// entry i of each list belonging to parameter i. The update increments the counters first; it
+// writes every list but the gradients.
 struct AdamLists {
-  std::vector<Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  std::span<const Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  static size_t count(bool amsgrad) { return amsgrad ? 6 : 5; }  // lists in the tensor list
+  // The lists of `tensors`, whose length the op's meta checked to be a multiple of count(amsgrad).
+  static AdamLists of(std::span<const Tensor> tensors, bool amsgrad);
 };
 
+// _fused_sgd_'s attrs, in schema order but the last (the first-step flags, SgdLists::first).
 struct SgdHyper {
   double lr, momentum, dampening, weight_decay;
   bool nesterov, maximize;
+  static SgdHyper of(const AttrAccess& attrs);
+  std::vector<Attr> attrs(std::vector<int64_t> first) const;
 };
 
-// Parallel lists, as AdamLists. momentum_buffers is empty without momentum; first[i] is 1 where
-// parameter i's buffer starts at this step (fresh memory, written before it is read).
+// _fused_sgd_'s tensor list: n parameters, their gradients and, with momentum, their momentum
+// buffers. first (the op's last attr: one 0/1 per parameter with momentum buffers, empty without)
+// is 1 where a buffer starts at this step (fresh memory, written before it is read). The update
+// writes the parameters and buffers.
 struct SgdLists {
-  std::vector<Tensor> params, grads, momentum_buffers;
-  std::vector<unsigned char> first;
+  std::span<const Tensor> params, grads, momentum_buffers;
+  IntArrayRef first;
+  static SgdLists of(std::span<const Tensor> tensors, IntArrayRef first);
 };
 
 void fused_adam_cpu(const AdamLists& lists, const AdamHyper& h);
@@ -46,5 +63,10 @@ void fused_sgd_cuda(const SgdLists& lists, const SgdHyper& h);
 std::string fused_adam_source(DType t);
 std::string fused_sgd_source(DType t);
 #endif
+
+// The ops: one update of every parameter in `tensors` (laid out as AdamLists / SgdLists say),
+// through the dispatcher, so that compile() captures it as one node.
+const OpDef& fused_adam_op();
+const OpDef& fused_sgd_op();
 
 }  // namespace kiln::detail

@@ -1,8 +1,8 @@
-// torch.optim.Adam and AdamW. Eagerly, the parameters whose tensors are dense take the fused
-// update (kernels/fused_optim.h: a few kernels for all of them, like PyTorch's fused=True);
-// under compile() and for the rest, the update of _single_tensor_adam in Kiln's in-place ops,
-// with the bias corrections computed as tensors from the step tensor (no host read, so the step
-// can be captured into a graph, whose backend fuses the update itself).
+// torch.optim.Adam and AdamW. The parameters whose tensors are dense take the fused update
+// (kernels/fused_optim.h: one _fused_adam_ call for all of them, a few kernels, like PyTorch's
+// fused=True; compile() captures it as one node); the rest take the update of _single_tensor_adam
+// in Kiln's in-place ops, with the bias corrections computed as tensors from the step tensor (no
+// host read, so that a captured step needs no graph break either way).
 #include <utility>
 
 #include "core/dispatch.h"
@@ -118,7 +118,8 @@ void adam_update(Tensor param, const Tensor& grad, ParamState& state, const Adam
   param.addcdiv_(exp_avg, denom, -c.lr);
 }
 
-// The parameters of one group that take the fused update, in lists per device and dtype.
+// The parameters of one group that take the fused update, in lists per device and dtype: one
+// _fused_adam_ call each (kernels/fused_optim.h), which compile() captures as one node.
 class FusedAdam {
  public:
   // Adds `param` when it and its grad and state are dense tensors of one floating dtype on a
@@ -131,7 +132,7 @@ class FusedAdam {
         !like_param(state.at("exp_avg_sq")) || (amsgrad && !like_param(state.at("max_exp_avg_sq"))) ||
         step.dim() != 0 || step.dtype() != kFloat32 || step.device() != param.device())
       return false;
-    kiln::detail::AdamLists& l = lists_.of(param);
+    Lists& l = lists_.of(param);
     l.params.push_back(param);
     l.grads.push_back(grad);
     l.exp_avgs.push_back(state.at("exp_avg"));
@@ -141,24 +142,23 @@ class FusedAdam {
     return true;
   }
 
-  // Runs the fused kernels, and counts their writes as the in-place ops of the per-op form would.
+  // One _fused_adam_ per device and dtype; the dispatcher counts its writes as the in-place ops
+  // of the per-op form would.
   void run(const AdamConfig& c) {
     const kiln::detail::AdamHyper h{c.lr,      c.beta1,    c.beta2, c.eps, c.weight_decay,
                                     c.amsgrad, c.maximize, c.decoupled_weight_decay};
-    static const std::string kProfileName = "adam (fused)";  // the op profiler's and timeline's row
-    for (auto& [key, l] : lists_) {
-      kiln::detail::OpTimer timer(kProfileName);
-      if (key.first.is_cpu()) kiln::detail::fused_adam_cpu(l, h);
-#ifdef KILN_WITH_CUDA
-      else kiln::detail::fused_adam_cuda(l, h);
-#endif
-      for (const auto* list : {&l.params, &l.exp_avgs, &l.exp_avg_sqs, &l.max_exp_avg_sqs, &l.steps})
-        for (const Tensor& x : *list) kiln::detail::bump_version(x);
-    }
+    for (auto& [key, l] : lists_)
+      call_op(kiln::detail::fused_adam_op(),
+              concatenated({&l.params, &l.grads, &l.exp_avgs, &l.exp_avg_sqs, &l.max_exp_avg_sqs, &l.steps}),
+              h.attrs());
   }
 
  private:
-  FusedBatches<kiln::detail::AdamLists> lists_;
+  // What kernels/fused_optim.h's AdamLists reads, as lists to append to.
+  struct Lists {
+    std::vector<Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+  };
+  FusedBatches<Lists> lists_;
 };
 
 template <class Options, class StateOf>

@@ -375,7 +375,16 @@ bool fused_update_allowed() {
     const char* v = std::getenv("KILN_FUSED_OPTIM");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  return enabled && !kiln::detail::active_capture_hook();
+  return enabled;
+}
+
+std::vector<Tensor> concatenated(std::initializer_list<const std::vector<Tensor>*> lists) {
+  size_t n = 0;
+  for (const auto* l : lists) n += l->size();
+  std::vector<Tensor> out;
+  out.reserve(n);
+  for (const auto* l : lists) out.insert(out.end(), l->begin(), l->end());
+  return out;
 }
 
 bool fusable_like(const Tensor& x, const Tensor& param) {

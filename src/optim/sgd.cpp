@@ -1,6 +1,7 @@
-// torch.optim.SGD. Eagerly, the parameters whose tensors are dense take the fused update
-// (kernels/fused_optim.h: a few kernels for all of them, like PyTorch's fused=True); under
-// compile() and for the rest, the update of _single_tensor_sgd in Kiln's in-place ops.
+// torch.optim.SGD. The parameters whose tensors are dense take the fused update
+// (kernels/fused_optim.h: one _fused_sgd_ call for all of them, a few kernels, like PyTorch's
+// fused=True; compile() captures it as one node); the rest take the update of _single_tensor_sgd
+// in Kiln's in-place ops.
 #include <utility>
 
 #include "core/dispatch.h"
@@ -85,7 +86,8 @@ void sgd_update(Tensor param, const Tensor& grad, const SGDOptions& o, ParamStat
   param.add_(d, -o.lr);
 }
 
-// The parameters of one group that take the fused update, in lists per device and dtype.
+// The parameters of one group that take the fused update, in lists per device and dtype: one
+// _fused_sgd_ call each (kernels/fused_optim.h), which compile() captures as one node.
 class FusedSgd {
  public:
   // Adds `param` when it, its grad and its momentum buffer (if any) are dense tensors of one
@@ -105,7 +107,7 @@ class FusedSgd {
         if (!fusable_like(buf, param)) return false;
       }
     }
-    kiln::detail::SgdLists& l = lists_.of(param);
+    Lists& l = lists_.of(param);
     l.params.push_back(param);
     l.grads.push_back(grad);
     if (state) {
@@ -116,23 +118,22 @@ class FusedSgd {
     return true;
   }
 
-  // Runs the fused kernels, and counts their writes as the in-place ops of the per-op form would.
+  // One _fused_sgd_ per device and dtype; the dispatcher counts its writes as the in-place ops of
+  // the per-op form would.
   void run(const SGDOptions& o) {
     const kiln::detail::SgdHyper h{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize};
-    static const std::string kProfileName = "sgd (fused)";  // the op profiler's and timeline's row
-    for (auto& [key, l] : lists_) {
-      kiln::detail::OpTimer timer(kProfileName);
-      if (key.first.is_cpu()) kiln::detail::fused_sgd_cpu(l, h);
-#ifdef KILN_WITH_CUDA
-      else kiln::detail::fused_sgd_cuda(l, h);
-#endif
-      for (const auto* list : {&l.params, &l.momentum_buffers})
-        for (const Tensor& x : *list) kiln::detail::bump_version(x);
-    }
+    for (auto& [key, l] : lists_)
+      call_op(kiln::detail::fused_sgd_op(), concatenated({&l.params, &l.grads, &l.momentum_buffers}),
+              h.attrs(l.first));
   }
 
  private:
-  FusedBatches<kiln::detail::SgdLists> lists_;
+  // What kernels/fused_optim.h's SgdLists reads, as lists to append to.
+  struct Lists {
+    std::vector<Tensor> params, grads, momentum_buffers;
+    std::vector<int64_t> first;
+  };
+  FusedBatches<Lists> lists_;
 };
 
 }  // namespace

@@ -20,10 +20,13 @@ void check_state_tensor(const ParamState& state, const std::string& name, const 
 void check_state_names(const ParamState& state, std::initializer_list<const char*> allowed,
                        const std::string& where);
 
-// Whether step() may take the fused kernels (kernels/fused_optim.h): not while compile()
-// captures the step (the graph records the per-op update, which its backend fuses itself), and
-// not with KILN_FUSED_OPTIM=0 (the per-op update everywhere).
+// Whether step() may take the fused update (kernels/fused_optim.h): always, eagerly and under
+// compile() (a captured step records one node per parameter group), but with KILN_FUSED_OPTIM=0
+// (the per-op update everywhere).
 bool fused_update_allowed();
+
+// The lists one after another: a fused update's tensor list.
+std::vector<Tensor> concatenated(std::initializer_list<const std::vector<Tensor>*> lists);
 
 // Whether `x` can stand beside `param` in a fused update: a defined, dense tensor of its dtype,
 // device and shape.
@@ -32,8 +35,8 @@ bool fusable_like(const Tensor& x, const Tensor& param);
 // Whether the fused kernels run `param`: a dense tensor of a floating dtype on a device they have.
 bool fused_kernels_take(const Tensor& param);
 
-// The parameters of one group that take a fused update, in kernels/fused_optim.h's parallel
-// lists (Lists: AdamLists, SgdLists), one per device and dtype: a fused kernel takes one of each.
+// The parameters of one group that take a fused update, in parallel lists (Lists), one per device
+// and dtype: a fused update takes one of each.
 template <class Lists>
 class FusedBatches {
  public:

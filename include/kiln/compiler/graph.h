@@ -9,7 +9,8 @@
 //            inputs that overlap).
 //   nodes    op calls in program order. A node either creates new values (`outputs`) or, when
 //            `inplace` is set (the `add_`/`out=` forms), writes into existing values; ops with
-//            `OpDef::mutated_inputs` (batch-norm running stats) also write their inputs. Nodes
+//            `OpDef::mutated_inputs` (batch-norm running stats, the fused optimizers' parameters
+//            and state) also write their inputs. Nodes
 //            therefore run in order; the kiln backend's functionalization pass (see
 //            docs/compiler.md) rewrites mutation away before fusing.
 //   inputs   placeholder values, in the order the runtime passes them.
@@ -65,7 +66,7 @@ struct Node {
   const std::string& target() const { return op->name; }
   bool is_view() const { return op->kind == OpKind::view; }
   // Writes memory that existed before the node (in-place targets or mutated inputs).
-  bool has_side_effects() const { return inplace || !op->mutated_inputs.empty(); }
+  bool has_side_effects() const { return inplace || op->may_mutate_inputs(); }
 };
 
 // What a compiled graph is called with: one tensor per placeholder and one value per scalar slot.

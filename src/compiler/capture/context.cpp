@@ -510,7 +510,7 @@ std::vector<Tensor> capture_op(CaptureContext& cap, const OpDef& op, std::vector
     set_lazy(seg, owner, out, id);
   }
   if (op.mutates(OpCall(&op, inputs, attrs)))
-    for (int i : op.mutated_inputs)
+    for (int i : op.mutated_input_indices(inputs.size(), attrs))
       if (inputs[i].defined()) bump_version(inputs[i]);
   if (autograd::recording(inputs)) {
     cap.autograd = true;
@@ -546,7 +546,7 @@ void capture_op_out(CaptureContext& cap, const OpDef& op, std::vector<Tensor>& i
 
   for (Tensor& out : outputs) bump_version(out);
   if (op.mutates(OpCall(&op, inputs, attrs)))
-    for (int i : op.mutated_inputs)
+    for (int i : op.mutated_input_indices(inputs.size(), attrs))
       if (inputs[i].defined()) bump_version(inputs[i]);
   if (recording.record) {
     cap.autograd = true;

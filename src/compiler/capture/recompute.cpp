@@ -41,7 +41,7 @@ namespace {
 bool cheap_to_recompute(const Node& n) {
   const OpDef& op = *n.op;
   return !n.inplace && n.outputs.size() == 1 && op.kind == OpKind::compute && op.is_fusible() &&
-         op.mutated_inputs.empty() && op.runtime_attrs.empty();
+         !op.may_mutate_inputs() && op.runtime_attrs.empty();
 }
 
 // Ops on the longest chain one recomputed value may replay.

@@ -193,7 +193,7 @@ void Graph::validate() const {
                 std::to_string(v));
     }
 
-    for (int i : n.op->mutated_inputs)
+    for (int i : n.op->mutated_input_indices(n.inputs.size(), n.attrs))
       if (static_cast<size_t>(i) < n.inputs.size() && n.inputs[i] >= 0 && constant[n.inputs[i]])
         invalid(node_label(n) + " mutates constant value " + std::to_string(n.inputs[i]));
 

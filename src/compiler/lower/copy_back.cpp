@@ -50,7 +50,7 @@ Uses collect_uses(const Program& p) {
         if (v >= 0) u.reads[v].push_back(si);
       if (n.inplace)
         for (int v : n.outputs) u.writes[v].push_back(si);
-      for (int i : n.op->mutated_inputs)
+      for (int i : n.op->mutated_input_indices(n.inputs.size(), n.attrs))
         if (i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0) u.writes[n.inputs[i]].push_back(si);
     }
   }

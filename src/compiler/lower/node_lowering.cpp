@@ -130,7 +130,7 @@ bool is_lowerable_pointwise(const Graph& g, int node) {
   const Node& n = g.nodes[node];
   if (!n.op || !n.op->is_fusible()) return false;
   const auto* pointwise = &std::get<lowering::Pointwise>(n.op->lowering);
-  if (n.inplace || !n.op->mutated_inputs.empty() || n.outputs.size() != 1) return false;
+  if (n.inplace || n.op->may_mutate_inputs() || n.outputs.size() != 1) return false;
   const ValueInfo& out = g.values[n.outputs[0]];
   if (!codegen_dtype(out.dtype) || !(out.device.is_cpu() || out.device.is_cuda())) return false;
   for (int v : n.inputs)

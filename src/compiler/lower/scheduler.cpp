@@ -15,6 +15,7 @@
 #include <set>
 
 #include "compiler/graph/known_ops.h"
+#include "compiler/graph/passes.h"
 #include "compiler/lower/node_lowering.h"
 
 namespace kiln::compiler::lower {
@@ -236,17 +237,25 @@ struct Builder {
   // recomputing a few operations per element; on the CPU the separate tiny loop is cheaper.
   std::vector<int> deferred;        // per value: the node computing it where deferred, else -1
   std::vector<bool> deferrable_node;  // per node, decided before scheduling (consumers first)
+  std::optional<passes::internal::WriteIndex> writes;  // which nodes write each value's memory
+  std::vector<size_t> last_reader_of;  // per deferrable node: the last node that computes it
 
   // Whether `node` may be deferred: every reader is a pointwise node over a shape at least 16
   // times larger, or a deferrable node itself (rsqrt(var + eps): the add is read by the rsqrt,
-  // only the rsqrt by the normalization).
-  bool deferrable(int node) const {
+  // only the rsqrt by the normalization), and no node up to the last reader writes the memory the
+  // node reads (a reader after a fused optimizer step would recompute it from the new parameters).
+  bool deferrable(int node) {
     const Node& n = g.nodes[node];
     if (is_lowerable_cat(g, node) || !is_lowerable_pointwise(g, node)) return false;
     if (n.outputs.size() != 1 || n.inplace || n.has_side_effects()) return false;
     const int v = n.outputs[0];
     const ValueInfo& vi = g.values[v];
     if (!vi.device.is_cuda() || is_output[v] || consumers[v].empty()) return false;
+    size_t last_reader = 0;  // where the value is computed last: its readers, or theirs when deferred too
+    for (int c : consumers[v])
+      last_reader = std::max(last_reader, deferrable_node[c] ? last_reader_of[c] : static_cast<size_t>(c));
+    for (int u : n.inputs)
+      if (u >= 0 && writes->written_between(u, static_cast<size_t>(node) + 1, last_reader)) return false;
     auto numel = [](const ValueInfo& x) {
       int64_t n = 1;
       for (int64_t d : x.sizes) n *= d;
@@ -258,6 +267,7 @@ struct Builder {
       if (out.device != vi.device) return false;
       if (numel(out) < 16 * std::max<int64_t>(numel(vi), 1) && !deferrable_node[c]) return false;
     }
+    last_reader_of[node] = last_reader;
     return true;
   }
 
@@ -444,6 +454,8 @@ struct Builder {
     for (int v : g.outputs) is_output[v] = true;
     deferred.assign(g.values.size(), -1);
     deferrable_node.assign(g.nodes.size(), false);
+    writes.emplace(g);
+    last_reader_of.assign(g.nodes.size(), 0);
     for (size_t i = g.nodes.size(); i-- > 0;) deferrable_node[i] = deferrable(static_cast<int>(i));
 
     for (size_t i = 0; i < g.nodes.size(); ++i) {

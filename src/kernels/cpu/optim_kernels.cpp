@@ -1,6 +1,6 @@
-// The fused Adam/AdamW and SGD updates on the CPU (kernels/fused_optim.h): every parameter's
-// elements in one parallel loop over fixed-size chunks, so that small tensors share threads and
-// each array is read and written once.
+// The fused Adam/AdamW and SGD updates on the CPU (kernels/fused_optim.h), the kernels of
+// _fused_adam_ and _fused_sgd_: every parameter's elements in one parallel loop over fixed-size
+// chunks, so that small tensors share threads and each array is read and written once.
 #include <cstdint>
 #include <vector>
 
@@ -17,7 +17,7 @@ constexpr int64_t kChunk = 16384;
 // Runs update(i, begin, end) over every parameter i's elements in chunks of kChunk, the chunks
 // of all parameters split across threads together.
 template <class Update>
-void for_each_chunk(const std::vector<Tensor>& params, Update&& update) {
+void for_each_chunk(std::span<const Tensor> params, Update&& update) {
   struct Chunk {
     size_t tensor;
     int64_t begin, end;
@@ -138,5 +138,20 @@ void fused_sgd_cpu(const SgdLists& l, const SgdHyper& h) {
   if (l.params.empty()) return;
   KILN_DISPATCH_FLOATING(l.params[0].dtype(), "optim (fused SGD)", [&] { fused_sgd_typed<scalar_t>(l, h); });
 }
+
+namespace {
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("_fused_adam_", DeviceType::cpu, [](const OpCall& c, std::span<Tensor>) {
+    const AdamHyper h = AdamHyper::of(c);
+    fused_adam_cpu(AdamLists::of(c.inputs, h.amsgrad), h);
+  });
+  register_kernel("_fused_sgd_", DeviceType::cpu, [](const OpCall& c, std::span<Tensor>) {
+    fused_sgd_cpu(SgdLists::of(c.inputs, c.ints_attr(6)), SgdHyper::of(c));
+  });
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace kiln::detail

@@ -1,4 +1,5 @@
-// The fused Adam/AdamW and SGD updates on CUDA (kernels/fused_optim.h), in the manner of
+// The fused Adam/AdamW and SGD updates on CUDA (kernels/fused_optim.h), the kernels of
+// _fused_adam_ and _fused_sgd_, in the manner of
 // PyTorch's multi-tensor apply: (Adam) one launch increments every step counter, then each launch
 // updates up to kTensors parameters, one block per chunk of kChunk elements of one of them, with
 // the tensors' addresses and the block-to-chunk table passed by value in the kernel's parameter
@@ -64,7 +65,7 @@ static_assert(sizeof(AdamParams) <= 4096 && sizeof(StepParams) <= 4096 && sizeof
 // elements: put(slot, i) writes parameter i's addresses into `slot` of the parameter block, whose
 // block table is block_tensor/block_chunk, and launch(blocks) sends one block off.
 template <class Put, class Launch>
-void multi_tensor_launches(const std::vector<Tensor>& params, int* block_tensor, int* block_chunk, Put&& put,
+void multi_tensor_launches(std::span<const Tensor> params, int* block_tensor, int* block_chunk, Put&& put,
                            Launch&& launch) {
   int tensors = 0, blocks = 0;
   auto flush = [&] {
@@ -219,7 +220,7 @@ void fused_sgd_cuda(const SgdLists& l, const SgdHyper& h) {
         p.param[slot] = l.params[i].impl().data();
         p.grad[slot] = l.grads[i].impl().data();
         p.momentum_buffer[slot] = momentum ? l.momentum_buffers[i].impl().data() : nullptr;
-        p.first[slot] = momentum ? l.first[i] : 0;
+        p.first[slot] = momentum && l.first[i] != 0 ? 1 : 0;
         p.numel[slot] = l.params[i].numel();
       },
       [&](int blocks) {
@@ -227,5 +228,20 @@ void fused_sgd_cuda(const SgdLists& l, const SgdHyper& h) {
         cuda::detail::launch(fns[0], static_cast<unsigned>(blocks), kThreads, 0, stream, args);
       });
 }
+
+namespace {
+
+[[maybe_unused]] const bool registered = [] {
+  register_kernel("_fused_adam_", DeviceType::cuda, [](const OpCall& c, std::span<Tensor>) {
+    const AdamHyper h = AdamHyper::of(c);
+    fused_adam_cuda(AdamLists::of(c.inputs, h.amsgrad), h);
+  });
+  register_kernel("_fused_sgd_", DeviceType::cuda, [](const OpCall& c, std::span<Tensor>) {
+    fused_sgd_cuda(SgdLists::of(c.inputs, c.ints_attr(6)), SgdHyper::of(c));
+  });
+  return true;
+}();
+
+}  // namespace
 
 }  // namespace kiln::detail

@@ -48,7 +48,7 @@ bool is_random(const OpDef& op) {
 }
 
 bool mutates_inputs(const Graph& g, const Node& n) {
-  if (!n.op || n.op->mutated_inputs.empty()) return false;
+  if (!n.op || !n.op->may_mutate_inputs()) return false;
   if (!n.op->writes_mutated_inputs) return true;
   std::vector<Tensor> inputs;
   inputs.reserve(n.inputs.size());
@@ -69,7 +69,7 @@ WriteIndex::WriteIndex(const Graph& g) : group_(g.values.size()), writers_(g.val
       for (int v : n.outputs)
         if (valid(g, v)) add(v, i);
     if (mutates_inputs(g, n))
-      for (int k : n.op->mutated_inputs)
+      for (int k : n.op->mutated_input_indices(n.inputs.size(), n.attrs))
         if (static_cast<size_t>(k) < n.inputs.size() && valid(g, n.inputs[k])) add(n.inputs[k], i);
   }
 }

@@ -192,7 +192,7 @@ class Splicer {
             if (n.inputs[j] == -1) continue;
             if (seen++ == k) pos = static_cast<int>(j);
           }
-          const auto& mutated = n.op->mutated_inputs;
+          const std::vector<int> mutated = n.op->mutated_input_indices(n.inputs.size(), n.attrs);
           if (pos < 0 || std::find(mutated.begin(), mutated.end(), pos) == mutated.end()) return false;
         }
         continue;

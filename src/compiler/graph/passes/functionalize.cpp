@@ -217,7 +217,7 @@ void functionalize(Graph& g) {
       new_index[i] = static_cast<int>(out.size());
       out.push_back(std::move(n));
     };
-    if (!n.inplace || !n.op || !n.op->mutated_inputs.empty() || n.is_view() || strided_after[i + 1] ||
+    if (!n.inplace || !n.op || n.op->may_mutate_inputs() || n.is_view() || strided_after[i + 1] ||
         n.outputs.empty()) {
       keep();
       continue;

@@ -17,7 +17,7 @@ void fuse_conv_bn(Graph& g) {
     if (n.inplace)
       for (int v : n.outputs) written[v] = true;
     if (!internal::mutates_inputs(g, n)) continue;  // e.g. an inference batch norm
-    for (int i : n.op->mutated_inputs)
+    for (int i : n.op->mutated_input_indices(n.inputs.size(), n.attrs))
       if (i < static_cast<int>(n.inputs.size()) && n.inputs[i] >= 0) written[n.inputs[i]] = true;
   }
 
