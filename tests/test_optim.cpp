@@ -1010,3 +1010,47 @@ TEST(FusedOptimizerOps, RefuseBadTensorListsAndWriteNothing) {
   EXPECT_LT(p.max().item<float>(), 1.0f);
   EXPECT_TRUE(matches(g, {2, 3}, std::vector<double>(6, 1.0), Tolerance{0, 0}));
 }
+
+// The options' `fused` (PyTorch's): false takes the per-op update for dense parameters too; true
+// takes the fused one, and a parameter that cannot take it (a strided gradient) throws before any
+// parameter moves or any state is made.
+TEST(Optimizer, FusedOptionChoosesTheUpdate) {
+  auto profiled_step = [](optim::Optimizer& opt) {
+    reset_op_profile();
+    set_op_profiling(true);
+    opt.step();
+    set_op_profiling(false);
+    return op_profile_report();
+  };
+  Tensor p = make_param(initial_values(kNumel), kShape, kFloat32);
+  set_grad_values(p, grad_values(0, kNumel));
+  optim::Adam per_op({p}, {.lr = 0.01, .fused = false});
+  std::string profile = profiled_step(per_op);
+  EXPECT_TRUE(profiled(profile, "addcdiv")) << profile;
+  EXPECT_FALSE(profiled(profile, "_fused_adam")) << profile;
+  optim::Adam fused({p}, {.lr = 0.01, .fused = true});
+  profile = profiled_step(fused);
+  EXPECT_TRUE(profiled(profile, "_fused_adam")) << profile;
+  EXPECT_FALSE(profiled(profile, "addcdiv")) << profile;
+
+  Tensor q = make_param(initial_values(kNumel, 1.0), {3, 2}, kFloat32);
+  q.set_grad(tensor<double>(grad_values(1, kNumel), {2, 3}).to(kFloat32).t());
+  const std::vector<double> p_before = values(p), q_before = values(q);
+  optim::SGD sgd({p, q}, {.lr = 0.1, .momentum = 0.9, .fused = true});
+  try {
+    sgd.step();
+    ADD_FAILURE() << "a strided gradient took the fused update";
+  } catch (const ValueError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[kiln::optim::SGD] fused = true, but parameter 1 of group 0 cannot take the fused update"));
+  }
+  EXPECT_TRUE(matches(p, kShape, p_before, Tolerance{0, 0}));
+  EXPECT_TRUE(matches(q, {3, 2}, q_before, Tolerance{0, 0}));
+  EXPECT_FALSE(sgd.state(p).count("momentum_buffer")) << "no unwritten buffer is left in the state";
+  optim::AdamW adamw({q}, {.fused = true});
+  try {
+    adamw.step();
+    ADD_FAILURE() << "a strided gradient took the fused update";
+  } catch (const ValueError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("[kiln::optim::AdamW] fused = true, but parameter 0 of group 0"));
+  }
+}

@@ -36,6 +36,12 @@ struct SGDOptions {
   double weight_decay = 0.0;  // L2 penalty added to the gradient
   bool nesterov = false;      // needs momentum > 0 and dampening == 0
   bool maximize = false;      // ascend instead of descend
+  // The update's implementation, as PyTorch's `fused`: unset, the fused update (one _fused_*_ op
+  // for all of a group's dense parameters of one device and dtype; docs/optim.md) for every
+  // parameter that qualifies and the per-op update for the rest; false, the per-op update; true,
+  // the fused update, and step() throws ValueError for a parameter that cannot take it.
+  // KILN_FUSED_OPTIM=0 means false everywhere. Not part of state_dict().
+  std::optional<bool> fused;
 };
 
 struct AdamOptions {
@@ -45,6 +51,7 @@ struct AdamOptions {
   double weight_decay = 0.0;  // L2 penalty added to the gradient
   bool amsgrad = false;       // keep the running maximum of the second moment
   bool maximize = false;
+  std::optional<bool> fused;  // as SGDOptions::fused
 };
 
 struct AdamWOptions {
@@ -54,6 +61,7 @@ struct AdamWOptions {
   double weight_decay = 1e-2;  // decoupled: param *= 1 - lr * weight_decay before the update
   bool amsgrad = false;
   bool maximize = false;
+  std::optional<bool> fused;  // as SGDOptions::fused
 };
 
 // A parameter group: its parameters and their options (PyTorch's param_groups[i]).

@@ -164,16 +164,22 @@ class FusedAdam {
 template <class Options, class StateOf>
 void adam_step(std::vector<ParamGroup<Options>>& groups, bool decoupled, StateOf&& state_of) {
   NoGradGuard no_grad;
-  const bool fused = fused_update_allowed();
-  for (auto& group : groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    auto& group = groups[g];
     const AdamConfig c = config_of(group.options, decoupled);
+    const FusedChoice choice = fused_choice(group.options.fused);
     FusedAdam batch;
-    for (const Tensor& param : group.params) {
+    for (size_t i = 0; i < group.params.size(); ++i) {
+      const Tensor& param = group.params[i];
       const Tensor grad = param.grad();
       if (!grad.defined()) continue;
       ParamState& state = state_of(param);
       init_adam_state(param, state, c.amsgrad);
-      if (!fused || !batch.add(param, grad, state, c.amsgrad)) adam_update(param, grad, state, c);
+      if (choice != FusedChoice::never && batch.add(param, grad, state, c.amsgrad)) continue;
+      if (choice == FusedChoice::always)
+        throw_not_fusable(decoupled ? "AdamW" : "Adam", g, i,
+                          "(and its gradient, exp_avg and exp_avg_sq like it, with a 0-dim float32 step counter on its device)");
+      adam_update(param, grad, state, c);
     }
     batch.run(c);
   }

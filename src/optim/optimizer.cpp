@@ -370,12 +370,21 @@ template class OptimizerWithOptions<AdamWOptions>;
 
 // ======================= shared helpers (optim/util.h) =======================
 
-bool fused_update_allowed() {
+FusedChoice fused_choice(const std::optional<bool>& fused) {
   static const bool enabled = [] {
     const char* v = std::getenv("KILN_FUSED_OPTIM");
     return !(v && std::strcmp(v, "0") == 0);
   }();
-  return enabled;
+  if (!enabled || fused == false) return FusedChoice::never;
+  return fused == true ? FusedChoice::always : FusedChoice::where_possible;
+}
+
+void throw_not_fusable(const char* who, size_t group, size_t index, const char* what) {
+  throw ValueError(std::string("[kiln::optim::") + who + "] fused = true, but parameter " + std::to_string(index) +
+                   " of group " + std::to_string(group) +
+                   " cannot take the fused update: it needs a dense (contiguous) tensor of float32, float64, "
+                   "float16 or bfloat16 on the CPU or a GPU " +
+                   what + ". Leave fused unset to update such parameters op by op.");
 }
 
 std::vector<Tensor> concatenated(std::initializer_list<const std::vector<Tensor>*> lists) {

@@ -111,7 +111,7 @@ class FusedSgd {
     l.params.push_back(param);
     l.grads.push_back(grad);
     if (state) {
-      if (first) state->emplace("momentum_buffer", buf);
+      if (first) l.new_buffers.emplace_back(state, buf);
       l.momentum_buffers.push_back(buf);
       l.first.push_back(first ? 1 : 0);
     }
@@ -119,12 +119,15 @@ class FusedSgd {
   }
 
   // One _fused_sgd_ per device and dtype; the dispatcher counts its writes as the in-place ops of
-  // the per-op form would.
+  // the per-op form would. The new momentum buffers join the state only here, written: a step that
+  // throws before (fused = true and a parameter that cannot take it) leaves no unwritten buffer.
   void run(const SGDOptions& o) {
     const kiln::detail::SgdHyper h{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov, o.maximize};
-    for (auto& [key, l] : lists_)
+    for (auto& [key, l] : lists_) {
       call_op(kiln::detail::fused_sgd_op(), concatenated({&l.params, &l.grads, &l.momentum_buffers}),
               h.attrs(l.first));
+      for (auto& [state, buf] : l.new_buffers) state->emplace("momentum_buffer", buf);
+    }
   }
 
  private:
@@ -132,6 +135,7 @@ class FusedSgd {
   struct Lists {
     std::vector<Tensor> params, grads, momentum_buffers;
     std::vector<int64_t> first;
+    std::vector<std::pair<ParamState*, Tensor>> new_buffers;  // the momentum buffers this step starts
   };
   FusedBatches<Lists> lists_;
 };
@@ -140,15 +144,19 @@ class FusedSgd {
 
 void SGD::step() {
   NoGradGuard no_grad;
-  const bool fused = fused_update_allowed();
-  for (auto& group : groups_) {
-    const SGDOptions o = group.options;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    const SGDOptions o = groups_[g].options;
+    const FusedChoice choice = fused_choice(o.fused);
     FusedSgd batch;
-    for (const Tensor& param : group.params) {
+    for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+      const Tensor& param = groups_[g].params[i];
       const Tensor grad = param.grad();
       if (!grad.defined()) continue;
       ParamState* state = o.momentum != 0.0 ? &mutable_state(param) : nullptr;
-      if (!fused || !batch.add(param, grad, state)) sgd_update(param, grad, o, state);
+      if (choice != FusedChoice::never && batch.add(param, grad, state)) continue;
+      if (choice == FusedChoice::always)
+        throw_not_fusable("SGD", g, i, "(and its gradient and momentum buffer like it)");
+      sgd_update(param, grad, o, state);
     }
     batch.run(o);
   }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,10 +21,16 @@ void check_state_tensor(const ParamState& state, const std::string& name, const 
 void check_state_names(const ParamState& state, std::initializer_list<const char*> allowed,
                        const std::string& where);
 
-// Whether step() may take the fused update (kernels/fused_optim.h): always, eagerly and under
-// compile() (a captured step records one node per parameter group), but with KILN_FUSED_OPTIM=0
-// (the per-op update everywhere).
-bool fused_update_allowed();
+// How step() updates a group's parameters (the options' `fused`, kernels/fused_optim.h): the fused
+// update where a parameter qualifies (unset), never (false, or KILN_FUSED_OPTIM=0 in the
+// environment), or always (true: a parameter that does not qualify throws). Eagerly and under
+// compile() alike: a captured step records one node per group and device.
+enum class FusedChoice { where_possible, never, always };
+FusedChoice fused_choice(const std::optional<bool>& fused);
+
+// Throws the ValueError of a parameter that fused = true cannot update: parameter `index` of group
+// `group` of optimizer `who`, which needs `what` besides a dense floating tensor.
+[[noreturn]] void throw_not_fusable(const char* who, size_t group, size_t index, const char* what);
 
 // The lists one after another: a fused update's tensor list.
 std::vector<Tensor> concatenated(std::initializer_list<const std::vector<Tensor>*> lists);

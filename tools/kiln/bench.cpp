@@ -4,7 +4,9 @@
 //
 // Modes: eager; kiln (compile() with the kiln backend); kiln-ro (mode reduce_overhead: a static
 // memory plan); kiln-at (mode max_autotune: convolutions timed direct vs Winograd at their first
-// call, the winner cached for the process).
+// call, the winner cached for the process); kiln-module (the model compiled, the step's loss,
+// backward and Adam around it); kiln-per-op (kiln, with Adam's per-op update captured instead of
+// its fused node: what the fused update gains, in the same run).
 //
 // Compiled modes first measure compile times (cold: an empty kernel cache; warm: the disk cache).
 // Then every mode is timed in interleaved rounds (eager, kiln, ..., eager, kiln, ...) so that load
@@ -123,14 +125,21 @@ BenchArgs parse(const std::vector<std::string>& args) {
   KILN_CHECK(a.batch > 0 && a.size > 0 && a.iters > 0 && a.warmup >= 0 && a.host_profile >= 0, ValueError,
              "[kiln bench] --batch, --size and --iters must be positive.");
   for (const auto& m : a.modes)
-    KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro" || m == "kiln-at" || m == "kiln-module", ValueError,
+    KILN_CHECK(m == "eager" || m == "kiln" || m == "kiln-ro" || m == "kiln-at" || m == "kiln-module" || m == "kiln-per-op",
+               ValueError,
                "[kiln bench] unknown mode '" + m +
                    "'. Available modes: eager, kiln (compile() with the kiln backend), kiln-ro (the kiln backend "
                    "with mode reduce_overhead: a static memory plan), kiln-at (the kiln backend with mode "
                    "max_autotune: convolutions timed direct vs Winograd, the winner cached), kiln-module (the "
                    "model compiled with the kiln backend; the training step's loss, backward and Adam outside "
-                   "the compiled call).");
+                   "the compiled call), kiln-per-op (kiln with Adam's per-op update, fused = false, in the step's "
+                   "graph instead of one fused node).");
   return a;
+}
+
+// The Adam of a bench mode's training step: kiln-per-op captures the per-op update.
+optim::AdamOptions adam_options(const std::string& mode) {
+  return {.lr = 1e-3, .fused = mode == "kiln-per-op" ? std::optional<bool>(false) : std::nullopt};
 }
 
 // The compile() mode of a compiled bench mode.
@@ -343,7 +352,9 @@ std::function<Tensor(const Tensor&)> compiled_training_step(const std::shared_pt
 }
 
 nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Module>& model, const Tensor& x,
-                              const Tensor& y, Mode mode, bool module_style) {
+                              const Tensor& y, const std::string& bench_mode) {
+  const Mode mode = compile_mode(bench_mode);
+  const bool module_style = bench_mode == "kiln-module";
   namespace fs = std::filesystem;
   nlohmann::json m;
   const char* old_dir = std::getenv("KILN_CACHE_DIR");
@@ -396,7 +407,7 @@ nlohmann::json bench_compiled(const BenchArgs& a, const std::shared_ptr<nn::Modu
              "[kiln bench] the compiled model ran no generated kernel: its timing would mean nothing.");
   if (a.train) {
     model->train();
-    optim::Adam opt(model->parameters(), {.lr = 1e-3});
+    optim::Adam opt(model->parameters(), adam_options(bench_mode));
     compiler::reset();
     auto step = compiled_training_step(model, opt, y, options, module_style);
     auto t1 = std::chrono::steady_clock::now();
@@ -589,12 +600,12 @@ int run_bench(const std::vector<std::string>& args) {
   for (const auto& mode : a.modes) {
     result["modes"][mode] =
         mode == "eager" ? nlohmann::json::object()
-                        : bench_compiled(a, model, x, y, compile_mode(mode), mode == "kiln-module");
+                        : bench_compiled(a, model, x, y, mode);
   }
   compiler::reset();
   std::vector<TimedMode> timed;
   for (const auto& mode : a.modes) {
-    TimedMode t{.name = mode, .opt = std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3})};
+    TimedMode t{.name = mode, .opt = std::make_shared<optim::Adam>(model->parameters(), adam_options(mode))};
     auto step = adam_step(model, *t.opt, y);
     auto forward = [model](const Tensor& images) { return model->forward(images); };
     // On the CPU each call synchronizes on its result; on a GPU the timer's events do.

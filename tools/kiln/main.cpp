@@ -26,7 +26,8 @@ commands:
   ops [--json]         list the op table: name, schema, devices with kernels, derivative, lowering
   bench MODEL [opts]   time a model: --device cpu --batch 16 --size 128 --modes eager --train
                        (modes: eager, kiln, kiln-ro, kiln-at, kiln-module: the model compiled,
-                       backward and Adam outside the compiled call)
+                       backward and Adam outside the compiled call, kiln-per-op: Adam's per-op
+                       update captured instead of its fused node)
                        --iters 5 --warmup 2 --threads N --json --profile infer|train
                        --pure (models: densenet121, densenet169, resnet18, resnet50; --profile:
                        one more call per mode inside cuda::profiler_start/stop, for ncu;
