@@ -548,10 +548,11 @@ TEST(CudaOptim, FusedSgdOfManyParametersMatchesTheCpu) {
       }
       for (size_t i = 0; i < params.numels.size(); ++i) {
         EXPECT_TRUE(params.same(params.gpu[i], params.cpu[i], i)) << "parameter " << i;
-        if (o.momentum != 0)
+        if (o.momentum != 0) {
           EXPECT_TRUE(params.same(on_gpu.state(params.gpu[i]).at("momentum_buffer"),
                                   on_cpu.state(params.cpu[i]).at("momentum_buffer"), i))
               << "momentum_buffer " << i;
+        }
       }
     }
   }

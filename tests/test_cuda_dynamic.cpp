@@ -45,8 +45,9 @@ void check_sizes(const std::function<Tensor(const Tensor&)>& fn, const std::func
   }
   EXPECT_EQ(d.now().graph_compiles, 1);
   EXPECT_EQ(d.now().size_specializations, static_cast<int64_t>(sizes.size()) - 1);
-  if (check_builds)
+  if (check_builds) {
     EXPECT_EQ(d.now().kernel_builds, builds_after_first) << "later sizes reuse the first size's CUDA kernels";
+  }
   EXPECT_GT(d.now().kernel_runs, 0);
   EXPECT_EQ(d.now().eager_frames, 0);
 }

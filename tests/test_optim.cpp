@@ -358,7 +358,9 @@ void check_many_sgd_parameters(const optim::SGDOptions& o) {
       if (o.momentum != 0) {
         const Tensor& buf = opt.state(params[i]).at("momentum_buffer");
         ASSERT_TRUE(matches(buf, params[i].sizes().vec(), refs[i].buf, tolerance(kFloat32))) << "buffer " << i;
-        if (params[i].numel() > 0) EXPECT_NE(buf.impl().data(), params[i].grad().impl().data());
+        if (params[i].numel() > 0) {
+          EXPECT_NE(buf.impl().data(), params[i].grad().impl().data());
+        }
       }
     }
   }

@@ -133,9 +133,6 @@ struct OpDef {
   bool overlapping_output_ok = false;
   // Inputs the kernel writes besides its outputs (batch_norm's running stats, in-place ops).
   std::vector<int> mutated_inputs;
-  // When set, decides the written inputs per call instead, from the number of inputs and the attrs:
-  // the fused optimizers write every tensor of their list but the gradients.
-  std::function<std::vector<int>(size_t num_inputs, const AttrAccess& attrs)> mutated_inputs_of;
   // The derivative (autograd) and how compile() lowers the op (kiln/lowering.h); `kiln ops`
   // shows both.
   Derivative derivative;
@@ -148,6 +145,11 @@ struct OpDef {
   // statistics only in training); unset: every call writes them. Decides the version bump, which
   // caches keyed on versions (folded conv + batch-norm weights) rely on.
   std::function<bool(const OpCall&)> writes_mutated_inputs;
+  // When set, decides the written inputs per call instead of mutated_inputs, from the number of
+  // inputs and the attrs: the fused optimizers write every tensor of their list but the gradients.
+  // (Last, after the other std::function members: GCC 12 warns of an uninitialized `derivative`
+  // in the ops' designated initializers when it stands before them.)
+  std::function<std::vector<int>(size_t num_inputs, const AttrAccess& attrs)> mutated_inputs_of;
   // Filled by register_op from the schema: the tensor parameters (a Tensor[] list counts none and
   // sets tensor_list) and the other parameters, all and those without a default (a call may leave
   // trailing defaulted ones out). call_op checks a call's arity against them before the meta

@@ -87,10 +87,10 @@ const OpDef& kFusedAdam = register_op({
         check_lists("_fused_adam_", c.inputs, 5, {"params", "grads", "exp_avgs", "exp_avg_sqs", "steps"}, 4);
       return {};
     },
+    .lowering = lowering::Extern{},
     .mutated_inputs_of = [](size_t num_inputs, const AttrAccess& a) {
       return all_but_gradients(num_inputs, AdamLists::count(a.bool_attr(5)));
     },
-    .lowering = lowering::Extern{},
 });
 
 const OpDef& kFusedSgd = register_op({
@@ -110,10 +110,10 @@ const OpDef& kFusedSgd = register_op({
       }
       return {};
     },
+    .lowering = lowering::Extern{},
     .mutated_inputs_of = [](size_t num_inputs, const AttrAccess& a) {
       return all_but_gradients(num_inputs, a.ints_attr(6).empty() ? 2 : 3);
     },
-    .lowering = lowering::Extern{},
 });
 
 }  // namespace

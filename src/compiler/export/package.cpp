@@ -81,7 +81,8 @@ void write_package(const std::string& path, const std::vector<Section>& sections
   std::string tmp;
   int fd = -1;
   for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
-    tmp = (dir / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(rd())))
+    tmp = (dir / std::string(".").append(target.filename().string()).append(".tmp-").append(std::to_string(::getpid()))
+                     .append("-").append(std::to_string(rd())))
               .string();
     do fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     while (fd < 0 && errno == EINTR);

@@ -48,7 +48,7 @@ std::vector<bool> loop_variant_exprs(const Kernel& k, const std::function<bool(s
 
 std::vector<std::string> loop_variables(size_t rank) {
   std::vector<std::string> vars;
-  for (size_t d = 0; d < rank; ++d) vars.push_back("i" + std::to_string(d));
+  for (size_t d = 0; d < rank; ++d) vars.push_back(std::string("i").append(std::to_string(d)));
   return vars;
 }
 
