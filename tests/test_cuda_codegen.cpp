@@ -344,6 +344,42 @@ TEST(CudaJit, ReductionsWithPrologueAndEpilogue) {
   EXPECT_EQ(codegen::generate_cuda(zp.kernels[2]).numel, 0);
 }
 
+// A small pointwise value that only larger pointwise kernels read is deferred on the GPU: each
+// reader recomputes it from its inputs instead of a kernel of its own. Not when a node between it
+// and a reader writes those inputs (a fused optimizer step writing the parameters): that reader
+// would recompute it from the new values.
+TEST(CudaJit, AValueIsNotDeferredPastAWriteOfItsInputs) {
+  auto program = [](bool written_between) {
+    Graph g;
+    int w = g.add_input(value({8}));
+    int x = g.add_input(value({4, 16, 16, 8}));
+    int scale = call(g, "mul", {w, host_scalar(g, kFloat32)}, {}, value({8}));
+    int before = call(g, "mul", {x, scale}, {}, value({4, 16, 16, 8}));
+    if (written_between) {
+      Node& write = g.add_node(op("add"), {w, w}, {Scalar(1)});  // w += w
+      write.inplace = true;
+      write.outputs = {w};
+    }
+    int after = call(g, "add", {x, scale}, {Scalar(1)}, value({4, 16, 16, 8}));
+    g.outputs = {before, after};
+    EXPECT_NO_THROW(g.validate());
+    return lower::schedule(std::move(g));
+  };
+  auto kernel_over = [](const lower::Program& p, int64_t numel) {
+    int n = 0;
+    for (const lower::Kernel& k : p.kernels) {
+      int64_t e = 1;
+      for (int64_t d : k.sizes) e *= d;
+      n += e == numel;
+    }
+    return n;
+  };
+  const lower::Program free = program(false);
+  EXPECT_EQ(kernel_over(free, 8), 0) << "deferred into its readers:\n" << lower::describe(free);
+  const lower::Program written = program(true);
+  EXPECT_GE(kernel_over(written, 8), 1) << "computed once, before the write:\n" << lower::describe(written);
+}
+
 // The kiln backend compiles a graph's kernels in batches, one NVRTC program each: kernels with
 // the same entry point name and their own Params structs share one translation unit.
 TEST(CudaJit, BatchedKernelsShareOneProgram) {

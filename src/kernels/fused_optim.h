@@ -69,4 +69,9 @@ std::string fused_sgd_source(DType t);
 const OpDef& fused_adam_op();
 const OpDef& fused_sgd_op();
 
+// Registers a device's fused kernels as the ops' kernels there, reading each call's lists and attrs.
+using FusedAdamKernel = void (*)(const AdamLists&, const AdamHyper&);
+using FusedSgdKernel = void (*)(const SgdLists&, const SgdHyper&);
+void register_fused_optimizer_kernels(DeviceType device, FusedAdamKernel adam, FusedSgdKernel sgd);
+
 }  // namespace kiln::detail

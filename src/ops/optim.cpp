@@ -160,4 +160,14 @@ SgdLists SgdLists::of(std::span<const Tensor> t, IntArrayRef first) {
 const OpDef& fused_adam_op() { return kFusedAdam; }
 const OpDef& fused_sgd_op() { return kFusedSgd; }
 
+void register_fused_optimizer_kernels(DeviceType device, FusedAdamKernel adam, FusedSgdKernel sgd) {
+  register_kernel("_fused_adam_", device, [adam](const OpCall& c, std::span<Tensor>) {
+    const AdamHyper h = AdamHyper::of(c);
+    adam(AdamLists::of(c.inputs, h.amsgrad), h);
+  });
+  register_kernel("_fused_sgd_", device, [sgd](const OpCall& c, std::span<Tensor>) {
+    sgd(SgdLists::of(c.inputs, c.ints_attr(6)), SgdHyper::of(c));
+  });
+}
+
 }  // namespace kiln::detail

@@ -142,13 +142,7 @@ void fused_sgd_cpu(const SgdLists& l, const SgdHyper& h) {
 namespace {
 
 [[maybe_unused]] const bool registered = [] {
-  register_kernel("_fused_adam_", DeviceType::cpu, [](const OpCall& c, std::span<Tensor>) {
-    const AdamHyper h = AdamHyper::of(c);
-    fused_adam_cpu(AdamLists::of(c.inputs, h.amsgrad), h);
-  });
-  register_kernel("_fused_sgd_", DeviceType::cpu, [](const OpCall& c, std::span<Tensor>) {
-    fused_sgd_cpu(SgdLists::of(c.inputs, c.ints_attr(6)), SgdHyper::of(c));
-  });
+  register_fused_optimizer_kernels(DeviceType::cpu, fused_adam_cpu, fused_sgd_cpu);
   return true;
 }();
 

@@ -232,13 +232,7 @@ void fused_sgd_cuda(const SgdLists& l, const SgdHyper& h) {
 namespace {
 
 [[maybe_unused]] const bool registered = [] {
-  register_kernel("_fused_adam_", DeviceType::cuda, [](const OpCall& c, std::span<Tensor>) {
-    const AdamHyper h = AdamHyper::of(c);
-    fused_adam_cuda(AdamLists::of(c.inputs, h.amsgrad), h);
-  });
-  register_kernel("_fused_sgd_", DeviceType::cuda, [](const OpCall& c, std::span<Tensor>) {
-    fused_sgd_cuda(SgdLists::of(c.inputs, c.ints_attr(6)), SgdHyper::of(c));
-  });
+  register_fused_optimizer_kernels(DeviceType::cuda, fused_adam_cuda, fused_sgd_cuda);
   return true;
 }();
 
