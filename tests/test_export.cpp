@@ -92,6 +92,25 @@ TEST_F(Export, ExportDoesNotChangeTheModel) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(equal(after[i].second, before[i].second));
 }
 
+// save() writes a package whole or not at all (io/atomic_file.h): saving over a package replaces
+// it and leaves no temporary file beside it; a save into a missing directory throws, naming it.
+TEST_F(Export, SaveReplacesAPackageAtomicallyAndNamesAMissingDirectory) {
+  ExportedProgram p = export_program(small_mlp(), randn({4, 8}));
+  p.save(path("a.kpkg"));
+  p.save(path("a.kpkg"));
+  int files = 0;
+  for ([[maybe_unused]] const auto& entry : fs::directory_iterator(dir_)) ++files;
+  EXPECT_EQ(files, 1);
+  EXPECT_NO_THROW(load_program(path("a.kpkg")));
+  const std::string missing = path("no/such/dir/b.kpkg");
+  const std::string message = error_of([&] { p.save(missing); });
+  EXPECT_NE(message.find("[kiln::ExportedProgram::save] " + missing + ": cannot create a temporary file in " +
+                         path("no/such/dir")),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("Check that the directory exists and is writable."), std::string::npos) << message;
+}
+
 TEST_F(Export, DynamicBatchRunsAtOtherSizes) {
   auto model = small_mlp();
   Tensor x = randn({4, 8});

@@ -10,21 +10,19 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <bit>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <optional>
-#include <random>
 #include <set>
 #include <string_view>
 #include <system_error>
 
 #include "core/tensor_factory.h"
+#include "io/atomic_file.h"
 #include "kiln/io.h"
 #include "kiln/ops.h"
 
@@ -381,81 +379,6 @@ Header read_header(const ByteSource& file, const Context& ctx) {
 
 // ---------------- writing ----------------
 
-// A file written under a temporary name and renamed over its target by commit(). Destroying it
-// uncommitted removes the temporary file.
-class AtomicOutputFile {
- public:
-  explicit AtomicOutputFile(const std::string& path) : path_(path) {
-    static std::atomic<uint64_t> counter{0};
-    std::random_device rd;
-    for (int attempt = 0; attempt < 16 && fd_ < 0; ++attempt) {
-      tmp_ = path + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" +
-             std::to_string(rd());
-      do fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      while (fd_ < 0 && errno == EINTR);
-      if (fd_ < 0 && errno != EEXIST) break;
-    }
-    if (fd_ < 0) {
-      int err = errno;
-      fail("cannot create " + tmp_ + ": " + os_error(err) +
-           ". Check that the directory exists and is writable.");
-    }
-  }
-  ~AtomicOutputFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  AtomicOutputFile(const AtomicOutputFile&) = delete;
-  AtomicOutputFile& operator=(const AtomicOutputFile&) = delete;
-
-  void write(const void* data, uint64_t n) {
-    const auto* p = static_cast<const char*>(data);
-    while (n > 0) {
-      ssize_t put = ::write(fd_, p, static_cast<size_t>(std::min<uint64_t>(n, kMaxChunk)));
-      if (put < 0) {
-        int err = errno;
-        if (err == EINTR) continue;
-        fail("write to " + tmp_ + " failed: " + os_error(err) + ".");
-      }
-      p += put;
-      n -= static_cast<uint64_t>(put);
-    }
-  }
-
-  // Makes the data durable, then atomically replaces the target.
-  void commit() {
-    if (::fsync(fd_) != 0) {
-      int err = errno;
-      fail("fsync of " + tmp_ + " failed: " + os_error(err) + ".");
-    }
-    int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) {
-      int err = errno;
-      fail("closing " + tmp_ + " failed: " + os_error(err) + ".");
-    }
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
-      int err = errno;
-      fail("cannot rename " + tmp_ + " to the target: " + os_error(err) + ".");
-    }
-    committed_ = true;
-    // Persist the rename itself; best effort (not every file system supports it).
-    std::filesystem::path dir = std::filesystem::path(path_).parent_path();
-    int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const {
-    throw Error("[kiln::save_safetensors] " + path_ + ": " + what);
-  }
-  std::string path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
 
 }  // namespace
 
@@ -570,9 +493,9 @@ void write_safetensors(const std::string& op, const NamedTensors& tensors,
 void save_safetensors(const std::string& path, const NamedTensors& tensors,
                       const std::map<std::string, std::string>& metadata) {
   const std::string op = "[kiln::save_safetensors] " + path + ": ";
-  std::optional<AtomicOutputFile> file;
+  std::optional<io::AtomicOutputFile> file;
   write_safetensors(op, tensors, metadata, [&](const void* data, uint64_t n) {
-    if (!file) file.emplace(path);  // created once the tensors and names are checked
+    if (!file) file.emplace(path, "[kiln::save_safetensors]");  // created once the tensors and names are checked
     file->write(data, n);
   });
   file->commit();

@@ -6,12 +6,11 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <filesystem>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 
 #include "compiler/runtime/cache_files.h"
+#include "io/atomic_file.h"
 #include "kiln/error.h"
 #include "kiln/export.h"
 
@@ -44,18 +43,6 @@ bool valid_section_name(const std::string& name) {
   throw PackageError("[kiln::load_program] " + path + ": " + what);
 }
 
-void write_all(int fd, const char* p, size_t n, const std::string& tmp) {
-  while (n > 0) {
-    ssize_t put = ::write(fd, p, std::min<size_t>(n, size_t{1} << 30));
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      throw Error("[kiln::ExportedProgram::save] writing " + tmp + " failed: " + errno_text(errno) + ".");
-    }
-    p += put;
-    n -= static_cast<size_t>(put);
-  }
-}
-
 }  // namespace
 
 void write_package(const std::string& path, const std::vector<Section>& sections) {
@@ -74,38 +61,11 @@ void write_package(const std::string& path, const std::vector<Section>& sections
   for (int i = 0; i < 8; ++i) header.push_back(static_cast<char>(static_cast<uint64_t>(manifest.size()) >> (8 * i)));
   header += sha256_hex(manifest);
 
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::random_device rd;
-  std::string tmp;
-  int fd = -1;
-  for (int attempt = 0; attempt < 16 && fd < 0; ++attempt) {
-    tmp = (dir / std::string(".").append(target.filename().string()).append(".tmp-").append(std::to_string(::getpid()))
-                     .append("-").append(std::to_string(rd())))
-              .string();
-    do fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
-    while (fd < 0 && errno == EINTR);
-    if (fd < 0 && errno != EEXIST) break;
-  }
-  if (fd < 0)
-    throw Error("[kiln::ExportedProgram::save] cannot create a file in " + dir.string() + ": " + errno_text(errno) +
-                ". Check that the directory exists and is writable.");
-  try {
-    write_all(fd, header.data(), header.size(), tmp);
-    write_all(fd, manifest.data(), manifest.size(), tmp);
-    for (const Section& s : sections) write_all(fd, s.bytes.data(), s.bytes.size(), tmp);
-    if (::fsync(fd) != 0) throw Error("[kiln::ExportedProgram::save] fsync of " + tmp + " failed: " + errno_text(errno) + ".");
-    const int closing = fd;
-    fd = -1;
-    if (::close(closing) != 0) throw Error("[kiln::ExportedProgram::save] closing " + tmp + " failed: " + errno_text(errno) + ".");
-    if (::rename(tmp.c_str(), path.c_str()) != 0)
-      throw Error("[kiln::ExportedProgram::save] cannot rename " + tmp + " to " + path + ": " + errno_text(errno) + ".");
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    throw;
-  }
+  io::AtomicOutputFile file(path, "[kiln::ExportedProgram::save]", 0644);
+  file.write(header.data(), header.size());
+  file.write(manifest.data(), manifest.size());
+  for (const Section& s : sections) file.write(s.bytes.data(), s.bytes.size());
+  file.commit();
 }
 
 std::map<std::string, std::string> read_package(const std::string& path) {
