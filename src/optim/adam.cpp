@@ -5,8 +5,6 @@
 // host read, so that a captured step needs no graph break either way).
 #include <utility>
 
-#include "core/dispatch.h"
-#include "core/profiler.h"
 #include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"

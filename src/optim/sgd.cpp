@@ -4,8 +4,6 @@
 // in Kiln's in-place ops.
 #include <utility>
 
-#include "core/dispatch.h"
-#include "core/profiler.h"
 #include "kernels/fused_optim.h"
 #include "kiln/autograd.h"
 #include "kiln/ops.h"
