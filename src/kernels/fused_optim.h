@@ -69,6 +69,11 @@ std::string fused_sgd_source(DType t);
 const OpDef& fused_adam_op();
 const OpDef& fused_sgd_op();
 
+// The parameters a fused op takes (its meta checks the same): dense tensors of float32, float64,
+// float16 or bfloat16 on a device the op has a kernel for.
+bool fused_update_dtype(DType t);
+bool fused_update_takes(const OpDef& op, const Tensor& param);
+
 // Registers a device's fused kernels as the ops' kernels there, reading each call's lists and attrs.
 using FusedAdamKernel = void (*)(const AdamLists&, const AdamHyper&);
 using FusedSgdKernel = void (*)(const SgdLists&, const SgdHyper&);

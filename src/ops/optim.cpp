@@ -12,14 +12,13 @@ namespace kiln::detail {
 
 namespace {
 
-bool fused_dtype(DType t) { return t == kFloat32 || t == kFloat64 || t == kFloat16 || t == kBFloat16; }
-
 // Checks `lists` lists of n tensors each, named by `names`: list 0 holds the parameters, dense
 // tensors of one floating dtype on one CPU or CUDA device; the lists before `counters` (or all,
 // when counters < 0) hold tensors like their parameter (sizes, dtype, device, dense); list
 // `counters` 0-dim float32 tensors on the parameters' device.
-void check_lists(const std::string& op, std::span<const Tensor> tensors, size_t lists,
+void check_lists(const OpDef& def, std::span<const Tensor> tensors, size_t lists,
                  std::initializer_list<const char*> names, int counters) {
+  const std::string& op = def.name;
   if (tensors.size() % lists != 0) {
     std::string named;
     for (const char* n : names) named += (named.empty() ? "" : ", ") + std::string(n);
@@ -49,12 +48,12 @@ void check_lists(const std::string& op, std::span<const Tensor> tensors, size_t 
       const Tensor& param = tensors[i];
       KILN_CHECK(t.is_contiguous(), ValueError, which() + "must be contiguous. Take the per-op update for strided tensors.");
       if (k == 0) {
-        KILN_CHECK(fused_dtype(t.dtype()) && t.dtype() == first.dtype(), DTypeError,
+        KILN_CHECK(fused_update_dtype(t.dtype()) && t.dtype() == first.dtype(), DTypeError,
                    which() + "has dtype " + std::string(dtype_name(t.dtype())) +
                        "; a fused update takes parameters of one floating dtype (float32, float64, float16 or "
                        "bfloat16), here " +
                        std::string(dtype_name(first.dtype())) + ".");
-        KILN_CHECK(t.device().is_cpu() || t.device().is_cuda(), DeviceError,
+        KILN_CHECK(def.has_kernel(t.device().type), DeviceError,
                    which() + "is on " + t.device().str() + ", which has no fused kernel.");
         continue;
       }
@@ -82,9 +81,9 @@ const OpDef& kFusedAdam = register_op({
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const bool amsgrad = c.bool_attr(5);
       if (amsgrad)
-        check_lists("_fused_adam_", c.inputs, 6, {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"}, 5);
+        check_lists(*c.op, c.inputs, 6, {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"}, 5);
       else
-        check_lists("_fused_adam_", c.inputs, 5, {"params", "grads", "exp_avgs", "exp_avg_sqs", "steps"}, 4);
+        check_lists(*c.op, c.inputs, 5, {"params", "grads", "exp_avgs", "exp_avg_sqs", "steps"}, 4);
       return {};
     },
     .lowering = lowering::Extern{},
@@ -100,9 +99,9 @@ const OpDef& kFusedSgd = register_op({
     .meta = [](const OpCall& c) -> std::vector<TensorMeta> {
       const IntArrayRef first = c.ints_attr(6);
       if (first.empty()) {
-        check_lists("_fused_sgd_", c.inputs, 2, {"params", "grads"}, -1);
+        check_lists(*c.op, c.inputs, 2, {"params", "grads"}, -1);
       } else {
-        check_lists("_fused_sgd_", c.inputs, 3, {"params", "grads", "momentum_buffers"}, -1);
+        check_lists(*c.op, c.inputs, 3, {"params", "grads", "momentum_buffers"}, -1);
         KILN_CHECK(first.size() * 3 == c.inputs.size(), ValueError,
                    "[kiln::_fused_sgd_] first holds " + std::to_string(first.size()) +
                        " flags but the list has " + std::to_string(c.inputs.size() / 3) +
@@ -117,6 +116,12 @@ const OpDef& kFusedSgd = register_op({
 });
 
 }  // namespace
+
+bool fused_update_dtype(DType t) { return t == kFloat32 || t == kFloat64 || t == kFloat16 || t == kBFloat16; }
+
+bool fused_update_takes(const OpDef& op, const Tensor& param) {
+  return fused_update_dtype(param.dtype()) && param.is_contiguous() && op.has_kernel(param.device().type);
+}
 
 AdamHyper AdamHyper::of(const AttrAccess& a) {
   return {a.double_attr(0), a.double_attr(1), a.double_attr(2), a.double_attr(3),

@@ -123,7 +123,7 @@ class FusedAdam {
   // Adds `param` when it and its grad and state are dense tensors of one floating dtype on a
   // device with a fused kernel, with a float32 step counter there; false leaves it to adam_update.
   bool add(const Tensor& param, const Tensor& grad, const ParamState& state, bool amsgrad) {
-    if (!fused_kernels_take(param)) return false;
+    if (!kiln::detail::fused_update_takes(kiln::detail::fused_adam_op(), param)) return false;
     auto like_param = [&](const Tensor& x) { return fusable_like(x, param); };
     const Tensor& step = state.at("step");
     if (!like_param(grad) || !like_param(state.at("exp_avg")) ||

@@ -401,17 +401,6 @@ bool fusable_like(const Tensor& x, const Tensor& param) {
          x.sizes() == param.sizes();
 }
 
-bool fused_kernels_take(const Tensor& param) {
-  const DType t = param.dtype();
-  if (t != kFloat32 && t != kFloat64 && t != kFloat16 && t != kBFloat16) return false;
-  if (!param.is_contiguous()) return false;
-#ifdef KILN_WITH_CUDA
-  return param.device().is_cpu() || param.device().is_cuda();
-#else
-  return param.device().is_cpu();
-#endif
-}
-
 std::string python_float(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v > 0 ? "inf" : "-inf";

@@ -92,7 +92,8 @@ class FusedSgd {
   // floating dtype on a device with a fused kernel; a missing buffer is created here, marked
   // first (the kernel writes it before reading it). False leaves the parameter to sgd_update.
   bool add(const Tensor& param, const Tensor& grad, ParamState* state) {
-    if (!fused_kernels_take(param) || !fusable_like(grad, param)) return false;
+    if (!kiln::detail::fused_update_takes(kiln::detail::fused_sgd_op(), param) || !fusable_like(grad, param))
+      return false;
     Tensor buf;
     bool first = false;
     if (state) {

@@ -39,9 +39,6 @@ std::vector<Tensor> concatenated(std::initializer_list<const std::vector<Tensor>
 // device and shape.
 bool fusable_like(const Tensor& x, const Tensor& param);
 
-// Whether the fused kernels run `param`: a dense tensor of a floating dtype on a device they have.
-bool fused_kernels_take(const Tensor& param);
-
 // The parameters of one group that take a fused update, in parallel lists (Lists), one per device
 // and dtype: a fused update takes one of each.
 template <class Lists>
